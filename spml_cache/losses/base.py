@@ -1,0 +1,136 @@
+"""The one contract every loss follows (spec/losses.md, "Notation and common rules").
+
+A loss is a small `torch.nn.Module` whose `forward` builds the `[..., B, C]` matrix of per-entry terms and
+reduces it with `mean_over_entries` (sum / (B*C)), so one learning-rate grid serves every loss. Extra
+trainable state (ROLE's `Theta`) is an `nn.Parameter` with an `lr_mult` attribute; per-example state that is
+not trained (pseudo-labels, corrections) is a buffer. State carries a leading head dimension `K` so that the
+trainer can stack heads; `logits` of shape `[B, C]` are one head.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from spml_cache.errors import SpmlError
+
+
+def neg_log_p(x: torch.Tensor) -> torch.Tensor:
+    """nl(p) = -log(sigmoid(x)), stable for any logit."""
+    return -F.logsigmoid(x)
+
+
+def neg_log_1mp(x: torch.Tensor) -> torch.Tensor:
+    """nl(1 - p) = -log(1 - sigmoid(x)) = -log(sigmoid(-x))."""
+    return -F.logsigmoid(-x)
+
+
+def bce(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-entry binary cross-entropy of logits `x` against a (soft) target in [0, 1]."""
+    return target * neg_log_p(x) + (1 - target) * neg_log_1mp(x)
+
+
+def mean_over_entries(terms: torch.Tensor) -> torch.Tensor:
+    """The reference reduction: sum of a `[..., B, C]` term matrix over (B, C), divided by B*C."""
+    return terms.sum(dim=(-2, -1)) / (terms.shape[-2] * terms.shape[-1])
+
+
+class Loss(torch.nn.Module):
+    """Base class: metadata for `spml-cache losses`, hyperparameter resolution, input validation.
+
+    Subclasses set the class attributes and implement `forward(logits, observed, *, labels=None, index=None)`.
+    Hyperparameters become attributes (`self.alpha`), resolved as: class `defaults`, then
+    `dataset_defaults[dataset]`, then the caller's overrides.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    reference: ClassVar[str]
+    defaults: ClassVar[dict[str, float]] = {}
+    dataset_defaults: ClassVar[dict[str, dict[str, float]]] = {}
+    state: ClassVar[str] = ""  # what per-example state the loss keeps; "" when it keeps none
+    oracle: ClassVar[bool] = False  # reads the full labels: an upper bound, not an SPML method
+    needs_train_logits: ClassVar[bool] = False  # start_epoch wants the current logits of every training row
+    reconstructed: ClassVar[bool] = False  # no public code: implemented from the spec's reconstruction
+
+    def __init__(
+        self,
+        *,
+        num_classes: int,
+        num_train: int | None = None,
+        dataset: str | None = None,
+        num_heads: int = 1,
+        train_observed: torch.Tensor | None = None,
+        seed: int = 0,
+        **hparams: float,
+    ) -> None:
+        super().__init__()
+        unknown = sorted(set(hparams) - set(self.defaults))
+        if unknown:
+            valid = ", ".join(sorted(self.defaults)) or "none"
+            raise SpmlError(
+                f"loss '{self.name}' has no hyperparameter {', '.join(unknown)}; valid: {valid}"
+            )
+        if train_observed is not None:
+            train_observed = torch.as_tensor(train_observed).to(torch.int8)
+            if num_train is not None and num_train != train_observed.shape[0]:
+                raise SpmlError(
+                    f"loss '{self.name}': num_train={num_train} but train_observed has {train_observed.shape[0]} rows"
+                )
+            num_train = train_observed.shape[0]
+        if self.state and train_observed is None:
+            raise SpmlError(f"loss '{self.name}' keeps per-example state: build it with train_observed=[N_train, C]")
+        self.num_classes = num_classes
+        self.num_train = num_train
+        self.dataset = dataset
+        self.num_heads = num_heads
+        self.seed = seed
+        self.hparams = {**self.defaults, **self.dataset_defaults.get(dataset or "", {}), **hparams}
+        for key, value in self.hparams.items():
+            setattr(self, key, value)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        observed: torch.Tensor,
+        *,
+        labels: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if logits.shape[-1] != self.num_classes or observed.shape[-1] != self.num_classes:
+            raise SpmlError(
+                f"loss '{self.name}' was built for {self.num_classes} classes; got logits {tuple(logits.shape)}"
+                f" and observed {tuple(observed.shape)}"
+            )
+        if self.oracle and labels is None:
+            raise SpmlError(f"loss '{self.name}' is an oracle: it needs the full labels (labels=...)")
+        if self.state and index is None:
+            raise SpmlError(f"loss '{self.name}' keeps per-example state: pass the batch's training-row ids (index=...)")
+        return super().__call__(logits, observed, labels=labels, index=index)
+
+    def start_epoch(self, epoch: int, num_epochs: int, train_logits: torch.Tensor | None = None) -> None:
+        """Advance schedules and pseudo-labelling; called before the first batch of epoch `epoch` (1-indexed).
+
+        `train_logits` (`[K, N_train, C]`, or `[N_train, C]` for one head) are the current model's logits on every
+        training row, i.e. after epoch `epoch - 1`; the trainer computes them only when `needs_train_logits`.
+        """
+
+    def penalty(self, weight: torch.Tensor) -> torch.Tensor | float:
+        """A regulariser on the linear head's weight (`[K, D, C]` or `[D, C]`, bias excluded); 0 for most losses."""
+        return 0.0
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.hparams.items())
+
+
+_REGISTRY: dict[str, type[Loss]] = {}
+
+
+def register(cls: type[Loss]) -> type[Loss]:
+    """Class decorator: make a loss available to `build` under `cls.name`."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"loss name '{cls.name}' registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
