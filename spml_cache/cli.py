@@ -57,6 +57,24 @@ def _options(
         _debug["on"] = True
 
 
+# --- datasets, make-demo-data (datasets helper) ---
+
+
+# --- extract, import-features (extract helper) ---
+
+
+# --- losses (losses helper) ---
+
+
+# --- linear, demo (linear helper) ---
+
+
+# --- finetune (finetune helper) ---
+
+
+# --- report (report helper) ---
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning user errors into one red line."""
     try:
