@@ -1,1 +1,138 @@
-"""(being written)"""
+"""The assume-negative family: every label that is not an observed positive is treated as a negative.
+
+Seed 002 (Cole et al.) writes these with `1[z != 1]`, so an observed negative (`z = -1`, partial-label setting
+only) is treated exactly like an unobserved label. `entmin` is the exception: its unobserved labels get the
+entropy term and an observed negative keeps the plain `nl(1 - p)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spml_cache.errors import SpmlError
+from spml_cache.losses.base import Loss, bce, entropy, mean_over_entries, neg_log_1mp, neg_log_p, register
+
+
+@register
+class AssumeNegative(Loss):
+    """AN: `nl(p)` on observed positives, `nl(1-p)` on everything else."""
+
+    name = "an"
+    description = "Assume negative: every label that is not the observed positive is a negative."
+    reference = "seed 002 (Cole et al.), Eq. 8; Table 1 row L_AN (seed 003, Eq. 1)"
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        terms = torch.where(observed == 1, neg_log_p(logits), neg_log_1mp(logits))
+        return mean_over_entries(terms)
+
+
+def _smoothed_bce(logits: torch.Tensor, observed: torch.Tensor, positive_target: float, negative_target: float):
+    target = torch.where(observed == 1, logits.new_tensor(positive_target), logits.new_tensor(negative_target))
+    return mean_over_entries(bce(logits, target))
+
+
+@register
+class AssumeNegativeLabelSmoothing(Loss):
+    """AN-LS: AN with targets `1 - ls` (positives) and `ls` (assumed negatives)."""
+
+    name = "an_ls"
+    description = "Assume negative with label smoothing on both sides (targets 1-ls / ls)."
+    reference = "seed 002 (Cole et al.), Eq. 9; Table 1 row L_AN-LS (seed 003, Table 1 row LS)"
+    defaults = {"ls": 0.1}
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        return _smoothed_bce(logits, observed, 1.0 - self.ls, self.ls)
+
+
+@register
+class AssumeNegativeSmoothNegatives(Loss):
+    """AN-LS(0, ls): the positive target stays 1, assumed negatives get target `ls`."""
+
+    name = "an_ls_neg"
+    description = "Assume negative with label smoothing on the assumed negatives only (targets 1 / ls)."
+    reference = "seed 002 (Cole et al.), appendix A, AN-LS(eps_p=0, eps_n) and Table A1 (seed 003, Table 1 row N-LS)"
+    defaults = {"ls": 0.1}
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        return _smoothed_bce(logits, observed, 1.0, self.ls)
+
+
+@register
+class WeakAssumeNegative(Loss):
+    """WAN: assumed negatives weighted by `gamma`, by default `1/(C-1)` (one positive weighs as much as the rest)."""
+
+    name = "wan"
+    description = "Weak assume negative: assumed negatives down-weighted by gamma."
+    reference = "seed 002 (Cole et al.), Sec. 5.1 (L_WAN); Table 1 row L_WAN (seed 003, Table 1 row DW)"
+    defaults = {"gamma": None}
+    derived = {"gamma": "1/(C-1)"}
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.gamma is None:
+            if self.num_classes < 2:
+                raise SpmlError("loss 'wan': gamma=1/(C-1) needs at least 2 classes; pass --hp gamma=VALUE")
+            self.set_hparam("gamma", 1.0 / (self.num_classes - 1))
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        terms = torch.where(observed == 1, neg_log_p(logits), self.gamma * neg_log_1mp(logits))
+        return mean_over_entries(terms)
+
+
+@register
+class AssumeNegativeL1(AssumeNegative):
+    """AN plus `lam * ||W||_1` on the linear head's weight (the trainer adds `penalty`)."""
+
+    name = "l1r"
+    description = "Assume negative plus an L1 penalty lam*||W||_1 on the linear head's weight (not the bias)."
+    reference = "seed 003 (Zhou et al.), Sec. 4.1 'Comparing Methods' and Table 1 row L1R"
+    defaults = {"lam": 1e-4}
+
+    def penalty(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.lam * weight.abs().sum(dim=(-2, -1))
+
+
+@register
+class AssumeNegativeL2(AssumeNegative):
+    """AN plus `lam / 2 * ||W||_2^2` on the linear head's weight (the trainer adds `penalty`)."""
+
+    name = "l2r"
+    description = "Assume negative plus an L2 penalty lam/2*||W||^2 on the linear head's weight (not the bias)."
+    reference = "seed 003 (Zhou et al.), Sec. 4.1 'Comparing Methods' and Table 1 row L2R"
+    defaults = {"lam": 1e-4}
+
+    def penalty(self, weight: torch.Tensor) -> torch.Tensor:
+        return 0.5 * self.lam * weight.square().sum(dim=(-2, -1))
+
+
+@register
+class EntropyMinimization(Loss):
+    """EntMin: `nl(p)` on positives, `+alpha * H(p)` on unobserved labels; collapses to "all positive"."""
+
+    name = "entmin"
+    description = "Entropy minimisation on unobserved labels (the mirror image of em); a baseline that collapses."
+    reference = "seed 003 (Zhou et al.), Sec. 4.1 'Comparing Methods' and Table 1 row EntMin"
+    defaults = {"alpha": 0.1}
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        unobserved_term = self.alpha * entropy(logits)
+        other_term = torch.where(observed == 1, neg_log_p(logits), neg_log_1mp(logits))
+        return mean_over_entries(torch.where(observed == 0, unobserved_term, other_term))
+
+
+@register
+class PairwiseRanking(Loss):
+    """PR: for each observed positive i, entry (n, i) = sum over assumed negatives j of max(0, 1 - p_ni + p_nj)."""
+
+    name = "pr"
+    description = "Pairwise ranking hinge on probabilities: each observed positive above every assumed negative."
+    reference = "seed 002 (Cole et al.), appendix A, L_PR and Table A1"
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        p = torch.sigmoid(logits)
+        positive = observed == 1
+        # hinge[..., n, i, j] = max(0, 1 - p_ni + p_nj); only pairs (observed positive i, assumed negative j) count
+        hinge = torch.relu(1.0 - p.unsqueeze(-1) + p.unsqueeze(-2))
+        pairs = positive.unsqueeze(-1) & ~positive.unsqueeze(-2)
+        terms = (hinge * pairs).sum(dim=-1)
+        return mean_over_entries(terms)

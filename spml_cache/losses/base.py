@@ -9,6 +9,7 @@ trainer can stack heads; `logits` of shape `[B, C]` are one head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -32,9 +33,27 @@ def bce(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return target * neg_log_p(x) + (1 - target) * neg_log_1mp(x)
 
 
+def entropy(x: torch.Tensor) -> torch.Tensor:
+    """H(p) = -p log p - (1 - p) log(1 - p) of p = sigmoid(x), from logits (finite for any logit)."""
+    return bce(x, torch.sigmoid(x))
+
+
 def mean_over_entries(terms: torch.Tensor) -> torch.Tensor:
     """The reference reduction: sum of a `[..., B, C]` term matrix over (B, C), divided by B*C."""
     return terms.sum(dim=(-2, -1)) / (terms.shape[-2] * terms.shape[-1])
+
+
+def rows_for_heads(state: torch.Tensor, index: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The batch's rows of per-head state `[K, N_train, C]`, shaped like `logits` (`[K, B, C]`, or `[B, C]` if K=1)."""
+    num_heads = state.shape[0]
+    if logits.dim() == 2 and num_heads == 1:
+        return state[0, index]
+    if logits.dim() != 3 or logits.shape[0] != num_heads:
+        raise SpmlError(
+            f"this loss keeps state for {num_heads} head(s); got logits {tuple(logits.shape)}:"
+            f" pass [{num_heads}, B, C]" + (" or [B, C]" if num_heads == 1 else "")
+        )
+    return state[:, index]
 
 
 class Loss(torch.nn.Module):
@@ -42,13 +61,16 @@ class Loss(torch.nn.Module):
 
     Subclasses set the class attributes and implement `forward(logits, observed, *, labels=None, index=None)`.
     Hyperparameters become attributes (`self.alpha`), resolved as: class `defaults`, then
-    `dataset_defaults[dataset]`, then the caller's overrides.
+    `dataset_defaults[dataset]`, then the caller's overrides. A default of `None` is derived at build time
+    (from the class count, the dataset, ...); `derived` says how, for `spml-cache losses`, and the subclass
+    fills it in with `set_hparam` so that `hparams` always holds the values in use.
     """
 
     name: ClassVar[str]
     description: ClassVar[str]
     reference: ClassVar[str]
-    defaults: ClassVar[dict[str, float]] = {}
+    defaults: ClassVar[dict[str, float | None]] = {}
+    derived: ClassVar[dict[str, str]] = {}  # how each `None` default is derived, e.g. {"gamma": "1/(C-1)"}
     dataset_defaults: ClassVar[dict[str, dict[str, float]]] = {}
     state: ClassVar[str] = ""  # what per-example state the loss keeps; "" when it keeps none
     oracle: ClassVar[bool] = False  # reads the full labels: an upper bound, not an SPML method
@@ -63,7 +85,7 @@ class Loss(torch.nn.Module):
         dataset: str | None = None,
         num_heads: int = 1,
         train_observed: torch.Tensor | None = None,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         **hparams: float,
     ) -> None:
         super().__init__()
@@ -82,14 +104,22 @@ class Loss(torch.nn.Module):
             num_train = train_observed.shape[0]
         if self.state and train_observed is None:
             raise SpmlError(f"loss '{self.name}' keeps per-example state: build it with train_observed=[N_train, C]")
+        if isinstance(seed, Sequence) and len(seed) != num_heads:
+            raise SpmlError(f"loss '{self.name}': got {len(seed)} seeds for num_heads={num_heads}; give one per head")
         self.num_classes = num_classes
         self.num_train = num_train
         self.dataset = dataset
         self.num_heads = num_heads
-        self.seed = seed
+        self.seed = seed  # one int for every head, or one per head (ROLE's Theta init draws from it)
+        self.train_observed = train_observed  # int8 [N_train, C] as given; stateful losses copy it into buffers
         self.hparams = {**self.defaults, **self.dataset_defaults.get(dataset or "", {}), **hparams}
         for key, value in self.hparams.items():
             setattr(self, key, value)
+
+    def set_hparam(self, key: str, value: float) -> None:
+        """Fill in (or normalise) a resolved hyperparameter, keeping `hparams` and the attribute in step."""
+        self.hparams[key] = value
+        setattr(self, key, value)
 
     def __call__(
         self,
@@ -120,6 +150,11 @@ class Loss(torch.nn.Module):
     def penalty(self, weight: torch.Tensor) -> torch.Tensor | float:
         """A regulariser on the linear head's weight (`[K, D, C]` or `[D, C]`, bias excluded); 0 for most losses."""
         return 0.0
+
+    def head_state_dict(self, head: int) -> dict[str, torch.Tensor]:
+        """The state of head `head` alone: what a `num_heads=1` loss's `state_dict()` holds (every state tensor
+        leads with the head dimension K)."""
+        return {key: value[head : head + 1].clone() for key, value in self.state_dict().items()}
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.hparams.items())

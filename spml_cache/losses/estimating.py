@@ -1,1 +1,118 @@
-"""(being written)"""
+"""Losses that use the expected number of positives per image `k` (seed 002, Cole et al.): EPR and ROLE.
+
+`k` defaults to the dataset's value (the fully labelled training set's mean positive count, seed 002 Table A3);
+for any other dataset pass it as a hyperparameter (`--hp k=`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from spml_cache.errors import SpmlError
+from spml_cache.losses.base import Loss, bce, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
+from spml_cache.protocol import EXPECTED_POSITIVES
+
+THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
+THETA_INIT_NEGATIVE = 0.005  # Q at an observed negative
+THETA_INIT_UNOBSERVED = (0.4, 0.6)  # Q at an unobserved label: Theta uniform between their logits
+
+
+def expected_positive_regularizer(p: torch.Tensor, k: float) -> torch.Tensor:
+    """R_k(P) = ((1/B) sum_n sum_c p_nc - k)^2 / C^2 over the last two dims of `p` ([..., B, C] -> [...])."""
+    num_rows, num_classes = p.shape[-2:]
+    k_hat = p.sum(dim=(-2, -1)) / num_rows
+    return ((k_hat - k) / num_classes) ** 2
+
+
+def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+    """`nl(p)` on observed positives, `nl(1-p)` on observed negatives, 0 on unobserved labels."""
+    zeros = torch.zeros_like(logits)
+    terms = torch.where(observed == 1, neg_log_p(logits), zeros)
+    return torch.where(observed == -1, neg_log_1mp(logits), terms)
+
+
+class _ExpectedPositivesLoss(Loss):
+    """Shared hyperparameter `k`: the dataset's expected positives per image, or the caller's `k`."""
+
+    defaults = {"k": None}
+    derived = {"k": "the dataset's expected positives per image (else pass --hp k=)"}
+    dataset_defaults = {dataset: {"k": k} for dataset, k in EXPECTED_POSITIVES.items()}
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.k is None:
+            raise SpmlError(
+                f"loss '{self.name}' needs k, the expected positives per image, and dataset '{self.dataset}' has no"
+                f" default (known: {', '.join(EXPECTED_POSITIVES)}): pass --hp k=VALUE"
+            )
+        if not 0 < self.k <= self.num_classes:
+            raise SpmlError(f"loss '{self.name}': k={self.k} must lie in (0, {self.num_classes}]: fix --hp k=")
+
+
+@register
+class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
+    """EPR: BCE on the observed labels only, plus R_k on the batch's predictions (added unnormalised)."""
+
+    name = "epr"
+    description = "Observed labels only, plus a penalty pulling the batch's mean predicted positive count to k."
+    reference = "seed 002 (Cole et al.), Sec. 5.3, L_EPR with R_k of Eq. 10; Table 1 row L_EPR"
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        regularizer = expected_positive_regularizer(torch.sigmoid(logits), self.k)
+        return mean_over_entries(observed_label_terms(logits, observed)) + regularizer
+
+
+@register
+class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
+    """ROLE: the classifier f and a learnable label matrix Q = sigmoid(theta) teach each other.
+
+    Per entry `0.5 * (pos_f + pos_q) + 0.5 * (cross_f + cross_q)`; `cross_f` trains f towards stopgrad(q) and
+    `cross_q` trains theta towards stopgrad(p), so no gradient crosses between the two sides. Observed negatives
+    (partial-label setting only) get the mirror `0.5 * (neg_f + neg_q)`. Regulariser `0.5 * (R_k(P) + R_k(Q_B))`.
+
+    `theta` is `[K, N_train, C]`, one label matrix per head, trained by the trainer's Adam at `lr_mult` times the
+    head's learning rate; rows outside the batch get a zero gradient.
+    """
+
+    name = "role"
+    description = "Regularised online label estimation: a learnable label matrix trained jointly with the head."
+    reference = "seed 002 (Cole et al.), Sec. 5.4, Eq. 11 and L_ROLE; Sec. 6.1 init of g; Table 1 row L_ROLE"
+    defaults = {**_ExpectedPositivesLoss.defaults, "lr_mult": 10.0}
+    state = "theta: learnable label logits [K, N_train, C] (Adam at lr_mult x the head's lr)"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.theta = torch.nn.Parameter(self._initial_theta())
+        self.theta.lr_mult = self.lr_mult
+
+    def _initial_theta(self) -> torch.Tensor:
+        """logit(0.995) at observed positives, logit(0.005) at observed negatives, elsewhere uniform in
+        [logit(0.4), logit(0.6)] from a generator seeded with the head's seed: one [N, C] draw per distinct seed,
+        so a head inside a stack starts exactly like the same head alone."""
+        observed = self.train_observed.cpu()
+        low, high = (math.log(q / (1 - q)) for q in THETA_INIT_UNOBSERVED)
+        head_seeds = list(self.seed) if isinstance(self.seed, Sequence) else [self.seed] * self.num_heads
+        draws = {}
+        for seed in head_seeds:
+            if seed not in draws:
+                generator = torch.Generator().manual_seed(int(seed))
+                draws[seed] = low + (high - low) * torch.rand(observed.shape, generator=generator)
+        theta = torch.stack([draws[seed] for seed in head_seeds])
+        theta[:, observed == 1] = math.log(THETA_INIT_POSITIVE / (1 - THETA_INIT_POSITIVE))
+        theta[:, observed == -1] = math.log(THETA_INIT_NEGATIVE / (1 - THETA_INIT_NEGATIVE))
+        return theta
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        theta_batch = rows_for_heads(self.theta, index, logits).to(logits.dtype)
+        p = torch.sigmoid(logits)
+        q = torch.sigmoid(theta_batch)
+        observed_f = observed_label_terms(logits, observed)  # pos_f (+ neg_f)
+        observed_q = observed_label_terms(theta_batch, observed)  # pos_q (+ neg_q)
+        cross_f = bce(logits, q.detach())
+        cross_q = bce(theta_batch, p.detach())
+        terms = 0.5 * (observed_f + observed_q) + 0.5 * (cross_f + cross_q)
+        regularizer = 0.5 * (expected_positive_regularizer(p, self.k) + expected_positive_regularizer(q, self.k))
+        return mean_over_entries(terms) + regularizer

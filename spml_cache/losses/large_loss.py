@@ -1,1 +1,127 @@
-"""(being written)"""
+"""Large-loss modification of `an` (Kim et al., CVPR 2022; spec/losses.md, "Large-loss modification").
+
+Early in training the largest losses among assumed negatives are mostly false negatives, so from epoch 2 each
+batch picks the `m` largest unobserved-entry losses and rejects them (`ll_r`), corrects them for this step
+(`ll_ct`), or corrects them for good (`ll_cp`). Selection is per head, on detached loss values, and includes
+every entry tied with the m-th largest, so a tie can select more than `m` entries. Observed negatives
+(`z = -1`) are never candidates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spml_cache.losses.base import Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
+
+
+def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unobserved entries whose loss is at least the m-th largest of their head, and that threshold.
+
+    `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it. Returns the mask `[..., B, C]` and
+    the threshold `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold is -inf and all
+    of them are selected.
+    """
+    candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
+    m = min(m, candidates.shape[-1])
+    threshold = candidates.topk(m, dim=-1).values[..., -1:].unsqueeze(-1)
+    return unobserved & (losses >= threshold), threshold
+
+
+class _LargeLoss(Loss):
+    """`an` with stable logits, and a per-batch selection of large unobserved losses from epoch 2 on."""
+
+    reference = "Kim et al., CVPR 2022 (Large Loss Matters); compared in seed 001 (Chen et al.), Table 2"
+    defaults = {"delta": 0.002}
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.epoch = 0  # before the first start_epoch: nothing is rejected
+
+    def start_epoch(self, epoch, num_epochs, train_logits=None):
+        self.epoch = epoch
+
+    def rejection_count(self, num_entries: int) -> int:
+        """m for a batch of `num_entries = B*C` entries: ceil(B*C*(t-1)*delta), 0 at epoch 1."""
+        if self.epoch < 2:
+            return 0
+        # round first: B*C*(t-1)*delta is an integer more often than floating point says (100 * 0.07)
+        return math.ceil(round(num_entries * (self.epoch - 1) * self.delta, 6))
+
+    def targets(self, logits, observed, index):
+        """(positive, unobserved) masks of this batch."""
+        return observed == 1, observed == 0
+
+    def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
+        raise NotImplementedError
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        positive, unobserved = self.targets(logits, observed, index)
+        nl_p, nl_1mp = neg_log_p(logits), neg_log_1mp(logits)
+        terms = torch.where(positive, nl_p, nl_1mp)
+        m = self.rejection_count(logits.shape[-2] * logits.shape[-1])
+        if m > 0:
+            large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, m)
+            terms = self.modify(terms, large, threshold, nl_p, nl_1mp, index)
+        return mean_over_entries(terms)
+
+
+@register
+class LargeLossReject(_LargeLoss):
+    """LL-R: the selected large losses become 0; they still count in the B*C denominator."""
+
+    name = "ll_r"
+    description = "large-loss rejection: the ceil(B*C*(t-1)*delta) largest unobserved losses are set to 0"
+
+    def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
+        return torch.where(large, torch.zeros_like(terms), terms)
+
+
+@register
+class LargeLossCorrectTemporary(_LargeLoss):
+    """LL-Ct: the selected entries take the positive-target term nl(p) for this step only."""
+
+    name = "ll_ct"
+    description = "large-loss temporary correction: the largest unobserved losses use nl(p) for this step"
+
+    def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
+        return torch.where(large, nl_p, terms)
+
+
+@register
+class LargeLossCorrectPermanent(_LargeLoss):
+    """LL-Cp: `m = ceil(B*C*delta)` from epoch 2; corrected as LL-Ct, and the entries strictly above the
+    threshold become observed positives of their training row for the rest of training (per head).
+
+    This is the paper's intent; the authors' public code never reaches this branch and behaves as LL-Ct.
+    The stored labels (buffer `corrected_observed`, `[K, N_train, C]`) supersede the `observed` argument.
+    """
+
+    name = "ll_cp"
+    description = "large-loss permanent correction: the ceil(B*C*delta) largest unobserved losses become positives"
+    state = "corrected_observed [K, N_train, C]: observed labels plus permanent corrections"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("corrected_observed", self.train_observed.unsqueeze(0).repeat(self.num_heads, 1, 1))
+
+    def rejection_count(self, num_entries: int) -> int:
+        if self.epoch < 2:
+            return 0
+        return math.ceil(round(num_entries * self.delta, 6))
+
+    def targets(self, logits, observed, index):
+        rows = rows_for_heads(self.corrected_observed, index, logits)
+        return rows == 1, rows == 0
+
+    def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
+        permanent = large & (nl_1mp.detach() > threshold)
+        with torch.no_grad():
+            rows = rows_for_heads(self.corrected_observed, index, nl_1mp)
+            rows = torch.where(permanent, torch.ones_like(rows), rows)
+            if nl_1mp.dim() == 2:
+                self.corrected_observed[0, index] = rows
+            else:
+                self.corrected_observed[:, index] = rows
+        return torch.where(large, nl_p, terms)

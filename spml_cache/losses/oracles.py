@@ -1,1 +1,58 @@
-"""(being written)"""
+"""Oracle losses: they read more labels than SPML allows, so they are upper bounds (seed 002, Table 1 top rows).
+
+`labels` are the full ground truth `y` in {0, 1}; `observed` is `z` (1 / 0 / -1). The base class refuses to run
+an oracle without `labels`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spml_cache.losses.base import Loss, bce, mean_over_entries, neg_log_1mp, neg_log_p, register
+
+
+@register
+class FullBCE(Loss):
+    """BCE on every label: `nl(p)` where y=1, `nl(1-p)` where y=0."""
+
+    name = "bce"
+    description = "Binary cross-entropy on the full labels (all positives and all negatives); an upper bound."
+    reference = "seed 002 (Cole et al.), Eq. 5; Table 1 row L_BCE"
+    oracle = True
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        return mean_over_entries(bce(logits, labels.to(logits.dtype)))
+
+
+@register
+class FullBCELabelSmoothing(Loss):
+    """BCE on every label with smoothed targets `1 - ls` (y=1) and `ls` (y=0), the reference code's convention."""
+
+    name = "bce_ls"
+    description = "BCE on the full labels with label smoothing (targets 1-ls / ls); an upper bound."
+    reference = "seed 002 (Cole et al.), Eq. 5 with the smoothing of Eq. 9; Table 1 row L_BCE-LS"
+    defaults = {"ls": 0.1}
+    oracle = True
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        target = torch.where(labels == 1, logits.new_tensor(1.0 - self.ls), logits.new_tensor(self.ls))
+        return mean_over_entries(bce(logits, target))
+
+
+@register
+class IgnoreUnobservedNegatives(Loss):
+    """IUN: the observed positive plus every *true* negative.
+
+    The reference code compares `y == -1` against 0/1 labels, so its IUN never sees a negative; this is the
+    loss the paper states (Eq. 7).
+    """
+
+    name = "iun"
+    description = "The observed positive(s) plus all true negatives (1 pos. & all neg.); an upper bound."
+    reference = "seed 002 (Cole et al.), Eq. 7; Table 1 row L_IUN"
+    oracle = True
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        positive_term = neg_log_p(logits)
+        negative_term = torch.where(labels == 0, neg_log_1mp(logits), torch.zeros_like(logits))
+        return mean_over_entries(torch.where(observed == 1, positive_term, negative_term))

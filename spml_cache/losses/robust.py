@@ -1,1 +1,114 @@
-"""(being written)"""
+"""Robust losses on assumed negatives: focal, ASL, Hill, SPLC (spec/losses.md, "Robust-loss family").
+
+Each is a weighted form of `an`: a focusing weight that shrinks the term of an entry the model already gets
+right (focal, ASL), a margin on positives (Hill, SPLC), a bounded hill-shaped negative term (Hill), or online
+correction of confident assumed negatives (SPLC). The focusing weights are *not* detached, as in the authors'
+plain classes, so they take part in the gradient. Observed negatives (`z = -1`, partial-label setting only)
+get the same negative term as assumed negatives; SPLC never flips them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spml_cache.losses.base import Loss, mean_over_entries, neg_log_1mp, neg_log_p, register
+
+
+def focal_positive(x: torch.Tensor, g: float) -> torch.Tensor:
+    """(1 - p)^g nl(p), the weight written as exp(g log(1 - p)) so that it stays finite for any logit."""
+    return torch.exp(g * F.logsigmoid(-x)) * neg_log_p(x)
+
+
+def focal_negative(x: torch.Tensor, g: float) -> torch.Tensor:
+    """p^g nl(1 - p)."""
+    return torch.exp(g * F.logsigmoid(x)) * neg_log_1mp(x)
+
+
+@register
+class Focal(Loss):
+    """Focal loss (Lin et al. 2017) under the assume-negative reading: `(1-p)^g nl(p)` on observed
+    positives, `p^g nl(1-p)` elsewhere; `g = 0` is `an`."""
+
+    name = "focal"
+    description = "focal loss on AN targets: (1-p)^g nl(p) on positives, p^g nl(1-p) on the rest"
+    reference = "Lin et al., ICCV 2017; baseline of seed 003 (Zhou et al.), Sec. 4.1 and Table 1; seed 001 Table 2"
+    defaults = {"g": 2.0}
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        terms = torch.where(observed == 1, focal_positive(logits, self.g), focal_negative(logits, self.g))
+        return mean_over_entries(terms)
+
+
+@register
+class AsymmetricLoss(Loss):
+    """ASL (Ridnik et al. 2021): `(1-p)^gp nl(p)` on observed positives; on the rest the shifted probability
+    `pm = max(p - clip, 0)` gives `pm^gn nl(1 - pm)`, so easy negatives (`p <= clip`) cost nothing."""
+
+    name = "asl"
+    description = "asymmetric loss: focusing gp on positives, gn and probability shift clip on negatives"
+    reference = "Ridnik et al., ICCV 2021; baseline of seed 003 (Zhou et al.), Sec. 4.1 and Table 1"
+    defaults = {"gp": 0.0, "gn": 4.0, "clip": 0.05}
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        positive = focal_positive(logits, self.gp)
+        if self.clip > 0:
+            # 1 - pm = min(1 - p + clip, 1) >= clip: its log needs no logsigmoid
+            shifted = (torch.sigmoid(logits) - self.clip).clamp(min=0)
+            nl_1m_shifted = -torch.log((torch.sigmoid(-logits) + self.clip).clamp(max=1))
+            # pm^gn with 0^gn taken as the limit (0, or 1 when gn = 0), never differentiating pow at 0
+            nonzero = shifted > 0
+            weight = torch.where(nonzero, torch.where(nonzero, shifted, 1.0).pow(self.gn), 0.0**self.gn)
+            negative = weight * nl_1m_shifted
+        else:
+            negative = focal_negative(logits, self.gn)
+        return mean_over_entries(torch.where(observed == 1, positive, negative))
+
+
+@register
+class Hill(Loss):
+    """Hill loss (Zhang et al. 2021): focal margin `(1-pm)^g nl(pm)`, `pm = sigmoid(x - m)`, on observed
+    positives; `(lam - p) p^2` on the rest, a bounded term whose gradient vanishes at p = 0 and p = 1, so a
+    confident false negative is not pushed down."""
+
+    name = "hill"
+    description = "Hill loss: focal margin on positives, (lam - p) p^2 on assumed negatives"
+    reference = "Zhang et al. 2021, as restated in seed 001 (Chen et al.), appendix B eq. 24, C.3; Table 2"
+    defaults = {"lam": 1.5, "m": 1.0, "g": 2.0}
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        p = torch.sigmoid(logits)
+        positive = focal_positive(logits - self.m, self.g)
+        negative = (self.lam - p) * p.square()
+        return mean_over_entries(torch.where(observed == 1, positive, negative))
+
+
+@register
+class SPLC(Loss):
+    """Focal margin + Self-Paced Loss Correction (Zhang et al. 2021).
+
+    Observed positives: focal margin as `hill`. Unobserved entries: the focal negative `p^g nl(1-p)`; from
+    epoch `switch_epoch` on, every batch re-decides which unobserved entries have `p > tau` and gives those
+    the focal positive term `(1-p)^g nl(p)` (no margin) instead. Nothing is remembered between batches.
+    """
+
+    name = "splc"
+    description = "focal margin + self-paced correction: unobserved entries with p > tau count as positives from epoch 2"
+    reference = "Zhang et al. 2021, as restated in seed 001 (Chen et al.), appendix B (SPLC, focal margin); Table 2"
+    defaults = {"tau": 0.6, "m": 1.0, "g": 2.0}
+    switch_epoch = 2
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.epoch = 0  # before the first start_epoch: no correction
+
+    def start_epoch(self, epoch, num_epochs, train_logits=None):
+        self.epoch = epoch
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        negative = focal_negative(logits, self.g)
+        if self.epoch >= self.switch_epoch:
+            pseudo_positive = (observed == 0) & (torch.sigmoid(logits.detach()) > self.tau)
+            negative = torch.where(pseudo_positive, focal_positive(logits, self.g), negative)
+        positive = focal_positive(logits - self.m, self.g)
+        return mean_over_entries(torch.where(observed == 1, positive, negative))
