@@ -1,0 +1,419 @@
+"""Stage one: run the frozen ResNet-50 trunk over a dataset once and write the HDF5 feature cache.
+
+`extract` reads the dataset, applies the protocol to the *full* dataset, fills `<out>.partial` batch by batch
+and renames it to `<out>` when every row is done; re-running resumes from the partial file, and a complete
+cache with the same settings is left alone unless `force`.
+
+On a GPU, loader workers only read file bytes; the main process decodes each batch with nvjpeg, resizes and
+normalises on the GPU and runs the trunk under fp16/bf16 autocast in channels_last; features come back
+through pinned memory one batch behind, so the copy and the HDF5 write overlap the next batch. On the CPU,
+workers decode and resize (the model is the bottleneck there).
+
+A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"`), or (`"skip"`) is flagged
+in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
+attr: no row ever carries features of an image that was not decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchvision
+
+import spml_cache
+from spml_cache import cache, datasets, protocol
+from spml_cache.backbone import (
+    FEATURE_DIM,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageDecodeError,
+    build_trunk,
+    decode_jpegs,
+    normalise,
+    resize,
+    weights_provenance,
+)
+from spml_cache.devices import resolve_device
+from spml_cache.errors import SpmlError
+from spml_cache.progress import progress_bar
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BAD_IMAGE_POLICIES = ("fail", "skip")
+# The attrs that decide what the features are; a cache differing in one of them is another cache.
+SETTINGS = (
+    "dataset", "classes", "backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim",
+    "precision", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
+)  # fmt: skip
+
+
+@dataclass
+class ExtractReport:
+    path: Path
+    status: str  # "written", "up to date" or "dry run"
+    counts: dict[str, int]  # rows per split of the cache (planned, for a dry run)
+    extracted: int = 0  # rows computed by this run
+    resumed: int = 0  # rows found already done in the partial file
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # undecodable images dropped, per split
+    missing: list[str] = field(default_factory=list)  # image files missing on disk (reader's skip_missing)
+    seconds: float = 0.0
+    device: str = ""
+    size_bytes: int = 0  # the cache file's size (estimated for a dry run)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.extracted / self.seconds if self.seconds > 0 else 0.0
+
+
+# --- planning: what the cache will hold ----------------------------------------------------------------
+
+
+def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
+    """The protocol's splits as cache rows, cut to the first `limit` rows of each split (0: all)."""
+    rows = {}
+    for name in cache.SPLITS:
+        split = getattr(protocol_splits, name)
+        keep = slice(None) if limit == 0 else slice(0, limit)
+        observed = None if split.observed is None else np.asarray(split.observed, dtype=np.int8)[keep]
+        rows[name] = cache.SplitRows(list(split.ids)[keep], np.asarray(split.labels, dtype=np.uint8)[keep], observed)
+    return rows
+
+
+def settings_attrs(images, protocol_attrs: dict, weights: str, resolution: int, precision: str, limit: int) -> dict:
+    return {
+        "dataset": images.dataset,
+        "classes": json.dumps(list(images.classes)),
+        "num_classes": len(images.classes),
+        "backbone": "resnet50",
+        "weights": weights,
+        "resolution": resolution,
+        "resize": f"{resolution}x{resolution}, bilinear, antialiased, no crop",
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+        "feature_dim": FEATURE_DIM,
+        "precision": precision,
+        "limit": limit,
+        **{key: protocol_attrs[key] for key in ("split_seed", "val_frac", "observe_seed", "num_pos", "num_neg")},
+        "expected_positives": float(protocol_attrs["expected_positives"]),
+        "skipped_missing": json.dumps(list(images.skipped)),
+        "source": "extract",
+    }
+
+
+def run_attrs(device: torch.device) -> dict:
+    """Provenance of the process that finished the cache."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "package_version": spml_cache.__version__,
+        "torch_version": torch.__version__,
+        "torchvision_version": torchvision.__version__,
+        "device": f"{device} ({name})" if device.type == "cuda" else "cpu",
+    }
+
+
+def _same(a, b) -> bool:
+    return json.dumps(cache.plain(a), sort_keys=True) == json.dumps(cache.plain(b), sort_keys=True)
+
+
+def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.SplitRows], was: str, fix: str) -> None:
+    difference = settings_difference(path, settings, rows)
+    if difference is not None:
+        raise SpmlError(
+            f"{path} {was} with other settings ({difference}): pass --force to {fix}, or pick another --out"
+        )
+
+
+def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitRows]) -> str | None:
+    """What differs between the cache (or partial file) at `path` and this run, or None."""
+    attrs, found = cache.read_header(path)
+    for key in SETTINGS:
+        if not _same(attrs.get(key), settings[key]):
+            return f"{key}: {attrs.get(key)!r} in the file, {settings[key]!r} now"
+    dropped = json.loads(attrs.get("skipped_images") or "{}")
+    for name in cache.SPLITS:
+        gone = set(dropped.get(name, []))
+        keep = [i for i, image_id in enumerate(rows[name].ids) if image_id not in gone]
+        planned = rows[name]
+        if found[name].ids != [planned.ids[i] for i in keep]:
+            return f"the {name} images differ ({len(found[name])} rows in the file, {len(keep)} now)"
+        if not np.array_equal(found[name].labels, planned.labels[keep]):
+            return f"the {name} labels differ"
+        if planned.observed is not None and not np.array_equal(found[name].observed, planned.observed[keep]):
+            return f"the {name} observed labels differ"
+    return None
+
+
+def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int) -> int:
+    """Bytes of the arrays (features dominate; ids counted at their UTF-8 length plus a pointer)."""
+    total = 0
+    for name, split in rows.items():
+        per_row = FEATURE_DIM * 4 + num_classes * (2 if split.observed is not None else 1) + 2
+        total += len(split) * per_row + sum(len(i.encode()) + 16 for i in split.ids)
+    return total
+
+
+# --- the pipeline ----------------------------------------------------------------------------------------
+
+
+def decode_batch(blobs, bad: np.ndarray, device, resolution: int, skip_bad: bool):
+    """(resized uint8 batch of the good images or None, error) for one batch; flags undecodable ones in `bad`.
+
+    `error` is (position in the batch, reason) for the first bad image when not `skip_bad`, else None.
+    """
+    good = [j for j in range(len(blobs)) if not bad[j]]
+    try:
+        decoded = decode_jpegs([blobs[j] for j in good], device, skip_bad=skip_bad)
+    except ImageDecodeError as err:
+        return None, (good[err.index], f"cannot be decoded ({err.reason})")
+    images = []
+    for j, image in zip(good, decoded):
+        if image is None:
+            bad[j] = True
+        else:
+            images.append(image)
+    return (resize(images, resolution, device) if images else None), None
+
+
+class ImageBatches(torch.utils.data.Dataset):
+    """Item i is batch i: (split, rows, payload, bad, error); runs in the loader's worker processes.
+
+    The payload is the raw file bytes when the batch is decoded on the GPU (plain `bytes` travel through
+    the worker pipe; one shared-memory tensor per image would exhaust file descriptors), else the decoded
+    and resized uint8 batch of the good images (decoding on the CPU is then spread over the workers, and
+    uint8 keeps the shared memory a quarter of float32's).
+    """
+
+    def __init__(self, batches, paths: dict[str, list[Path]], resolution: int, decode_here: bool, skip_bad: bool):
+        self.batches, self.paths, self.resolution = batches, paths, resolution
+        self.decode_here, self.skip_bad = decode_here, skip_bad
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int):
+        split, rows = self.batches[index]
+        bad = np.zeros(len(rows), dtype=bool)
+        blobs = []
+        for j, row in enumerate(rows):
+            try:
+                blobs.append(self.paths[split][row].read_bytes())
+            except OSError as err:
+                if not self.skip_bad:
+                    return split, rows, None, bad, (j, f"cannot be read ({err.strerror or err})")
+                bad[j] = True
+                blobs.append(None)
+        if not self.decode_here:
+            return split, rows, blobs, bad, None
+        batch, error = decode_batch(blobs, bad, "cpu", self.resolution, self.skip_bad)
+        return split, rows, batch, bad, error
+
+
+def _as_is(item):
+    return item
+
+
+class RowWriter:
+    """Writes feature rows into the partial cache; on a GPU one batch behind, through pinned memory."""
+
+    def __init__(self, partial: cache.PartialCache) -> None:
+        self.partial, self.pending = partial, None
+
+    def put(self, split: str, rows: np.ndarray, features: torch.Tensor, bad: np.ndarray) -> int:
+        """Queue one batch; returns how many rows reached the file now."""
+        if features.device.type != "cuda":
+            self.partial.write_rows(split, rows, features.numpy(), bad)
+            return len(rows)
+        host = torch.empty(features.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(features, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(features.device))  # the features' GPU, which may not be cuda:0
+        written = self.flush()
+        self.pending = (split, rows, host, bad, event)
+        return written
+
+    def flush(self) -> int:
+        if self.pending is None:
+            return 0
+        split, rows, host, bad, event = self.pending
+        self.pending = None
+        event.synchronize()
+        self.partial.write_rows(split, rows, host.numpy(), bad)
+        return len(rows)
+
+
+def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype) -> torch.Tensor:
+    """float32 [len(bad), 2048]: the trunk's pooled features of the good rows (from their resized uint8
+    images), zeros for the bad ones."""
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    with torch.inference_mode():
+        features = torch.zeros((len(bad), FEATURE_DIM), dtype=torch.float32, device=device)
+        if batch is not None:
+            with autocast:
+                pooled = trunk(normalise(batch.to(device, non_blocking=True), dtype)).float()
+            if not bad.any():
+                return pooled
+            # Only with bad rows: an index copy to the GPU every batch would stall the pipeline.
+            features[torch.from_numpy(np.flatnonzero(~bad)).to(device)] = pooled
+    return features
+
+
+def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, device, precision, skip_bad, label):
+    """Extract every pending row of the partial cache; returns the number of rows computed."""
+    batches = []
+    for name in cache.SPLITS:
+        pending = partial.pending(name)
+        batches += [(name, pending[i : i + batch_size]) for i in range(0, len(pending), batch_size)]
+    total = sum(len(rows) for _, rows in batches)
+    on_gpu = device.type == "cuda"
+    loader = torch.utils.data.DataLoader(
+        ImageBatches(batches, paths, resolution, decode_here=not on_gpu, skip_bad=skip_bad),
+        batch_size=None,
+        num_workers=workers,
+        collate_fn=_as_is,
+        prefetch_factor=(4 if on_gpu else 2) if workers else None,  # bytes are light, decoded batches not
+    )
+    dtype = PRECISIONS[precision]
+    writer = RowWriter(partial)
+    with progress_bar(label, total=total, unit="img") as bar:
+        advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
+        try:
+            for split, rows, payload, bad, error in loader:
+                if on_gpu and error is None:
+                    payload, error = decode_batch(payload, bad, device, resolution, skip_bad)
+                if error is not None:
+                    position, reason = error
+                    raise SpmlError(
+                        f"image {paths[split][rows[position]]} {reason}: replace it, or pass --on-bad-image skip"
+                        f" to leave it out (progress is kept in {cache.partial_path(partial.final)})"
+                    )
+                advance(writer.put(split, rows, pooled_rows(trunk, payload, bad, device, dtype), bad))
+        finally:
+            advance(writer.flush())
+    return total
+
+
+# --- the command -----------------------------------------------------------------------------------------
+
+
+def _check_options(resolution, batch_size, workers, precision, limit, on_bad_image) -> None:
+    if not 32 <= resolution <= 2048:
+        raise SpmlError(f"--resolution {resolution}: use a side between 32 and 2048 pixels (the papers use 448)")
+    if batch_size < 1:
+        raise SpmlError(f"--batch-size {batch_size}: use at least 1")
+    if workers is not None and workers < 0:
+        raise SpmlError(f"--workers {workers}: use 0 (load in the main process) or more")
+    if precision not in ("auto", *PRECISIONS):
+        raise SpmlError(f"--precision {precision}: use auto, fp32, fp16 or bf16")
+    if limit is not None and limit < 1:
+        raise SpmlError(f"--limit {limit}: use at least 1 image per split (or leave it out for all)")
+    if on_bad_image not in BAD_IMAGE_POLICIES:
+        raise SpmlError(f"--on-bad-image {on_bad_image}: use fail or skip")
+
+
+def _output_path(out: Path | None, dataset: str, resolution: int) -> Path:
+    path = cache.default_path(dataset, resolution) if out is None else Path(out).expanduser()
+    if path.is_dir():
+        path = cache.default_path(dataset, resolution, folder=path)
+    return path
+
+
+def _require_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        problem = err.strerror or err
+        raise SpmlError(f"cannot create the output folder {folder} ({problem}); pick another --out") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SpmlError(f"the output folder {folder} is not writable; pick another --out")
+
+
+def default_workers(device: torch.device) -> int:
+    """GPU: enough readers to keep nvjpeg fed. CPU: the trunk needs the cores more than decoding does."""
+    cores = os.cpu_count() or 1
+    return min(8, cores) if device.type == "cuda" else min(4, cores // 4)
+
+
+def extract(
+    dataset: str,
+    root: Path,
+    *,
+    out: Path | None = None,
+    weights: str = "IMAGENET1K_V1",
+    resolution: int = 448,
+    batch_size: int = 64,
+    workers: int | None = None,
+    device: str = "auto",
+    precision: str = "auto",
+    limit: int | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    on_bad_image: str = "fail",
+    skip_missing: bool = False,
+) -> ExtractReport:
+    """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring."""
+    _check_options(resolution, batch_size, workers, precision, limit, on_bad_image)
+    limit = limit or 0
+    torch_device = resolve_device(device)
+    if precision == "auto":
+        precision = "fp16" if torch_device.type == "cuda" else "fp32"
+    # A dry run lists missing files instead of stopping on them.
+    images = datasets.read(dataset, root, skip_missing=skip_missing or dry_run)
+    protocol_result = protocol.apply_protocol(images)
+    rows = plan_rows(protocol_result, limit)
+    settings = settings_attrs(images, protocol_result.attrs, weights_provenance(weights), resolution, precision, limit)
+    path = _output_path(out, images.dataset, resolution)
+    partial_file = cache.partial_path(path)
+    counts = {name: len(split) for name, split in rows.items()}
+    report = ExtractReport(path, "dry run", counts, missing=list(images.skipped), device=str(torch_device))
+    report.notes = list(images.notes)
+    report.size_bytes = estimated_size(rows, len(images.classes))
+
+    if path.exists() and not force:
+        refuse_other_settings(path, settings, rows, "was built", "rebuild it")
+        report.status, report.size_bytes = "up to date", path.stat().st_size
+        report.notes.append("the cache is complete with these settings; --force rebuilds it")
+        return report
+    resume = partial_file.exists() and not force
+    if resume:
+        refuse_other_settings(partial_file, settings, rows, "was started", "start over")
+    if dry_run:
+        if images.skipped and not skip_missing:
+            report.notes.append(f"{len(images.skipped)} image files are missing: a real run needs --skip-missing")
+        report.notes.append(f"would {'resume' if resume else 'write'} {partial_file} and rename it to {path.name}")
+        return report
+
+    trunk, _ = build_trunk(weights)  # before creating anything: weights are the likeliest thing to be missing
+    _require_writable(path.parent)
+    trunk = trunk.eval().requires_grad_(False).to(torch_device, memory_format=torch.channels_last)
+    if torch_device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # one input shape for the whole run
+    if resume:
+        partial = cache.PartialCache.open(path)
+    else:
+        partial_file.unlink(missing_ok=True)
+        partial = cache.PartialCache.create(path, settings, rows, FEATURE_DIM)
+    try:
+        report.resumed = partial.num_done()
+        paths = {name: [images.path(image_id) for image_id in rows[name].ids] for name in cache.SPLITS}
+        computing = time.perf_counter()
+        report.extracted = run_batches(
+            partial, paths, trunk, resolution=resolution, batch_size=batch_size, device=torch_device,
+            workers=default_workers(torch_device) if workers is None else workers, precision=precision,
+            skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}",
+        )  # fmt: skip
+        report.seconds = time.perf_counter() - computing
+        final, report.skipped = partial.finalise(run_attrs(torch_device))
+    finally:
+        partial.close()
+    report.status, report.size_bytes = "written", final.stat().st_size
+    report.counts = {name: counts[name] - len(report.skipped[name]) for name in cache.SPLITS}
+    return report

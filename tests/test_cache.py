@@ -1,0 +1,166 @@
+"""The HDF5 schema of spec/design.md: what `write` puts on disk, what `load` accepts and what it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from spml_cache import cache
+from spml_cache.errors import SpmlError
+
+CLASSES = ["cat", "dog", "bird"]
+
+
+def splits(rows=(5, 2, 3), dim=6):
+    rng = np.random.default_rng(0)
+    result = {}
+    for name, count in zip(("train", "val", "test"), rows):
+        labels = (rng.random((count, len(CLASSES))) < 0.5).astype(np.uint8)
+        split = {
+            "features": rng.standard_normal((count, dim)).astype(np.float32),
+            "labels": labels,
+            "ids": [f"{name}/ü{i}.jpg" for i in range(count)],  # non-ASCII ids survive
+        }
+        if name != "test":
+            split["observed"] = np.where(labels == 1, 1, 0).astype(np.int8)
+        result[name] = split
+    return result
+
+
+def attrs(**overrides):
+    return {"dataset": "voc", "classes": json.dumps(CLASSES), "num_classes": 3, "backbone": "resnet50",
+            "weights": "none", "resolution": 32, "mean": [0.485, 0.456, 0.406], "val_frac": 0.2,
+            **overrides}  # fmt: skip
+
+
+def test_write_puts_the_schema_on_disk_and_load_reads_it_back(tmp_path):
+    data = splits()
+    path = cache.write(tmp_path / "voc.h5", attrs=attrs(), **data)
+    assert path == tmp_path / "voc.h5" and sorted(p.name for p in tmp_path.iterdir()) == ["voc.h5"]
+    with h5py.File(path, "r") as file:
+        assert file.attrs["schema_version"] == 1 and bool(file.attrs["complete"]) is True
+        for name in ("train", "val", "test"):
+            group = file[name]
+            expected = {"features", "labels", "ids", "done"} | ({"observed"} if name != "test" else set())
+            assert set(group) == expected
+            assert group["features"].dtype == np.float32 and group["labels"].dtype == np.uint8
+            assert group["done"].dtype == bool and group["done"][...].all()
+            assert h5py.check_string_dtype(group["ids"].dtype) is not None
+            if name != "test":
+                assert group["observed"].dtype == np.int8
+    loaded = cache.load(path)
+    assert loaded.classes == CLASSES and loaded.dataset == "voc" and loaded.path == path
+    assert loaded.attrs["mean"] == [0.485, 0.456, 0.406] and loaded.attrs["resolution"] == 32
+    for name in ("train", "val", "test"):
+        split, given = getattr(loaded, name), data[name]
+        np.testing.assert_array_equal(split.features, given["features"])
+        np.testing.assert_array_equal(split.labels, given["labels"])
+        assert split.ids == given["ids"]
+        if name == "test":
+            assert split.observed is None
+        else:
+            np.testing.assert_array_equal(split.observed, given["observed"])
+
+
+def test_default_path_and_cache_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPML_CACHE", str(tmp_path / "c"))
+    assert cache.default_path("coco", 224) == tmp_path / "c" / "coco-resnet50-224.h5"
+    assert cache.default_path("voc", folder=tmp_path) == tmp_path / "voc-resnet50-448.h5"
+    monkeypatch.delenv("SPML_CACHE")
+    assert str(cache.default_path("cub")) == "cache/cub-resnet50-448.h5"
+    first = cache.cache_id(attrs(created="2024-01-01T00:00:00"))
+    assert first == cache.cache_id(attrs(created="2024-01-01T00:00:00"))
+    assert first != cache.cache_id(attrs(created="2024-01-02T00:00:00"))
+
+
+def corrupt(path, how):
+    with h5py.File(path, "r+") as file:
+        if how == "incomplete":
+            file.attrs["complete"] = False
+        elif how == "schema":
+            file.attrs["schema_version"] = 2
+        elif how == "lengths":
+            ids = file["val"]["ids"][...][:-1]
+            del file["val"]["ids"]
+            file["val"].create_dataset("ids", data=ids)
+        elif how == "not done":
+            file["test"]["done"][0] = False
+        elif how == "no observed":
+            del file["train"]["observed"]
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [("incomplete", "incomplete"), ("schema", "schema_version 2"), ("lengths", "disagree in length"),
+     ("not done", "never written"), ("no observed", "/train/observed is missing")],
+)  # fmt: skip
+def test_load_refuses_a_damaged_cache_naming_file_and_problem(tmp_path, how, message):
+    path = cache.write(tmp_path / "voc.h5", attrs=attrs(), **splits())
+    corrupt(path, how)
+    with pytest.raises(SpmlError, match=message) as error:
+        cache.load(path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_load_refuses_missing_partial_and_foreign_files(tmp_path):
+    with pytest.raises(SpmlError, match="no cache at .*extract"):
+        cache.load(tmp_path / "none.h5")
+    cache.partial_path(tmp_path / "half.h5").write_bytes(b"")
+    with pytest.raises(SpmlError, match="half.h5.partial holds an interrupted extraction"):
+        cache.load(tmp_path / "half.h5")
+    (tmp_path / "text.h5").write_text("not hdf5")
+    with pytest.raises(SpmlError, match="not a readable HDF5"):
+        cache.load(tmp_path / "text.h5")
+
+
+def test_write_to_an_unwritable_place_is_a_clear_error_and_leaves_nothing(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SpmlError, match="cannot write"):
+        cache.write(tmp_path / "file" / "voc.h5", attrs=attrs(), **splits())
+    bad = splits()
+    bad["val"]["features"] = bad["val"]["features"][:1]  # one row short
+    with pytest.raises(SpmlError, match="val: 1 feature rows for 2 ids"):
+        cache.write(tmp_path / "voc.h5", attrs=attrs(), **bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_partial_cache_resumes_and_drops_bad_rows_when_finalised(tmp_path):
+    data = splits(rows=(6, 2, 3), dim=4)
+    rows = {name: cache.SplitRows(d["ids"], d["labels"], d.get("observed")) for name, d in data.items()}
+    final = tmp_path / "voc.h5"
+    partial = cache.PartialCache.create(final, attrs(), rows, feature_dim=4)
+    train = data["train"]["features"]
+    partial.write_rows("train", np.array([0, 1, 4]), train[[0, 1, 4]], np.array([False, True, False]))
+    partial.close()
+    assert not final.exists() and cache.partial_path(final).exists()
+
+    partial = cache.PartialCache.open(final)  # a later process resumes
+    np.testing.assert_array_equal(partial.pending("train"), [2, 3, 5])
+    partial.write_rows("train", np.array([2, 3, 5]), train[[2, 3, 5]], np.zeros(3, dtype=bool))
+    for name in ("val", "test"):
+        count = len(data[name]["ids"])
+        partial.write_rows(name, np.arange(count), data[name]["features"], np.zeros(count, dtype=bool))
+    path, dropped = partial.finalise({"device": "cpu"})
+    assert dropped == {"train": ["train/ü1.jpg"], "val": [], "test": []}
+    assert not cache.partial_path(final).exists()
+    loaded = cache.load(path)
+    keep = [0, 2, 3, 4, 5]
+    assert loaded.train.ids == [data["train"]["ids"][i] for i in keep]
+    np.testing.assert_array_equal(loaded.train.features, train[keep])
+    np.testing.assert_array_equal(loaded.train.observed, data["train"]["observed"][keep])
+    assert json.loads(loaded.attrs["skipped_images"]) == {"train": ["train/ü1.jpg"]}
+    assert loaded.attrs["device"] == "cpu"
+    np.testing.assert_array_equal(loaded.test.features, data["test"]["features"])
+
+
+def test_finalise_refuses_rows_not_yet_done(tmp_path):
+    data = splits()
+    rows = {name: cache.SplitRows(d["ids"], d["labels"], d.get("observed")) for name, d in data.items()}
+    partial = cache.PartialCache.create(tmp_path / "voc.h5", attrs(), rows, feature_dim=6)
+    with pytest.raises(SpmlError, match="rows not yet extracted"):
+        partial.finalise({})
+    partial.close()
+    assert not (tmp_path / "voc.h5").exists()
