@@ -1,0 +1,109 @@
+"""Dataset readers: one module per dataset, each turning the files users already have into `LabeledImages`.
+
+`read(name, root)` looks for the dataset's layout at `root`, then at `root/<name>` (so one `SPML_DATA` folder
+can hold every dataset, e.g. `$SPML_DATA/voc/VOCdevkit/...`), and returns the official train and test splits
+with full labels. `survey(root)` is what `spml-cache datasets` prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from spml_cache.datasets import coco, cub, nus, voc
+from spml_cache.datasets import csv as csv_reader
+from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
+from spml_cache.errors import SpmlError
+
+__all__ = [
+    "DatasetSurvey", "ImageSplit", "LabeledImages", "find_layout", "names", "read", "reader", "resolve_root", "survey",
+]
+
+READERS: dict[str, ModuleType] = {module.NAME: module for module in (voc, coco, nus, cub, csv_reader)}
+
+
+def names() -> list[str]:
+    return list(READERS)
+
+
+def reader(name: str) -> ModuleType:
+    """The module that reads `name` (with NAME, TITLE, MARKER, LAYOUT, ABOUT and read())."""
+    if name not in READERS:
+        raise SpmlError(f"unknown dataset {name!r}; choose one of {', '.join(READERS)}")
+    return READERS[name]
+
+
+def find_layout(name: str, root: Path) -> Path | None:
+    """The folder under `root` that holds the dataset's layout (`root` itself, else `root/<name>`), or None.
+
+    The csv reader also takes a CSV file as its root.
+    """
+    module = reader(name)
+    if name == csv_reader.NAME and root.is_file():
+        return root
+    for candidate in (root, root / name):
+        if (candidate / module.MARKER).exists():
+            return candidate
+    return None
+
+
+def require_root(root: Path) -> Path:
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise SpmlError(f"data root {root} does not exist; pass --root DIR (or set SPML_DATA) to where the data is")
+    return root
+
+
+def resolve_root(name: str, root: Path) -> Path:
+    """The folder that holds the dataset's layout, or an error naming the paths that were looked at."""
+    root = require_root(root)
+    found = find_layout(name, root)
+    if found is None:
+        module = reader(name)
+        raise SpmlError(
+            f"no {module.TITLE} under {root}: expected {root / module.MARKER} (or {root / name / module.MARKER}); "
+            f"the layout is {'; '.join(module.LAYOUT)}"
+        )
+    return found
+
+
+def read(name: str, root: Path, *, skip_missing: bool = False) -> LabeledImages:
+    """The official splits of dataset `name` under `root`; missing image files are an error unless skip_missing."""
+    return reader(name).read(resolve_root(name, root), skip_missing=skip_missing)
+
+
+def survey(root: Path | None) -> list[DatasetSurvey]:
+    """For every dataset: the layout it expects and, given a root, what was found there or what is missing.
+
+    A dataset whose layout is present is read in full (missing image files are counted, not fatal), so the
+    answer for a large dataset takes as long as reading it.
+    """
+    root = None if root is None else require_root(root)
+    surveys = []
+    for name, module in READERS.items():
+        known = dict(dataset=name, title=module.TITLE, layout=list(module.LAYOUT), about=module.ABOUT)
+        if root is None:
+            surveys.append(DatasetSurvey(**known))
+            continue
+        found = find_layout(name, root)
+        if found is None:
+            problem = f"not found: no {root / module.MARKER} (nor {root / name / module.MARKER})"
+            surveys.append(DatasetSurvey(**known, root=root, problem=problem))
+            continue
+        try:
+            images = module.read(found, skip_missing=True)
+        except SpmlError as err:
+            surveys.append(DatasetSurvey(**known, root=found, problem=str(err)))
+            continue
+        surveys.append(
+            DatasetSurvey(
+                **known,
+                root=images.root,
+                found=True,
+                counts={"train": len(images.train), "test": len(images.test)},
+                num_classes=len(images.classes),
+                missing=list(images.skipped),
+                notes=list(images.notes),
+            )
+        )
+    return surveys
