@@ -60,19 +60,343 @@ def _options(
 # --- datasets, make-demo-data (datasets helper) ---
 
 
+@app.command("datasets")
+def datasets_command(
+    root: Optional[Path] = typer.Option(None, "--root", help="A data folder to look in (default: $SPML_DATA)."),
+) -> None:
+    """Supported datasets, the layout each expects and, given a root, what was found there or what is missing.
+
+    A dataset may sit at the root itself or in root/<name> (e.g. $SPML_DATA/voc/VOCdevkit). A dataset that is
+    found is read in full, so this takes as long as reading its annotations.
+
+    Example: spml-cache datasets --root ~/data
+    """
+    from rich.table import Table
+
+    from spml_cache import datasets
+
+    root = root or default_data_root()
+    table = Table(title=f"datasets under {root}" if root else "datasets", show_lines=True)
+    table.add_column("dataset", ratio=2)
+    table.add_column("layout expected under the root", ratio=3, overflow="fold")
+    if root is not None:
+        table.add_column("found", ratio=3, overflow="fold")
+    for survey in datasets.survey(root):
+        name = Text(f"{survey.dataset}", style="bold") + Text(f"  {survey.title}\n{survey.about}", style="dim")
+        cells = [name, "\n".join(survey.layout)]
+        if root is not None:
+            cells.append(Text("\n".join(survey.summary()), style="green" if survey.found else "red"))
+        table.add_row(*cells)
+    console.print(table)
+    if root is None:
+        console.print("[dim]pass --root DIR or set SPML_DATA to see what is found there[/dim]")
+
+
+@app.command("make-demo-data")
+def make_demo_data_command(
+    folder: Path = typer.Argument(..., help="Where to write the dataset (it will hold VOCdevkit/)."),
+    num_train: int = typer.Option(400, "--train", help="Images in VOC's train set (our train + val)."),
+    num_test: int = typer.Option(200, "--test", help="Images in VOC's val set (our test split)."),
+    size: int = typer.Option(128, "--size", help="Image side in pixels."),
+    seed: int = typer.Option(0, "--seed", help="Random seed of the drawing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing FOLDER/VOCdevkit."),
+) -> None:
+    """Write a small synthetic dataset in the real PASCAL VOC 2012 layout: coloured shapes, 20 VOC classes.
+
+    1-3 objects per image, each class its own (colour, shape) look, ~10% of objects "difficult" (flag 0).
+
+    Example: spml-cache make-demo-data demo-data --train 400 --test 200
+    """
+    from spml_cache.demo_data import make_demo_data
+
+    root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
+    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {root}")
+    console.print(f"[dim]next: spml-cache extract voc --root {root} --weights none --resolution {size}[/dim]")
+
+
 # --- extract, import-features (extract helper) ---
+
+
+def _print_extract_report(report) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]{report.status}[/bold]: {report.path}")
+    table = Table(show_header=True)
+    for column in ("split", "images"):
+        table.add_column(column)
+    for split, count in report.counts.items():
+        table.add_row(split, str(count))
+    console.print(table)
+    size = f"{report.size_bytes / 2**20:.1f} MiB" + (" (estimated)" if report.status == "dry run" else "")
+    console.print(f"size {size}; device {report.device}")
+    if report.status == "written":
+        console.print(
+            f"extracted {report.extracted} images in {report.seconds:.1f} s ({report.images_per_s:.1f} img/s)"
+            + (f"; {report.resumed} were already done (resumed)" if report.resumed else "")
+        )
+    if report.missing:
+        shown = ", ".join(report.missing[:5]) + (" ..." if len(report.missing) > 5 else "")
+        console.print(f"[yellow]{len(report.missing)} image files missing: {shown}[/yellow]")
+    for split, ids in report.skipped.items():
+        if ids:
+            console.print(f"[yellow]{split}: {len(ids)} undecodable images left out: {', '.join(ids[:5])}[/yellow]")
+    for note in report.notes:
+        console.print(f"[dim]{note}[/dim]")
+
+
+@app.command("extract")
+def extract_command(
+    dataset: str = typer.Argument(..., help="voc, coco, nus, cub or csv."),
+    root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-<R>.h5)."),
+    weights: str = typer.Option("IMAGENET1K_V1", "--weights", help="IMAGENET1K_V1 (the papers'), IMAGENET1K_V2, a ResNet-50 .pth, or none (random)."),
+    resolution: int = typer.Option(448, "--resolution", help="Images are resized to R x R, aspect ratio ignored."),
+    batch_size: int = typer.Option(64, "--batch-size", help="Images per forward pass."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
+    device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
+    precision: str = typer.Option("auto", "--precision", help="auto (fp16 on a GPU, fp32 on the CPU), fp32, fp16 or bf16."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N images of each split (protocol drawn on the full dataset)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print counts, missing files and the output size; write nothing."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a cache or partial file with these or other settings exists."),
+    on_bad_image: str = typer.Option("fail", "--on-bad-image", help="fail (name the file and stop) or skip (leave the image out, listed in the attrs)."),
+    skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out images whose file is missing (recorded in the attrs)."),
+) -> None:
+    """Stage one: run the frozen ResNet-50 over a dataset once and write its features to an HDF5 cache.
+
+    An interrupted run resumes from <out>.partial; a complete cache is not recomputed unless --force.
+
+    Example: spml-cache extract voc --root ~/data --batch-size 128
+    """
+    import warnings
+
+    from spml_cache.extract import extract
+
+    with warnings.catch_warnings():
+        # `--weights none` and ignored checkpoint keys warn: say so in one yellow line, when it happens.
+        warnings.showwarning = lambda message, *_: err_console.print(f"[yellow]warning: {message}[/yellow]")
+        report = extract(
+            dataset, require_root(root or default_data_root()), out=out, weights=weights, resolution=resolution,
+            batch_size=batch_size, workers=workers, device=device, precision=precision, limit=limit,
+            dry_run=dry_run, force=force, on_bad_image=on_bad_image, skip_missing=skip_missing,
+        )
+    _print_extract_report(report)
+
+
+@app.command("import-features")
+def import_features_command(
+    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy."),
+    dataset: str = typer.Option(..., "--dataset", help="voc, coco, nus, cub or csv (decides the image-id prefix)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5)."),
+    classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing cache at --out."),
+) -> None:
+    """Turn the authors' published features (their `val` = the official test split) into a project cache.
+
+    Our val split is drawn from their train rows with the protocol's seed; their observed labels are kept.
+
+    Example: spml-cache import-features data/pascal --dataset voc
+    """
+    from spml_cache.published import import_features
+
+    report = import_features(folder, dataset=dataset, out=out, classes_file=classes, force=force)
+    counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
+    console.print(f"wrote {report.path} ({counts})")
+    for note in report.notes:
+        console.print(f"[dim]{note}[/dim]")
 
 
 # --- losses (losses helper) ---
 
 
+_LOSS_FLAGS = {
+    "oracle": "oracle (reads the full labels)",
+    "needs_train_logits": "scores the training set every epoch",
+    "reconstructed": "reconstructed (no public code)",
+}
+
+
+def _format_hparams(values: dict) -> str:
+    return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in values.items())
+
+
+@app.command("losses")
+def losses_command(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per loss instead of a table."),
+) -> None:
+    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags.
+
+    Override any default in training with --hp name=value.
+
+    Example: spml-cache losses --json
+    """
+    import json
+
+    from rich.table import Table
+
+    from spml_cache import losses
+
+    rows = losses.describe()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title=f"{len(rows)} losses", show_lines=True)
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("what it does / paper reference", ratio=3)
+    table.add_column("defaults", ratio=2)
+    table.add_column("state / flags", ratio=2)
+    for row in rows:
+        defaults = [_format_hparams(row["defaults"]) or "-"]
+        defaults += [f"{dataset}: {_format_hparams(values)}" for dataset, values in row["dataset_defaults"].items()]
+        flags = [row["state"]] if row["state"] else []
+        flags += [text for flag, text in _LOSS_FLAGS.items() if row[flag]]
+        what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
+        table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
+    console.print(table)
+
+
 # --- linear, demo (linear helper) ---
+
+
+@app.command("linear")
+def linear_command(
+    loss: str = typer.Option(..., "--loss", help="A loss, a comma list (an,role), or all; see `spml-cache losses`."),
+    cache: Optional[Path] = typer.Option(None, "--cache", help="The feature cache (.h5) to train on."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="Train on the one cache of this dataset in $SPML_CACHE or ./cache."),
+    lr: str = typer.Option("1e-2,1e-3,1e-4,1e-5", "--lr", help="Learning rates, a comma list (the papers' grid)."),
+    batch_size: str = typer.Option("8,16", "--batch-size", help="Batch sizes, a comma list."),
+    epochs: int = typer.Option(25, "--epochs", help="Epochs per head; the best val epoch is selected."),
+    seeds: int = typer.Option(1, "--seeds", help="Run seeds 0..N-1 (init and batch order); results are mean ± std."),
+    hp: Optional[List[str]] = typer.Option(None, "--hp", help="A hyperparameter key=value (repeatable); loss.key=value for one loss."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/."),
+    val_labels: str = typer.Option("clean", "--val-labels", help="Select on clean (full) val labels, or on the observed ones."),
+    workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed) jobs in parallel; 0: one per core on the CPU when the grid is big."),
+) -> None:
+    """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
+
+    Example: spml-cache linear --dataset voc --loss an,role --seeds 3
+    """
+    from spml_cache.linear import run_linear
+    from spml_cache.selection import summary_table
+
+    run = run_linear(
+        cache=cache, dataset=dataset, cache_dir=default_cache_dir(), losses=loss, lrs=lr, batch_sizes=batch_size,
+        epochs=epochs, seeds=seeds, hparams=hp or [], device=device, out=out, val_labels=val_labels, workers=workers,
+    )
+    console.print(summary_table(run.results))
+    console.print(f"run directory: {run.run_dir}")
+
+
+@app.command("demo")
+def demo_command(
+    out: Path = typer.Option(Path("demo"), "--out", help="Folder for the demo's data, cache, runs and plots."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    num_train: Optional[int] = typer.Option(None, "--train", hidden=True),
+    num_test: Optional[int] = typer.Option(None, "--test", hidden=True),
+    size: Optional[int] = typer.Option(None, "--size", hidden=True),
+    resolution: Optional[int] = typer.Option(None, "--resolution", hidden=True),
+    epochs: Optional[int] = typer.Option(None, "--epochs", hidden=True),
+    lr: Optional[str] = typer.Option(None, "--lr", hidden=True),
+    batch_size: Optional[str] = typer.Option(None, "--batch-size", hidden=True),
+) -> None:
+    """The whole pipeline on a generated VOC-style dataset, on the CPU, in a few minutes.
+
+    Generates images, extracts ResNet-50 features, trains every loss, prints the tables and writes plots.
+
+    Example: spml-cache demo --out demo
+    """
+    from spml_cache.demo import run_demo
+
+    # The hidden size flags (for tests) override the demo's measured defaults only when given.
+    sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution,
+             "epochs": epochs, "lrs": lr, "batch_sizes": batch_size}
+    result = run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
+    console.print(f"run directory: {result.run_dir}")
+    if result.plots:
+        console.print(f"plots: {result.plots[0].parent}")
 
 
 # --- finetune (finetune helper) ---
 
 
+@app.command("finetune")
+def finetune_command(
+    init: Optional[str] = typer.Option(None, "--init", help="best: start from the best linear head (LinearInit, the default); imagenet: a fresh head."),
+    from_run: Optional[Path] = typer.Option(None, "--from", help="Linear run to take the head from (default: the newest one for the dataset and loss under --out)."),
+    cache_file: Optional[Path] = typer.Option(None, "--cache", help="Feature cache whose rows (ids, splits, observed labels) to fine-tune on (default: the linear run's)."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="Dataset name, to find its newest linear run and default cache."),
+    root: Optional[Path] = typer.Option(None, "--root", help="Dataset root the cache was extracted from; images are read from ROOT/id (default: $SPML_DATA)."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="Loss to fine-tune with (spml-cache losses lists them); its head is the one taken."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Trunk init: IMAGENET1K_V1, IMAGENET1K_V2, none or a .pth (default: what made the cache); must match the cache for an exact LinearInit."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs (default 10, or the loss's recipe: GR 8 on VOC/COCO)."),
+    lr: Optional[str] = typer.Option(None, "--lr", help="Comma-separated learning rates, or 'grid' for 1e-2,1e-3,1e-4,1e-5 (default 1e-5,1e-4)."),
+    batch_size: Optional[str] = typer.Option(None, "--batch-size", help="Comma-separated global batch sizes (default 8,16); shared by torchrun's processes."),
+    resolution: Optional[int] = typer.Option(None, "--resolution", help="Images are resized to R x R (default: the cache's resolution)."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="Number of seeds (0..N-1) of batch order and flips (default 1)."),
+    hp: Optional[List[str]] = typer.Option(None, "--hp", help="Loss hyperparameter override key=value (repeatable); default: the linear head's values."),
+    head_lr_mult: Optional[float] = typer.Option(None, "--head-lr-mult", help="The head's learning rate multiplier (default 1; 10 for GR and LL, as their authors' code)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under torchrun: each process's own GPU)."),
+    out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: where linear runs are looked up and the fine-tuning run is written."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the interrupted fine-tuning run RUN from its last checkpoint."),
+    skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out rows whose image is missing under --root instead of stopping."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Image reader processes (default: 8 on a GPU, fewer on a CPU)."),
+) -> None:
+    """Stage three: fine-tune ResNet-50 end to end from the best linear head (LinearInit) or a fresh head.
+
+    Images, splits and observed labels are the cache's rows. For data parallel, launch it with
+    torchrun --nproc-per-node N -m spml_cache finetune ... (the global batch is shared by the processes).
+
+    Example: spml-cache finetune --init best --dataset voc --loss role --root ~/data --lr 1e-5 --batch-size 8
+    """
+    from spml_cache import finetune
+
+    results = finetune.finetune(
+        init=init, from_run=from_run, cache_path=cache_file, dataset=dataset, cache_dir=default_cache_dir(),
+        root=root if root is not None else (None if resume else default_data_root()), loss=loss, weights=weights,
+        epochs=epochs, lrs=lr, batch_sizes=batch_size, resolution=resolution, seeds=seeds, hparams=hp,
+        head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, device=device, out=out, resume=resume,
+        workers=workers, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+    )
+    for name, summary in results.get("losses", {}).items():  # other torchrun processes return nothing
+        selected = summary["selected"]
+        if selected is None:
+            console.print(f"[bold]{name}[/bold]: {summary['error']} -> {results['run_dir']}", soft_wrap=True)
+            continue
+        console.print(
+            f"[bold]{name}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP {summary['val_map']:.2f}"
+            f" ± {summary['val_map_std']:.2f}, test mAP {summary['test_map']:.2f} ± {summary['test_map_std']:.2f}"
+            f" (best epoch {summary['best_epoch']}) -> {results['run_dir']}",
+            soft_wrap=True,
+        )
+
+
 # --- report (report helper) ---
+
+
+@app.command("report")
+def report_command(
+    run_dirs: Optional[List[Path]] = typer.Argument(
+        None, help="Run directories or folders of them (default: every run under --runs)."
+    ),
+    runs: Path = typer.Option(Path("runs"), "--runs", help="Where to look for runs when none are named."),
+    paper: bool = typer.Option(False, "--paper", help="Add the papers' published numbers and our difference."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="csv, md or json instead of the terminal table."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Write the table to FILE (format from --format or the suffix)."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG figures into DIR (needs matplotlib)."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="Two losses for the per-class AP figure, e.g. an,role (default: the best two)."),
+) -> None:
+    """Table-1 style table of test mAP (mean ± std over seeds) per loss, dataset and stage, and figures.
+
+    When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
+
+    Example: spml-cache report --paper --plots figures --format md --output table1.md
+    """
+    from spml_cache import report
+
+    report.report_command(
+        run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=output, plots_dir=plots,
+        compare=compare, console=console,
+    )
 
 
 def main() -> None:

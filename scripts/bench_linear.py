@@ -1,0 +1,174 @@
+"""Benchmark stage two (`spml-cache linear`) against a straightforward reference loop.
+
+Synthetic features shaped like the papers' datasets (VOC: 4,574 / 1,143 / 5,823 rows, COCO: 65,665 / 16,416 /
+40,137 rows; 2,048-d, 20 or 80 classes; labels learnable from the features) are written to a temporary cache
+through `spml_cache.cache.write`, then timed:
+
+- `linear` for one loss's full grid (4 lrs x 2 batch sizes, 25 epochs, 1 seed), e.g. `an` and `role`;
+- `linear --loss all`;
+- a reference loop in the style of the authors' code: one head at a time, a per-sample Dataset and a
+  DataLoader, torch.optim.Adam, sklearn AP on val and test after every epoch; timed for 2 epochs per config
+  and extrapolated to 25.
+
+Usage: python scripts/bench_linear.py [--shape voc|coco] [--losses an,role,all] [--device cpu|cuda]
+       [--epochs 25] [--reference-epochs 2] [--no-reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from sklearn.metrics import average_precision_score
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spml_cache import cache, losses  # noqa: E402
+from spml_cache.devices import resolve_device  # noqa: E402
+from spml_cache.linear import DEFAULT_BATCH_SIZES, DEFAULT_LRS, run_linear  # noqa: E402
+from spml_cache.protocol import observe_labels  # noqa: E402
+
+SHAPES = {  # train, val, test, classes
+    "voc": (4574, 1143, 5823, 20),
+    "coco": (65665, 16416, 40137, 80),
+}
+FEATURE_DIM = 2048
+
+
+def synthetic_cache(folder: Path, shape: str, seed: int = 0) -> Path:
+    """A cache of post-ReLU-like features in which each class adds its own direction (learnable labels)."""
+    num_train, num_val, num_test, num_classes = SHAPES[shape]
+    rng = np.random.default_rng(seed)
+    directions = rng.standard_normal((num_classes, FEATURE_DIM)).astype(np.float32) * 0.08
+    splits = {}
+    for name, rows in (("train", num_train), ("val", num_val), ("test", num_test)):
+        labels = np.zeros((rows, num_classes), dtype=np.uint8)
+        positives = rng.integers(1, 4, size=rows)
+        for row, count in enumerate(positives):
+            labels[row, rng.choice(num_classes, size=count, replace=False)] = 1
+        features = np.empty((rows, FEATURE_DIM), dtype=np.float32)
+        for start in range(0, rows, 8192):  # in blocks: COCO's matrix is 0.5 GB
+            block = labels[start : start + 8192].astype(np.float32) @ directions
+            block += rng.standard_normal(block.shape, dtype=np.float32)
+            features[start : start + 8192] = np.maximum(block, 0)
+        splits[name] = {"features": features, "labels": labels, "ids": [f"{name}/{i}" for i in range(rows)]}
+        if name != "test":
+            splits[name]["observed"] = observe_labels(labels)
+    attrs = {
+        "dataset": shape, "classes": json.dumps([f"class{c}" for c in range(num_classes)]),
+        "num_classes": num_classes, "backbone": "resnet50", "weights": "synthetic", "resolution": 448,
+        "feature_dim": FEATURE_DIM, "expected_positives": 2.0,
+    }
+    return cache.write(folder / f"{shape}-resnet50-448.h5", attrs=attrs, **splits)
+
+
+def time_linear(path: Path, loss: str, epochs: int, device: str, out: Path) -> tuple[float, dict]:
+    start = time.perf_counter()
+    run = run_linear(cache=path, losses=loss, epochs=epochs, device=device, out=out, console=Console(file=io.StringIO()))
+    return time.perf_counter() - start, run.results
+
+
+class PerSampleFeatures(torch.utils.data.Dataset):
+    """What the reference code feeds its DataLoader: one (features, observed labels, index) item at a time."""
+
+    def __init__(self, features: np.ndarray, observed: np.ndarray) -> None:
+        self.features, self.observed = torch.from_numpy(features), torch.from_numpy(observed)
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, index: int):
+        return self.features[index], self.observed[index], index
+
+
+def reference_map(model, split, batch_size: int, device) -> float:
+    loader = torch.utils.data.DataLoader(PerSampleFeatures(split.features, split.labels), batch_size=batch_size)
+    with torch.no_grad():
+        scores = torch.cat([torch.sigmoid(model(x.to(device))).cpu() for x, _, _ in loader]).numpy()
+    return 100 * np.mean([average_precision_score(split.labels[:, c], scores[:, c]) for c in range(scores.shape[1])])
+
+
+def time_reference(path: Path, loss_name: str, epochs: int, measured_epochs: int, device) -> float:
+    """The reference loop over the default grid; seconds per config extrapolated from `measured_epochs`."""
+    features = cache.load(path)
+    num_classes = len(features.classes)
+    total = 0.0
+    for lr in DEFAULT_LRS:
+        for batch_size in DEFAULT_BATCH_SIZES:
+            start = time.perf_counter()
+            torch.manual_seed(0)
+            model = torch.nn.Linear(FEATURE_DIM, num_classes).to(device)
+            loss = losses.build(loss_name, num_classes=num_classes, dataset=features.dataset,
+                                train_observed=features.train.observed).to(device)
+            groups = [{"params": model.parameters()}]
+            groups += [{"params": [p], "lr": lr * getattr(p, "lr_mult", 1.0)} for p in loss.parameters()]
+            optimiser = torch.optim.Adam(groups, lr=lr)
+            train = torch.utils.data.DataLoader(
+                PerSampleFeatures(features.train.features, features.train.observed), batch_size=batch_size,
+                shuffle=True,
+            )
+            for epoch in range(1, measured_epochs + 1):
+                loss.start_epoch(epoch, epochs)
+                for x, observed, index in train:
+                    value = loss(model(x.to(device)), observed.to(device), index=index.to(device))
+                    optimiser.zero_grad()
+                    value.backward()
+                    optimiser.step()
+                reference_map(model, features.val, batch_size, device)
+                reference_map(model, features.test, batch_size, device)
+            total += (time.perf_counter() - start) * epochs / measured_epochs
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="voc")
+    parser.add_argument("--losses", default="an,role,all", help="what to time: loss names and/or all (comma list)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--epochs", type=int, default=25)
+    parser.add_argument("--reference-epochs", type=int, default=2)
+    parser.add_argument("--no-reference", action="store_true", help="skip the reference loop")
+    parser.add_argument("--reference-loss", default="an")
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    load_before = os.getloadavg()
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor()}),"
+          f" torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads,"
+          f" load average {load_before[0]:.1f}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        path = synthetic_cache(Path(folder), args.shape)
+        print(f"{args.shape}-shaped cache written in {time.perf_counter() - start:.1f} s", flush=True)
+        for loss in args.losses.split(","):
+            seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs")
+            best = {name: round(r["test_map"], 1) for name, r in results["losses"].items() if r.get("selected")}
+            rows.append((f"linear --loss {loss}", seconds))
+            print(f"linear --loss {loss}: {seconds:.1f} s; test mAP {best if len(best) <= 3 else ''}", flush=True)
+        if not args.no_reference:
+            seconds = time_reference(path, args.reference_loss, args.epochs, args.reference_epochs, device)
+            rows.append((f"reference loop, {args.reference_loss} grid (extrapolated)", seconds))
+            print(f"reference: {seconds:.1f} s", flush=True)
+    print(f"\n| {args.shape}-shaped, {args.epochs} epochs, 8 configs, 1 seed, {device} | seconds |")
+    print("|---|---|")
+    for name, seconds in rows:
+        print(f"| {name} | {seconds:.1f} |")
+    reference = dict(rows).get(f"reference loop, {args.reference_loss} grid (extrapolated)")
+    ours = dict(rows).get(f"linear --loss {args.reference_loss}")
+    if reference and ours:
+        print(f"\nspeed-up over the reference loop ({args.reference_loss} grid): {reference / ours:.1f}x")
+    print(f"load average before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

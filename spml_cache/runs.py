@@ -1,0 +1,183 @@
+"""Run directories (docs/internals.md, "run directories"): making them, writing their files, reading them back.
+
+`runs/<dataset>/<stage>-<loss or "all">-<YYYYmmdd-HHMMSS>/` holds `config.json`, `env.json`, `metrics.jsonl`,
+`results.json` (written last: without it the run is incomplete), `best.pt`, `scores/<loss>.npz` and
+`labels.npz`. Every file but `metrics.jsonl` is written to a temporary name and renamed, so a reader never
+sees half a file; `metrics.jsonl` grows one complete line at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from spml_cache.errors import SpmlError
+
+RESULTS = "results.json"
+
+
+def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs") -> Path:
+    """Create `root/<dataset>/<stage>-<loss>-<stamp>/` (a `-2`, `-3`, ... suffix when that second is taken)."""
+    parent = Path(root) / _safe_name(dataset)
+    base = f"{stage}-{_safe_name(loss)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpmlError(f"cannot create {parent} ({err.strerror or err}): pick a writable --out folder") from None
+    for attempt in range(1, 1000):
+        run_dir = parent / (base if attempt == 1 else f"{base}-{attempt}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+    raise SpmlError(f"cannot find a free run directory name under {parent}")
+
+
+def _safe_name(text: str) -> str:
+    """A path component: letters, digits and ._+- only."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text) or "_"
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON values from numpy/torch scalars and arrays, paths and tuples; non-finite floats become null."""
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item) for item in value]
+    if isinstance(value, torch.Tensor):
+        return jsonable(value.detach().cpu().tolist())
+    if isinstance(value, np.ndarray):
+        return jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return jsonable(value.item())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (Path, torch.device, torch.dtype)):
+        return str(value)
+    return value
+
+
+def replace_atomically(path: Path, write) -> None:
+    """`write(temporary)` then rename the temporary file to `path`; nothing is left behind on failure."""
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+_replace_atomically = replace_atomically  # the name report.py and plots.py first imported
+
+
+def write_json(path: Path | str, data: Any) -> Path:
+    """Write `data` as indented JSON, atomically."""
+    path = Path(path)
+    text = json.dumps(jsonable(data), indent=2, allow_nan=False) + "\n"
+    replace_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+    return path
+
+
+def read_json(path: Path | str) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpmlError(f"{path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise SpmlError(f"{path} is not valid JSON ({err})") from None
+
+
+def append_metrics(run_dir: Path | str, rows: Iterable[dict]) -> None:
+    """Append one JSON line per row to `metrics.jsonl` (one line per head per epoch)."""
+    lines = "".join(json.dumps(jsonable(row), allow_nan=False) + "\n" for row in rows)
+    with open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") as file:
+        file.write(lines)
+
+
+def read_metrics(run_dir: Path | str) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def save_checkpoint(path: Path | str, state: dict) -> Path:
+    """`torch.save` atomically; keep `state` to tensors and plain values so `weights_only=True` loads it."""
+    path = Path(path)
+    replace_atomically(path, lambda temporary: torch.save(state, temporary))
+    return path
+
+
+def load_checkpoint(path: Path | str) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise SpmlError(f"{path} does not exist: is {path.parent} a finished run directory?")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def write_npz(path: Path | str, **arrays: np.ndarray) -> Path:
+    """`numpy.savez_compressed` atomically (the temporary name keeps the .npz suffix numpy insists on)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.stem + ".tmp.npz")
+    try:
+        np.savez_compressed(temporary, **arrays)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def env_info(device: torch.device | str) -> dict:
+    """Versions and the device, for `env.json` (torchvision's version from its metadata: importing it is slow)."""
+    from importlib import metadata
+
+    from spml_cache import __version__
+
+    try:
+        torchvision_version = metadata.version("torchvision")
+    except metadata.PackageNotFoundError:
+        torchvision_version = None
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return {
+        "package": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision_version,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": device_name,
+    }
+
+
+def is_complete(run_dir: Path | str) -> bool:
+    return (Path(run_dir) / RESULTS).exists()
+
+
+def load_results(run_dir: Path | str) -> dict:
+    """`results.json` of a finished run; a clear error for a run that never finished."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise SpmlError(f"{run_dir} is not a run directory")
+    if not is_complete(run_dir):
+        raise SpmlError(f"{run_dir} has no {RESULTS}: the run did not finish; run it again")
+    return read_json(run_dir / RESULTS)

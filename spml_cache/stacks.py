@@ -1,0 +1,258 @@
+"""The engine of stage two: every (lr, batch size) head of one loss and one seed, trained as stacks.
+
+One `StackedHeads` + `StackedAdam` + loss per batch size (a "stack", one head per lr), every stack cutting the
+same per-(seed, epoch) permutation into consecutive batches of its size, the last one partial. A batch-16
+head thus sees exactly two consecutive batch-8 batches: the schedule of a batch-16 head trained alone, for
+any loss, batch-coupled or stateful. Each epoch ends with one batched scoring of every head on val and test
+(`protocol.average_precision` on [K, N, C]).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spml_cache import losses as loss_registry
+from spml_cache.cache import FeatureSet
+from spml_cache.heads import StackedAdam, StackedHeads
+from spml_cache.protocol import average_precision
+from spml_cache.selection import HeadRecord
+
+
+@dataclass(frozen=True)
+class LinearData:
+    """The cache's arrays on the training device, in the form the loop indexes directly."""
+
+    train_features: torch.Tensor  # float32 [N, D]
+    train_observed: torch.Tensor  # int8 [N, C]
+    train_labels: torch.Tensor  # uint8 [N, C], for the oracle losses only
+    eval_features: torch.Tensor  # float32 [N_val + N_test, D]: val rows, then test rows
+    num_val: int
+    val_targets: torch.Tensor  # [N_val, C]: full labels, or the observed positives with --val-labels observed
+    test_labels: torch.Tensor  # uint8 [N_test, C]
+    dataset: str
+
+    @classmethod
+    def from_features(cls, features: FeatureSet, device: torch.device, val_labels: str = "clean") -> "LinearData":
+        def on_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+        val = features.val.labels if val_labels == "clean" else (features.val.observed == 1).astype(np.uint8)
+        return cls(
+            train_features=on_device(features.train.features),
+            train_observed=on_device(features.train.observed),
+            train_labels=on_device(features.train.labels),
+            eval_features=on_device(np.concatenate([features.val.features, features.test.features])),
+            num_val=len(features.val),
+            val_targets=on_device(val),
+            test_labels=on_device(features.test.labels),
+            dataset=features.dataset,
+        )
+
+    @property
+    def num_train(self) -> int:
+        return self.train_features.shape[0]
+
+    @property
+    def num_classes(self) -> int:
+        return self.train_observed.shape[1]
+
+
+class HeadStack:
+    """The heads of one (loss, seed, batch size): one for each lr, trained as one stacked tensor."""
+
+    def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_size: int, data: LinearData) -> None:
+        device = data.train_features.device
+        self.batch_size, self.num_heads = batch_size, len(lrs)
+        self.heads = StackedHeads(data.train_features.shape[1], data.num_classes, [seed] * len(lrs)).to(device)
+        self.loss = loss_registry.build(
+            name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
+            num_heads=len(lrs), train_observed=data.train_observed.cpu(), seed=seed, **hparams,
+        ).to(device)
+        self.adam = StackedAdam(lrs)
+        self.adam.add_param(self.heads.weight)
+        self.adam.add_param(self.heads.bias)
+        # Per-training-row parameters (ROLE's theta) only get gradient on the batch's rows: Adam keeps them
+        # lazily. A loss with no other per-row state uses `index` only to read them, so it can be handed just
+        # the batch's rows (and index 0..B-1): autograd then never builds an [N_train]-row gradient, which
+        # on COCO-sized data costs more than everything else in a step.
+        def per_row(tensor: torch.Tensor) -> bool:
+            return tensor.dim() >= 2 and tensor.shape[1] == data.num_train
+
+        self.row_params = [(key, p) for key, p in self.loss.named_parameters() if per_row(p)]
+        for param in self.loss.parameters():
+            self.adam.add_param(param, getattr(param, "lr_mult", 1.0), lazy_rows=per_row(param))
+        self.lazy = bool(self.row_params)
+        self.rows_only = self.lazy and not any(per_row(b) for b in self.loss.buffers()) and all(
+            "." not in key for key, _ in self.row_params
+        )
+        self.batch_positions = torch.arange(batch_size, device=device)
+        self.active = torch.ones(len(lrs), dtype=torch.bool, device=device)  # false once a head has diverged
+        self.active_at_start = self.active
+        self.loss_sum = torch.zeros(len(lrs), device=device)
+        self.steps = 0
+        self.records = [HeadRecord(name, lr, batch_size, seed) for lr in lrs]
+
+    def start_epoch(self, epoch: int, num_epochs: int, order: torch.Tensor, data: LinearData) -> None:
+        train_logits = None
+        if self.loss.needs_train_logits:
+            # A stopped head's logits may be NaN: hand the loss zeros instead, it is never trained again.
+            train_logits = torch.where(self.active.view(-1, 1, 1), self.heads.logits(data.train_features), 0.0)
+        self.loss.start_epoch(epoch, num_epochs, train_logits)
+        self.loss_sum.zero_()
+        self.steps = 0
+        self.active_at_start = self.active
+        if self.lazy:
+            # Every row is read once this epoch, by batch i // batch_size for the row at position i of `order`:
+            # bring each row to the step before its batch now, instead of a replay at every step.
+            batch_index = torch.arange(len(order), device=order.device) // self.batch_size
+            self.adam.advance_rows(order, self.adam.steps + batch_index, self.active)
+
+    def train_step(self, rows: torch.Tensor, data: LinearData) -> None:
+        with self._rows_for_loss(rows) as (index, proxies):
+            logits = self.heads(data.train_features.index_select(0, rows))
+            labels = data.train_labels.index_select(0, rows) if self.loss.oracle else None
+            per_head = self.loss(logits, data.train_observed.index_select(0, rows), labels=labels, index=index)
+            penalty = self.loss.penalty(self.heads.weight)
+            if isinstance(penalty, torch.Tensor):
+                per_head = per_head + penalty
+            values = per_head.detach()
+            # A head whose loss is NaN/inf stops here (no host sync): Adam ignores its gradient from now on.
+            # Heads share no computation, so a NaN in one head's loss reaches no other head's gradient.
+            self.active = self.active & torch.isfinite(values)
+            self.adam.zero_grad()
+            per_head.sum().backward()
+        row_grads = None if proxies is None else {id(p): proxy.grad for (_, p), proxy in zip(self.row_params, proxies)}
+        self.adam.step(self.active, rows, row_grads)
+        self.loss_sum += values
+        self.steps += 1
+
+    @contextmanager
+    def _rows_for_loss(self, rows: torch.Tensor):
+        """The `index` to hand the loss, and (with `rows_only`) the leaves standing in for its per-row
+        parameters: just the batch's rows, swapped into the loss for this step and swapped back after."""
+        if not self.rows_only:
+            yield rows, None
+            return
+        proxies = [torch.nn.Parameter(param.detach().index_select(1, rows)) for _, param in self.row_params]
+        for (key, _), proxy in zip(self.row_params, proxies):
+            setattr(self.loss, key, proxy)
+        try:
+            yield self.batch_positions[: len(rows)], proxies
+        finally:
+            for key, param in self.row_params:
+                setattr(self.loss, key, param)
+
+    def eval_logits(self, data: LinearData) -> torch.Tensor:
+        self.adam.flush(self.active)
+        return self.heads.logits(data.eval_features)
+
+    def finish_epoch(self, epoch: int, val_ap: np.ndarray, test_ap: np.ndarray) -> list[dict]:
+        """Record the epoch's scores (per-class AP, 0..1, [K, C]), keep the best heads; the metrics lines."""
+        diverged = (self.active_at_start & ~self.active).cpu().tolist()
+        train_loss = (self.loss_sum / max(self.steps, 1)).cpu().tolist()
+        lines = []
+        for k, record in enumerate(self.records):
+            if record.diverged_epoch is not None:
+                continue
+            line = {"loss": record.loss, "lr": record.lr, "batch_size": record.batch_size, "seed": record.seed, "epoch": epoch}
+            if diverged[k]:
+                record.diverged_epoch = epoch
+                lines.append({**line, "train_loss": None, "val_map": None, "test_map": None, "diverged": True})
+                continue
+            val_map, test_map = 100 * float(val_ap[k].mean()), 100 * float(test_ap[k].mean())
+            if record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
+                record.best_state = self.head_state(k)
+            lines.append({**line, "train_loss": train_loss[k], "val_map": val_map, "test_map": test_map})
+        return lines
+
+    def head_state(self, k: int) -> dict:
+        """Head k alone, on the CPU: `nn.Linear` layout and the `num_heads=1` loss state."""
+        head = {key: value.cpu() for key, value in self.heads.linear_state(k).items()}
+        return {"head": head, "loss_state": {key: value.cpu() for key, value in self.loss.head_state_dict(k).items()}}
+
+
+class SeedRun:
+    """Every (lr, batch size) head of one loss and one seed; `run_epoch` trains and scores one epoch."""
+
+    def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_sizes: list[int], epochs: int,
+                 data: LinearData) -> None:
+        self.data, self.epochs = data, epochs
+        self.stacks = [HeadStack(name, hparams, seed, lrs, batch_size, data) for batch_size in batch_sizes]
+        self.permutations = epoch_permutations(data.num_train, seed, epochs).to(data.train_features.device)
+
+    @property
+    def records(self) -> list[HeadRecord]:
+        """Every head, in grid order: lr, then batch size."""
+        return [stack.records[k] for k in range(len(self.stacks[0].records)) for stack in self.stacks]
+
+    def run_epoch(self, epoch: int) -> list[dict]:
+        """Train epoch `epoch` (1-indexed) and score every head; returns the metrics lines of the epoch."""
+        with single_threaded(self.data.train_features.device):
+            self._train(epoch)
+            return self._score(epoch)
+
+    def _train(self, epoch: int) -> None:
+        data, order = self.data, self.permutations[epoch - 1]
+        with flushing_denormals(order.device):
+            for stack in self.stacks:
+                stack.start_epoch(epoch, self.epochs, order, data)
+                if bool(stack.active.any()):
+                    for start in range(0, len(order), stack.batch_size):
+                        stack.train_step(order[start : start + stack.batch_size], data)
+
+    @torch.no_grad()
+    def _score(self, epoch: int) -> list[dict]:
+        """Every head's val and test AP in one batched scoring; the epoch's metrics lines."""
+        data = self.data
+        scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in self.stacks]))
+        val_ap = average_precision(scores[:, : data.num_val], data.val_targets).cpu().numpy()
+        test_ap = average_precision(scores[:, data.num_val :], data.test_labels).cpu().numpy()
+        lines, first = [], 0
+        for stack in self.stacks:
+            last = first + stack.num_heads
+            lines += stack.finish_epoch(epoch, val_ap[first:last], test_ap[first:last])
+            first = last
+        return lines
+
+
+@contextmanager
+def single_threaded(device: torch.device):
+    """On the CPU, one intra-op thread while heads train and score.
+
+    Each step's tensors are a few hundred KB: splitting an op across threads costs more than it saves, and on
+    a busy machine waiting threads slow every op down by an order of magnitude (measured: 30x on 2 shared
+    cores). Training the stacks in parallel threads does not pay either: a step is ~50 small ops, and
+    their dispatch holds the GIL.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def flushing_denormals(device: torch.device):
+    """Saturated heads make gradients denormal, which x86 handles ~10x slower unless they are flushed to zero
+    (values below ~1e-38; the flag belongs to the calling thread)."""
+    flushing = device.type == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if flushing:
+            torch.set_flush_denormal(False)
+
+
+def epoch_permutations(num_rows: int, seed: int, epochs: int) -> torch.Tensor:
+    """The batch order `[epochs, num_rows]`: a function of (seed, epoch) only, the same for every batch size
+    and device (drawn on the CPU)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_rows, generator=generator) for _ in range(epochs)])

@@ -1,0 +1,43 @@
+"""Tiny synthetic caches for the stage-two tests, written through `cache.write` in the real HDF5 format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from spml_cache import cache
+from spml_cache.protocol import expected_positives, observe_labels
+
+
+def synthetic_split(rng: np.random.Generator, rows: int, classes: int, dim: int, directions: np.ndarray,
+                    noise: float) -> tuple[np.ndarray, np.ndarray]:
+    """Labels with 1-3 positives per row; features = sum of the positive classes' directions + noise."""
+    labels = np.zeros((rows, classes), dtype=np.uint8)
+    for row in range(rows):
+        labels[row, rng.choice(classes, size=rng.integers(1, 4), replace=False)] = 1
+    features = labels @ directions + noise * rng.standard_normal((rows, dim))
+    return features.astype(np.float32), labels
+
+
+def write_synthetic_cache(path: Path, *, train: int = 96, val: int = 32, test: int = 48, classes: int = 5,
+                          dim: int = 16, noise: float = 1.0, dataset: str = "voc", seed: int = 0) -> Path:
+    """A complete cache whose labels are learnable from the features (single positives drawn as the protocol does)."""
+    rng = np.random.default_rng(seed)
+    directions = rng.standard_normal((classes, dim))
+    splits = {}
+    for name, rows in (("train", train), ("val", val), ("test", test)):
+        features, labels = synthetic_split(rng, rows, classes, dim, directions, noise)
+        split = {"features": features, "labels": labels, "ids": [f"{name}/{i:05d}.jpg" for i in range(rows)]}
+        if name != "test":
+            split["observed"] = observe_labels(labels)
+        splits[name] = split
+    names = [f"class{c}" for c in range(classes)]
+    attrs = {
+        "dataset": dataset, "classes": json.dumps(names), "num_classes": classes, "backbone": "resnet50",
+        "weights": "none", "resolution": 448, "feature_dim": dim, "split_seed": 1200, "val_frac": 0.2,
+        "observe_seed": 1200, "num_pos": 1, "num_neg": 0,
+        "expected_positives": expected_positives(np.concatenate([splits["train"]["labels"], splits["val"]["labels"]])),
+    }
+    return cache.write(path, attrs=attrs, **splits)

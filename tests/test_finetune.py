@@ -1,0 +1,367 @@
+"""Stage three (`spml-cache finetune`): LinearInit, ROLE's theta hand-over, selection, resume, data parallel,
+bad inputs.
+
+One tiny world for the whole module: the synthetic VOC-layout dataset, a saved random ResNet-50 (so that the
+extractor and the fine-tuner load the same trunk), a real cache at 32 px, a real linear run, and one
+fine-tuning run through the command line that the resume and data-parallel runs must reproduce. Training runs
+single-threaded (OMP_NUM_THREADS=1, torch.set_num_threads(1)) so that every run does the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+from rich.console import Console
+from sklearn.metrics import average_precision_score
+
+from spml_cache import cache, demo_data, extract, finetune, linear, losses, runs
+from spml_cache import finetune_data as data
+from spml_cache.errors import SpmlError
+
+REPO = Path(__file__).parents[1]
+RESOLUTION = 32
+RUN_ARGS = ["--lr", "1e-4", "--batch-size", "4", "--epochs", "2", "--workers", "0", "--device", "cpu"]
+
+
+class Stop(Exception):
+    """Raised from inside a run once the test has seen what it came for."""
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SPML_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def write_linear_run(path: Path, cache_path: Path, heads: dict[str, dict]) -> Path:
+    """A finished linear run directory by hand, per docs/internals.md (for heads no real run would give)."""
+    path.mkdir(parents=True)
+    attrs = cache.load(cache_path).attrs
+    runs.write_json(path / "config.json", {"stage": "linear", "dataset": "voc", "cache": str(cache_path),
+                                           "cache_id": cache.cache_id(attrs)})
+    torch.save({loss: {"head": head, "loss_state": {}, "lr": 1e-3, "batch_size": 8, "seed": 0, "epoch": 1,
+                       "hparams": {}} for loss, head in heads.items()}, path / "best.pt")
+    entries = {loss: {"val_map": 10.0, "selected": {"lr": 1e-3, "batch_size": 8, "hparams": {}}} for loss in heads}
+    runs.write_json(path / "results.json", {"stage": "linear", "dataset": "voc", "cache_id": cache.cache_id(attrs),
+                                            "complete": True, "losses": entries})
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, one_thread):
+    base = tmp_path_factory.mktemp("finetune")
+    root = demo_data.make_demo_data(base / "data", num_train=16, num_test=6, size=40, seed=0)
+    torch.manual_seed(0)
+    weights = base / "random-resnet50.pth"
+    # Zero-initialised residual branches keep a random ResNet-50 well conditioned: at 32 px the last blocks
+    # normalise over a handful of values, and a default random init turns float rounding into 0.1 % logit noise.
+    torch.save(torchvision.models.resnet50(zero_init_residual=True).state_dict(), weights)
+    cache_path = extract.extract("voc", root, out=base / "voc.h5", weights=str(weights), resolution=RESOLUTION,
+                                 batch_size=8, workers=0, device="cpu").path
+    runs_dir = base / "runs"
+    # An older linear run with other heads: LinearInit must take the newest one.
+    classes = len(cache.load(cache_path).classes)
+    decoy = {"weight": torch.ones(classes, 2048), "bias": torch.zeros(classes)}
+    write_linear_run(runs_dir / "voc" / "linear-all-20000101-000000", cache_path, {"role": decoy, "em_apl": decoy})
+    newest = linear.run_linear(cache=cache_path, losses="role,em_apl", lrs="1e-3", batch_sizes="4", epochs=2,
+                               out=runs_dir, device="cpu", console=Console(file=io.StringIO())).run_dir
+    return SimpleNamespace(base=base, root=root, weights=weights, cache=cache_path, runs=runs_dir, linear=newest,
+                           features=cache.load(cache_path))
+
+
+def common(world, **overrides) -> dict:
+    options = dict(root=world.root, weights=str(world.weights), lrs="1e-4", batch_sizes="4", epochs=2, workers=0,
+                   device="cpu", out=world.runs, cache_dir=world.base)
+    return {**options, **overrides}
+
+
+@pytest.fixture(scope="module")
+def cli_run(world):
+    """The reference run: the command line, LinearInit from the newest linear run of role on voc."""
+    args = ["finetune", "--init", "best", "--dataset", "voc", "--loss", "role", "--root", str(world.root),
+            "--weights", str(world.weights), "--out", str(world.runs), *RUN_ARGS]
+    done = run_cli(args, cwd=world.base)
+    assert done.returncode == 0, done.stderr
+    run_dir = Path(done.stdout.strip().splitlines()[-1].split("-> ")[-1])
+    return SimpleNamespace(stdout=done.stdout, run_dir=run_dir, metrics=runs.read_metrics(run_dir),
+                           results=runs.read_json(run_dir / "results.json"))
+
+
+def stop(*args, **kwargs):
+    raise Stop
+
+
+def head_logits(run_dir: Path, loss: str, features: np.ndarray) -> np.ndarray:
+    head = torch.load(run_dir / "best.pt", weights_only=True)[loss]["head"]
+    return features.astype(np.float64) @ head["weight"].numpy().T.astype(np.float64) + head["bias"].numpy()
+
+
+def test_linear_init_starts_from_the_newest_runs_head(world, monkeypatch):
+    """The untrained model's eval-mode logits on the training images = the chosen head on the cached features."""
+    seen = {}
+
+    def capture(self, epoch, num_epochs, train_logits=None):
+        seen.update(epoch=epoch, logits=train_logits)
+        raise Stop
+
+    monkeypatch.setattr(losses.get("em_apl"), "start_epoch", capture)
+    lines = []
+    with pytest.raises(Stop):
+        finetune.finetune(init="best", dataset="voc", loss="em_apl", log=lines.append, **common(world))
+    assert lines[0].startswith(f"LinearInit from {world.linear}: the em_apl head")
+    assert seen["epoch"] == 1 and seen["logits"].shape == (1, *world.features.train.labels.shape)
+    expected = head_logits(world.linear, "em_apl", world.features.train.features)
+    np.testing.assert_allclose(seen["logits"][0].numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_role_theta_is_handed_over_as_clipped_logits(world, monkeypatch):
+    seen = {}
+
+    def capture(self, epoch, num_epochs, train_logits=None):
+        seen["theta"] = self.theta.detach().clone()
+        raise Stop
+
+    monkeypatch.setattr(losses.get("role"), "start_epoch", capture)
+    with pytest.raises(Stop):
+        finetune.finetune(init="best", from_run=world.linear, loss="role", **common(world))
+    theta = torch.load(world.linear / "best.pt", weights_only=True)["role"]["loss_state"]["theta"].numpy()
+    q = np.clip(1 / (1 + np.exp(-theta.astype(np.float64))), 1e-5, 1 - 1e-5)
+    np.testing.assert_allclose(seen["theta"].numpy(), np.log(q / (1 - q)), rtol=1e-5, atol=1e-5)
+    extreme = torch.tensor([[-40.0, -3.0, 0.0, 2.5, 40.0]])
+    bound = np.log((1 - 1e-5) / 1e-5)
+    np.testing.assert_allclose(data.role_theta_handover(extreme).numpy(), [[-bound, -3.0, 0.0, 2.5, bound]], rtol=1e-5)
+
+
+def test_cli_run_names_its_start_and_selects_the_best_val_epoch(world, cli_run):
+    assert cli_run.stdout.splitlines()[0] == (
+        f"LinearInit from {world.linear}: the role head (lr 0.001, batch size 4, seed 0, epoch "
+        f"{torch.load(world.linear / 'best.pt', weights_only=True)['role']['epoch']}, val mAP "
+        f"{runs.read_json(world.linear / 'results.json')['losses']['role']['val_map']:.2f})")
+    names = {p.name for p in cli_run.run_dir.iterdir()}
+    assert names == {"config.json", "env.json", "metrics.jsonl", "results.json", "best.pt", "scores", "labels.npz"}
+    assert [m["epoch"] for m in cli_run.metrics] == [1, 2]
+    best = 0  # the first epoch of the highest val mAP: a later one replaces it only when strictly greater
+    for i, line in enumerate(cli_run.metrics):
+        if line["val_map"] > cli_run.metrics[best]["val_map"]:
+            best = i
+    role = cli_run.results["losses"]["role"]
+    assert role["best_epoch"] == [best + 1]
+    assert role["val_map"] == pytest.approx(cli_run.metrics[best]["val_map"])
+    assert role["test_map"] == pytest.approx(cli_run.metrics[best]["test_map"])
+
+
+def sklearn_map(scores: np.ndarray, labels: np.ndarray) -> float:
+    aps = [average_precision_score(labels[:, c], scores[:, c]) if labels[:, c].any() else 0.0
+           for c in range(labels.shape[1])]
+    return 100 * float(np.mean(aps))
+
+
+def test_best_pt_is_the_model_of_the_best_epoch(world, cli_run):
+    """best.pt holds the whole model; scored independently it gives the reported val and test mAP."""
+    saved = torch.load(cli_run.run_dir / "best.pt", weights_only=True)["role"]
+    net = torchvision.models.resnet50()
+    net.fc = torch.nn.Linear(2048, len(world.features.classes))
+    state = {k.removeprefix("trunk."): v for k, v in saved["model"].items() if k.startswith("trunk.")}
+    net.load_state_dict({**state, "fc.weight": saved["model"]["head.weight"], "fc.bias": saved["model"]["head.bias"]})
+    net.eval()
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    role = cli_run.results["losses"]["role"]
+    for split, reported in (("val", role["val_map"]), ("test", role["test_map"])):
+        part = getattr(world.features, split)
+        images = [np.asarray(Image.open(world.root / i).convert("RGB")) for i in part.ids]
+        batch = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+        resized = torch.nn.functional.interpolate(batch, size=(RESOLUTION, RESOLUTION), mode="bilinear", antialias=True)
+        with torch.no_grad():
+            scores = torch.sigmoid(net((resized.float() / 255 - mean) / std)).numpy()
+        assert sklearn_map(scores, part.labels) == pytest.approx(reported, abs=1e-3)
+
+
+def test_resume_after_a_kill_equals_the_uninterrupted_run(world, cli_run, monkeypatch):
+    appended = runs.append_metrics
+
+    def killed_after_first_epoch(run_dir, rows):
+        appended(run_dir, rows)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "append_metrics", killed_after_first_epoch)
+    out = world.base / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        finetune.finetune(init="best", from_run=world.linear, loss="role", **common(world, out=out))
+    monkeypatch.setattr(runs, "append_metrics", appended)
+    (run_dir,) = (out / "voc").iterdir()
+    assert not (run_dir / "results.json").exists() and list(run_dir.glob("checkpoints/*.pt"))
+    with pytest.raises(SpmlError, match=r"another configuration \(epochs 3 vs 2"):
+        finetune.finetune(resume=run_dir, epochs=3, root=world.root, workers=0, device="cpu")
+    finetune.finetune(resume=run_dir, root=world.root, workers=0, device="cpu")
+    assert_same_run(run_dir, cli_run)
+    with pytest.raises(SpmlError, match="already complete"):
+        finetune.finetune(resume=run_dir, root=world.root, workers=0, device="cpu")
+
+
+def assert_same_run(run_dir: Path, reference, tolerance: float = 1e-6) -> None:
+    """Same metrics (up to `tolerance`) and the same best epoch; at rounding-level tolerance also the same best
+    model. Above it (two processes) the weights are not compared: Adam turns the sign of a gradient that rounding
+    flips into a whole step, so how many weights move by a learning rate is float noise, not a property of the
+    code (test_two_gloo_processes_compute_the_single_process_gradient pins the gradients)."""
+    metrics = runs.read_metrics(run_dir)
+    assert [(m["epoch"], m["lr"], m["batch_size"]) for m in metrics] == [
+        (m["epoch"], m["lr"], m["batch_size"]) for m in reference.metrics]
+    for got, want in zip(metrics, reference.metrics):
+        for key in ("train_loss", "val_map", "test_map"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=tolerance), key
+    got = torch.load(run_dir / "best.pt", weights_only=True)["role"]
+    want = torch.load(reference.run_dir / "best.pt", weights_only=True)["role"]
+    assert got["epoch"] == want["epoch"]
+    tensors = [(got["model"][k], want["model"][k]) for k in want["model"] if want["model"][k].is_floating_point()]
+    tensors.append((got["loss_state"]["theta"], want["loss_state"]["theta"]))
+    if tolerance <= 1e-6:
+        for a, b in tensors:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:  # a free port for the process group's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _finetune_process(rank: int, world: int, port: int, options: dict) -> None:
+    """One process of a data-parallel run, with the environment torchrun gives it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    finetune.finetune(**options)
+
+
+def test_two_processes_give_the_single_process_run(world, cli_run, tmp_path):
+    """`torchrun --nproc-per-node 2 -m spml_cache finetune ...` on the CPU (gloo), as torchrun would start it;
+    forked rather than launched, which saves each process the imports."""
+    options = dict(init="best", from_run=world.linear, loss="role", **common(world, out=tmp_path))
+    torch.multiprocessing.start_processes(_finetune_process, args=(2, free_port(), options), nprocs=2,
+                                          start_method="fork")
+    (run_dir,) = (tmp_path / "voc").iterdir()
+    assert runs.read_json(run_dir / "config.json")["processes"] == 2
+    assert_same_run(run_dir, cli_run, tolerance=1e-3)
+
+
+def test_no_linear_run_says_which_command_makes_one(world, tmp_path):
+    with pytest.raises(SpmlError, match=r"no finished linear run of loss an for voc .*: create one with"
+                                        r" `spml-cache linear --loss an"):
+        finetune.finetune(init="best", dataset="voc", loss="an", **common(world, out=tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_head_of_another_class_count_is_refused(world, tmp_path):
+    bad = write_linear_run(tmp_path / "voc" / "linear-an-20000101-000000", world.cache,
+                           {"an": {"weight": torch.zeros(21, 2048), "bias": torch.zeros(21)}})
+    with pytest.raises(SpmlError, match=r"the an head is \[21, 2048\] but .* has 20 classes"):
+        finetune.finetune(init="best", from_run=bad, **common(world, out=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_images_are_counted_and_refused_unless_skipped(world, tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    shutil.copytree(world.root, root)
+    gone = [world.features.train.ids[0], world.features.test.ids[-1]]
+    for image_id in gone:
+        (root / image_id).unlink()
+    out = tmp_path / "out"
+    missing = rf"2 of 22 images are missing under .*\({gone[0]}, {gone[1]}\).*--skip-missing"
+    with pytest.raises(SpmlError, match=missing):
+        finetune.finetune(init="best", from_run=world.linear, loss="role", **common(world, root=root, out=out))
+    assert not out.exists()
+    monkeypatch.setattr(losses.get("role"), "start_epoch", stop)
+    with pytest.raises(Stop):
+        finetune.finetune(init="best", from_run=world.linear, loss="role", skip_missing=True,
+                          **common(world, root=root, out=out))
+    (run_dir,) = (out / "voc").iterdir()
+    assert runs.read_json(run_dir / "config.json")["skipped_images"] == {"train": 1, "val": 0, "test": 1}
+
+
+def test_cuda_out_of_memory_suggests_a_smaller_batch_and_leaves_nothing(world, tmp_path, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(finetune, "_train_epoch", out_of_memory)
+    out = tmp_path / "out"
+    with pytest.raises(SpmlError, match="out of memory.*smaller --batch-size"):
+        finetune.finetune(init="best", from_run=world.linear, loss="role", **common(world, out=out))
+    assert list((out / "voc").iterdir()) == []
+
+
+def test_data_parallel_shares_are_the_single_process_batches():
+    rows = np.arange(3, 26)  # 23 usable rows of 30: batches of 8 drop the trailing 7
+    single = data.EpochBatches(rows, 30, 8, seed=4, rank=0, world=1)
+    shares = [data.EpochBatches(rows, 30, 8, seed=4, rank=r, world=2) for r in range(2)]
+    for epoch in (1, 2):
+        for batches in [single, *shares]:
+            batches.set_epoch(epoch)
+        whole = list(single)
+        assert len(whole) == 2 and all(len(batch) == 8 for batch in whole)
+        assert [a + b for a, b in zip(*shares)] == whole
+        assert set(sum(whole, [])) <= set(rows.tolist())
+        assert torch.equal(shares[1].flips, single.flips)
+    with pytest.raises(SpmlError, match="--batch-size 8 does not split over 3 processes"):
+        data.check_batch_split([6, 8], data.Processes(0, 3, torch.device("cpu")))
+
+
+def _distributed_gradients(rank: int, world: int, port: int, images: torch.Tensor, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    processes = data.Processes(rank, world, torch.device("cpu"))
+    model = data.synchronise_batchnorm(small_model(), processes)
+    share = len(images) // world
+    trainer = torch.nn.parallel.DistributedDataParallel(model)  # kept alive: its hooks average the gradients
+    local = trainer(images[rank * share : (rank + 1) * share])
+    batch_coupled_loss(data.global_batch(local, processes)).backward()
+    if rank == 0:
+        torch.save({name: p.grad for name, p in model.named_parameters()} | {"running_var": model[1].running_var}, out)
+    torch.distributed.destroy_process_group()
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+
+
+def batch_coupled_loss(logits: torch.Tensor) -> torch.Tensor:
+    """A mean over entries plus EPR's batch-level term, which couples the rows of the global batch."""
+    p = torch.sigmoid(logits)
+    return torch.nn.functional.softplus(-logits).mean() + (p.sum() / len(p) - 1.5) ** 2
+
+
+def test_two_gloo_processes_compute_the_single_process_gradient(tmp_path):
+    """Sharing the batch (global BatchNorm statistics, gathered logits, DDP averaging) changes no gradient."""
+    images = torch.randn(6, 3, 7, 7, generator=torch.Generator().manual_seed(1))
+    model = small_model()
+    batch_coupled_loss(model(images)).backward()
+    # Forked, not spawned: the children need no fresh imports, and they run single-threaded.
+    torch.multiprocessing.start_processes(_distributed_gradients, args=(2, free_port(), images, tmp_path / "grads.pt"),
+                                          nprocs=2, start_method="fork")
+    got = torch.load(tmp_path / "grads.pt", weights_only=True)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got["running_var"], model[1].running_var, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,123 @@
+"""`spml-cache linear` as a user types it, and every kind of bad input it must refuse before writing anything."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+from linear_support import write_synthetic_cache
+from spml_cache import losses
+from spml_cache.errors import SpmlError
+from spml_cache.linear import run_linear
+
+REPO = Path(__file__).parents[1]
+
+
+def spml(*args, cwd, env=None):
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=environment,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    return write_synthetic_cache(tmp_path_factory.mktemp("cache") / "voc-resnet50-448.h5", train=40, val=16, test=20,
+                                 classes=4, dim=8)
+
+
+def test_loss_all_runs_every_registered_loss(tmp_path, tiny_cache):
+    done = spml("linear", "--cache", str(tiny_cache), "--loss", "all", "--lr", "1e-2,1e-3", "--batch-size", "4,8",
+                "--epochs", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert run_dir.name.startswith("linear-all-")
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["complete"] is True and list(results["losses"]) == losses.names()
+    assert all(result["selected"] is not None for result in results["losses"].values())
+    checkpoint = torch.load(run_dir / "best.pt", weights_only=True)
+    assert set(checkpoint) == set(losses.names())
+    assert all(entry["head"]["weight"].shape == (4, 8) for entry in checkpoint.values())
+    assert checkpoint["role"]["loss_state"]["theta"].shape == (1, 40, 4)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(losses.names()) * 4 * 2  # losses x (2 lrs x 2 batch sizes) x epochs
+    assert sorted(p.stem for p in (run_dir / "scores").iterdir()) == sorted(losses.names())
+    assert "test mAP" in done.stdout and "role" in done.stdout
+
+
+def test_dataset_finds_its_cache_in_spml_cache(tmp_path, tiny_cache):
+    folder = tmp_path / "features"
+    folder.mkdir()
+    (folder / tiny_cache.name).write_bytes(tiny_cache.read_bytes())
+    done = spml("linear", "--dataset", "voc", "--loss", "an", "--lr", "1e-2", "--batch-size", "8", "--epochs", "1",
+                "--out", "out", cwd=tmp_path, env={"SPML_CACHE": str(folder)})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(next((tmp_path / "out" / "voc").iterdir()).joinpath("config.json").read_text())["cache"] == str(
+        folder / tiny_cache.name)
+
+
+def test_usage_errors_exit_2(tmp_path, tiny_cache):
+    assert spml("linear", "--cache", str(tiny_cache), cwd=tmp_path).returncode == 2  # --loss is required
+    assert "Example:" in spml("linear", "--help", cwd=tmp_path).stdout
+    assert "Example:" in spml("demo", "--help", cwd=tmp_path).stdout
+
+
+def incomplete_copy(source: Path, target: Path) -> Path:
+    target.write_bytes(source.read_bytes())
+    with h5py.File(target, "r+") as file:
+        file.attrs["complete"] = False
+    return target
+
+
+BAD_INPUTS = [
+    ({"cache": "missing.h5"}, "missing.h5"),
+    ({"dataset": "voc", "cache_dir": "empty"}, "spml-cache extract voc"),
+    ({"losses": "an,nope"}, "unknown loss 'nope'"),
+    ({"hparams": ["alpha=0.3"]}, "has no hyperparameter alpha"),
+    ({"losses": "an,em", "hparams": ["gamma=0.3"]}, "none of the selected losses has a hyperparameter 'gamma'"),
+    ({"losses": "an,em", "hparams": ["wan.gamma=0.3"]}, "loss 'wan' is not among --loss"),
+    ({"hparams": ["alpha"]}, "expected key=value"),
+    ({"lrs": ""}, "--lr is empty"),
+    ({"lrs": "1e-3,fast"}, "comma list of numbers"),
+    ({"batch_sizes": "8,0"}, "must be positive"),
+    ({"epochs": 0}, "--epochs 0"),
+    ({"val_labels": "noisy"}, "--val-labels"),
+    ({"device": "tpu"}, "--device"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, tiny_cache, arguments, message):
+    arguments = {"cache": tiny_cache, "losses": "an", "epochs": 1, **arguments}
+    if "dataset" in arguments:
+        del arguments["cache"]
+        (tmp_path / arguments["cache_dir"]).mkdir()
+    arguments = {k: tmp_path / v if k in ("cache_dir",) or v == "missing.h5" else v for k, v in arguments.items()}
+    with pytest.raises(SpmlError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run_linear(out=tmp_path / "runs", **arguments)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_caches_that_cannot_be_used(tmp_path, tiny_cache):
+    broken = incomplete_copy(tiny_cache, tmp_path / "voc-resnet50-448.h5")
+    with pytest.raises(SpmlError, match="incomplete"):
+        run_linear(cache=broken, losses="an", out=tmp_path / "runs")
+    broken.rename(tmp_path / "voc-resnet50-448.h5.partial")
+    with pytest.raises(SpmlError, match="unfinished extraction.*spml-cache extract voc"):
+        run_linear(dataset="voc", cache_dir=tmp_path, losses="an", out=tmp_path / "runs")
+    for resolution in (224, 448):
+        (tmp_path / f"voc-resnet50-{resolution}.h5").write_bytes(tiny_cache.read_bytes())
+    with pytest.raises(SpmlError, match="several caches for 'voc'.*--cache"):
+        run_linear(dataset="voc", cache_dir=tmp_path, losses="an", out=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_user_error_is_one_red_line(tmp_path, tiny_cache):
+    done = spml("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", "", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["error: --lr is empty: give at least one value, e.g. --lr 1e-3"]
+    assert not (tmp_path / "runs").exists()

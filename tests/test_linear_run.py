@@ -1,0 +1,123 @@
+"""`run_linear` end to end on tiny caches: the run directory, best.pt, divergence, selection labels, learning."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from sklearn.metrics import average_precision_score
+
+from linear_support import write_synthetic_cache
+from spml_cache import cache, losses
+from spml_cache.linear import run_linear
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO())
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    return write_synthetic_cache(tmp_path_factory.mktemp("cache") / "voc-resnet50-448.h5", train=48, val=24, test=30)
+
+
+def sklearn_map(scores, labels):
+    """The protocol's mAP: mean over all classes, a class without positives counts 0."""
+    aps = [average_precision_score(labels[:, c], scores[:, c]) if labels[:, c].any() else 0.0
+           for c in range(labels.shape[1])]
+    return 100 * float(np.mean(aps))
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_diverging_head_is_stopped_and_the_others_finish(tmp_path, tiny_cache):
+    run = run_linear(cache=tiny_cache, losses="an", lrs="1e-2,1e38", batch_sizes="8", epochs=3, out=tmp_path,
+                     console=quiet())
+    result = run.results["losses"]["an"]
+    configs = {c["lr"]: c for c in result["configs"]}
+    assert configs[1e38]["diverged_epoch"] == 1 and configs[1e38]["best_epoch"] is None
+    assert configs[1e-2]["diverged_epoch"] is None and configs[1e-2]["best_epoch"] is not None
+    assert result["selected"]["lr"] == 1e-2
+    lines = read_metrics(run.run_dir)
+    exploded = [line for line in lines if line["lr"] == 1e38]
+    assert exploded == [{"loss": "an", "lr": 1e38, "batch_size": 8, "seed": 0, "epoch": 1, "train_loss": None,
+                         "val_map": None, "test_map": None, "diverged": True}]
+    healthy = [line for line in lines if line["lr"] == 1e-2]
+    assert [line["epoch"] for line in healthy] == [1, 2, 3]
+    assert all(np.isfinite([line["val_map"], line["test_map"], line["train_loss"]]).all() for line in healthy)
+
+
+@pytest.mark.parametrize("val_labels", ["clean", "observed"])
+def test_results_are_the_best_head_at_its_best_epoch(tmp_path, tiny_cache, val_labels):
+    run = run_linear(cache=tiny_cache, losses="role", lrs="1e-2,1e-3", batch_sizes="8,16", epochs=4,
+                     val_labels=val_labels, out=tmp_path, console=quiet())
+    features = cache.load(tiny_cache)
+    result = run.results["losses"]["role"]
+    checkpoint = torch.load(run.run_dir / "best.pt", weights_only=True)["role"]
+    assert (checkpoint["lr"], checkpoint["batch_size"]) == (result["selected"]["lr"], result["selected"]["batch_size"])
+    assert checkpoint["epoch"] == result["best_epoch"][0] and checkpoint["seed"] == 0
+
+    head = torch.nn.Linear(features.train.features.shape[1], len(features.classes))
+    head.load_state_dict(checkpoint["head"])
+    role = losses.build("role", num_classes=len(features.classes), dataset="voc", num_heads=1,
+                        train_observed=features.train.observed, seed=0)
+    initial = role.theta.detach().clone()
+    role.load_state_dict(checkpoint["loss_state"])
+    assert role.theta.shape == (1, len(features.train), len(features.classes))
+    assert not torch.allclose(role.theta, initial)  # the trained label matrix, not the init
+
+    with torch.no_grad():
+        scores = {split: torch.sigmoid(head(torch.from_numpy(getattr(features, split).features))).numpy()
+                  for split in ("train", "val", "test")}
+    val_targets = features.val.labels if val_labels == "clean" else (features.val.observed == 1)
+    assert result["val_map"] == pytest.approx(sklearn_map(scores["val"], val_targets), abs=1e-3)
+    assert result["test_map"] == pytest.approx(sklearn_map(scores["test"], features.test.labels), abs=1e-3)
+    assert result["train_map"] == pytest.approx(sklearn_map(scores["train"], features.train.labels), abs=1e-3)
+
+    saved = np.load(run.run_dir / "scores" / "role.npz")
+    for split in ("train", "val", "test"):
+        assert saved[split].dtype == np.float16
+        np.testing.assert_allclose(saved[split], scores[split], atol=1e-3)
+    labels = np.load(run.run_dir / "labels.npz")
+    np.testing.assert_array_equal(labels["train_observed"], features.train.observed)
+    np.testing.assert_array_equal(labels["test_labels"], features.test.labels)
+    config = json.loads((run.run_dir / "config.json").read_text())
+    assert config["val_labels"] == val_labels and config["hparams"]["role"]["k"] == 1.5
+    assert config["cache_id"] == run.results["cache_id"] == cache.cache_id(features.attrs)
+    assert {"torch", "python", "device"} <= set(json.loads((run.run_dir / "env.json").read_text()))
+    assert run.run_dir.parent == tmp_path / "voc" and run.run_dir.name.startswith("linear-role-")
+
+
+def test_single_positive_losses_learn_a_learnable_problem(tmp_path):
+    path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=200, val=60, test=80, classes=10, dim=32)
+    run = run_linear(cache=path, losses="bce,an,role,em", lrs="1e-2", batch_sizes="8", epochs=6,
+                     out=tmp_path / "runs", console=quiet())
+    chance = 100 * cache.load(path).test.labels.mean()  # ~20: the mAP of random scores
+    for name, result in run.results["losses"].items():
+        assert result["test_map"] > chance + 35, (name, result["test_map"], chance)
+
+
+def test_a_dataset_without_published_k_takes_the_caches(tmp_path):
+    path = write_synthetic_cache(tmp_path / "mine-resnet50-448.h5", dataset="mine")
+    run = run_linear(cache=path, losses="epr", lrs="1e-2", batch_sizes="8", epochs=1, out=tmp_path, console=quiet())
+    assert run.results["losses"]["epr"]["selected"]["hparams"]["k"] == pytest.approx(
+        cache.load(path).attrs["expected_positives"])
+
+
+def test_worker_processes_give_the_same_run(tmp_path, tiny_cache):
+    grid = dict(cache=tiny_cache, losses="an,role", lrs="1e-2,1e-3", batch_sizes="8,16", epochs=2, seeds=2,
+                console=quiet())
+    alone = run_linear(out=tmp_path / "one", workers=1, **grid)
+    parallel = run_linear(out=tmp_path / "two", workers=2, **grid)
+    assert json.loads((parallel.run_dir / "config.json").read_text())["workers"] == 2
+    for name in ("an", "role"):
+        mine, theirs = dict(alone.results["losses"][name]), dict(parallel.results["losses"][name])
+        mine.pop("seconds"), theirs.pop("seconds")
+        assert mine == theirs
+    first, second = (torch.load(run.run_dir / "best.pt", weights_only=True) for run in (alone, parallel))
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert sorted(read_metrics(alone.run_dir), key=json.dumps) == sorted(read_metrics(parallel.run_dir), key=json.dumps)
