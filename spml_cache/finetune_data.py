@@ -319,12 +319,17 @@ def default_weights(cache_attrs: dict) -> str:
 
 def newest_linear_run(runs_root: Path, dataset: str, loss: str, cache_id: str | None) -> Path:
     """The newest finished linear run of `dataset` under `runs_root` that trained `loss` (on that cache)."""
-    from spml_cache.report import read_run  # reads any run directory without trusting it
-
     folder = Path(runs_root) / dataset
-    found = [read_run(path) for path in sorted(folder.glob("linear-*"))] if folder.is_dir() else []
-    usable = [run for run in found if run.results is not None and loss in run.losses
-              and (run.path / "best.pt").exists() and cache_id in (None, run.cache_id)]
+    usable = []
+    for path in sorted(folder.glob("linear-*")) if folder.is_dir() else []:
+        if not (runs.is_complete(path) and (path / "best.pt").exists()):
+            continue
+        try:
+            results = runs.read_json(path / runs.RESULTS)
+        except SpmlError:  # a garbled results.json: not a run to start from
+            continue
+        if loss in results.get("losses", {}) and cache_id in (None, results.get("cache_id")):
+            usable.append(path)
     if not usable:
         where = f"{folder}" + (f" on cache {cache_id}" if cache_id else "")
         raise SpmlError(
@@ -332,7 +337,7 @@ def newest_linear_run(runs_root: Path, dataset: str, loss: str, cache_id: str | 
             f" `spml-cache linear --loss {loss} --dataset {dataset}` (or --cache FILE), or pass --from RUN or"
             " --init imagenet"
         )
-    return max(usable, key=lambda run: (run.stamp, run.path.name)).path
+    return max(usable, key=lambda path: (runs.run_stamp(path), path.name))
 
 
 def read_linear_head(run: Path, loss: str | None) -> LinearHead:

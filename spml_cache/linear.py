@@ -53,6 +53,8 @@ class LinearSettings:
 
 def find_cache(cache: Path | str | None, dataset: str | None, cache_dir: Path | str) -> Path:
     """`--cache PATH`, or the one cache of `--dataset NAME` in the cache folder."""
+    if cache is not None and dataset is not None:
+        raise SpmlError("pass either --cache PATH or --dataset NAME, not both")
     if cache is not None:
         return Path(cache)
     if dataset is None:
@@ -112,7 +114,9 @@ def parse_hparams(items, losses: list[str]) -> dict[str, dict]:
         try:
             value = int(text) if text.strip().lstrip("-").isdigit() else float(text)
         except ValueError:
-            raise SpmlError(f"--hp {item!r}: the value must be a number") from None
+            value = math.nan
+        if not math.isfinite(value):
+            raise SpmlError(f"--hp {item!r}: the value must be a finite number")
         loss, dot, name = key.rpartition(".")
         if dot:
             if loss not in overrides:
@@ -221,12 +225,13 @@ def run_linear(
     entries, checkpoint = {}, {}
     finished: dict[str, dict[int, tuple]] = {name: {} for name in settings.losses}
     with LiveTable(settings.losses, len(settings.seeds), settings.epochs, console or progress_console) as live:
-        for (name, index), progress, job in _train_jobs(jobs, used, settings, data, features, workers):
-            if progress is not None:  # an epoch of a job that is still running
-                live.epoch(name, index, *progress)
-                continue
-            records, lines, seconds = job
+        for (name, index), progress, lines, job in _train_jobs(jobs, used, settings, data, features, workers):
             append_metrics(run_dir, lines)
+            if progress is not None and name in finished:  # an epoch of a job of an unfinished loss
+                live.epoch(name, index, *progress)
+            if job is None:
+                continue
+            records, seconds = job
             finished[name][index] = (records, seconds)
             if len(finished[name]) == len(settings.seeds):  # every seed of this loss is done
                 done = finished.pop(name)
@@ -245,17 +250,17 @@ def run_linear(
 
 
 def _train_jobs(jobs, used, settings, data, features, workers):
-    """Train every (loss, seed) job; yields `((loss, seed index), progress, job)` events: `progress =
-    (epoch, best_so_far)` after each epoch of a job, then one event with `job = (records, lines, seconds)`."""
+    """Train every (loss, seed) job; yields `((loss, seed index), progress, metrics lines, job)` events:
+    `progress = (epoch, best_so_far)` after each epoch of a job, `job = (records, seconds)` when it is done.
+    In-process the metrics lines come with each epoch; from worker processes, with the finished job."""
     if workers == 1:
         for name, index, seed in jobs:
             start = time.perf_counter()
             run = SeedRun(name, used[name], seed, settings.lrs, settings.batch_sizes, settings.epochs, data)
-            lines = []
             for epoch in range(1, settings.epochs + 1):
-                lines += run.run_epoch(epoch)
-                yield (name, index), (epoch, best_so_far(run.records)), None
-            yield (name, index), None, (run.records, lines, time.perf_counter() - start)
+                lines = run.run_epoch(epoch)
+                done = (run.records, time.perf_counter() - start) if epoch == settings.epochs else None
+                yield (name, index), (epoch, best_so_far(run.records)), lines, done
         return
     context = multiprocessing.get_context("spawn")  # fork is unsafe once torch has started its threads
     progress = context.Queue()
@@ -272,9 +277,10 @@ def _train_jobs(jobs, used, settings, data, features, workers):
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             while not progress.empty():
                 key, epoch_progress = progress.get()
-                yield key, epoch_progress, None
+                yield key, epoch_progress, [], None
             for future in done:
-                yield pending.pop(future), None, future.result()
+                records, lines, seconds = future.result()
+                yield pending.pop(future), None, lines, (records, seconds)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

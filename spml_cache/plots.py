@@ -24,7 +24,7 @@ from rich.text import Text
 
 from spml_cache.errors import SpmlError
 from spml_cache.report import Run, collect_runs, in_spec_order, oracle_losses, select_newest
-from spml_cache.runs import _replace_atomically as replace_atomically
+from spml_cache.runs import replace_atomically
 from spml_cache.runs import read_metrics
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from spml_cache.errors import SpmlError
-from spml_cache.runs import RESULTS, is_complete, read_json
-from spml_cache.runs import _replace_atomically as replace_atomically
+from spml_cache.runs import RESULTS, is_complete, read_json, run_stamp
+from spml_cache.runs import replace_atomically
 
 RUN_FILES = ("config.json", RESULTS, "metrics.jsonl")
 # Fine-tuning from a fresh ImageNet model is another experiment than from the best linear head (LinearInit).
@@ -95,13 +94,12 @@ def read_run(path: Path) -> Run:
         results, problem = None, f"{RESULTS} not marked complete"
     known = {**(config or {}), **(results or {})}
     init = known.get("init") if isinstance(known.get("init"), dict) else {}
-    stamp = re.search(r"(\d{8}-\d{6})(?:-(\d+))?$", path.name)  # runs.make_run_dir adds -2, -3 within a second
     return Run(
         path=path,
         stage=(known.get("stage") or path.name.split("-")[0]) + ("-imagenet" if init.get("mode") == "imagenet" else ""),
         dataset=known.get("dataset") or path.parent.name,
         cache_id=str(known.get("cache_id") or "unknown"),
-        stamp=(stamp.group(1), int(stamp.group(2) or 1)) if stamp else ("", 0),
+        stamp=run_stamp(path),
         config=config or {},
         results=results,
         problem=problem if results is None else "",

@@ -78,9 +78,6 @@ def replace_atomically(path: Path, write) -> None:
         raise
 
 
-_replace_atomically = replace_atomically  # the name report.py and plots.py first imported
-
-
 def write_json(path: Path | str, data: Any) -> Path:
     """Write `data` as indented JSON, atomically."""
     path = Path(path)
@@ -167,6 +164,12 @@ def env_info(device: torch.device | str) -> dict:
         "device": str(device),
         "device_name": device_name,
     }
+
+
+def run_stamp(run_dir: Path | str) -> tuple[str, int]:
+    """(YYYYmmdd-HHMMSS, same-second counter) from a run directory's name: orders runs, newest last."""
+    found = re.search(r"(\d{8}-\d{6})(?:-(\d+))?$", Path(run_dir).name)
+    return (found.group(1), int(found.group(2) or 1)) if found else ("", 0)
 
 
 def is_complete(run_dir: Path | str) -> bool:

@@ -107,8 +107,8 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
         for r in records
     ]
     if selection is None:
-        return {"selected": None, "error": "every head diverged in its first epoch", "configs": configs,
-                "seconds": seconds}
+        return {"selected": None, "error": "no config has a scored epoch in every seed: heads diverged in their first"
+                " epoch", "configs": configs, "seconds": seconds}
     chosen = selection.records
     val = [r.best_val_map for r in chosen]
     test = [r.test_map[r.best_epoch - 1] for r in chosen]
@@ -221,7 +221,8 @@ class LiveTable:
         if selected is None:
             self.rows[loss] = [f"done, {result['seconds']:.1f} s", "-", "-", "every head diverged"]
         else:
-            config = f"lr {selected['lr']:g}, batch {selected['batch_size']}, epoch {result['best_epoch']}"
+            epochs = ",".join(str(epoch) for epoch in result["best_epoch"])
+            config = f"lr {selected['lr']:g}, batch {selected['batch_size']}, epoch {epochs}"
             val, test = _mean_std(result, "val_map"), _mean_std(result, "test_map")
             self.rows[loss] = [f"done, {result['seconds']:.1f} s", val, test, config]
         self._show(f"{loss}: done in {result['seconds']:.1f} s, val mAP {self.rows[loss][1]}, "

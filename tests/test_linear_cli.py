@@ -81,6 +81,8 @@ BAD_INPUTS = [
     ({"losses": "an,em", "hparams": ["gamma=0.3"]}, "none of the selected losses has a hyperparameter 'gamma'"),
     ({"losses": "an,em", "hparams": ["wan.gamma=0.3"]}, "loss 'wan' is not among --loss"),
     ({"hparams": ["alpha"]}, "expected key=value"),
+    ({"hparams": ["an.gamma=fast"]}, "must be a finite number"),
+    ({"dataset": "voc", "cache_dir": "empty", "cache": "x.h5"}, "not both"),
     ({"lrs": ""}, "--lr is empty"),
     ({"lrs": "1e-3,fast"}, "comma list of numbers"),
     ({"batch_sizes": "8,0"}, "must be positive"),
@@ -92,9 +94,11 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("arguments, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, tiny_cache, arguments, message):
+    with_cache = "cache" in arguments
     arguments = {"cache": tiny_cache, "losses": "an", "epochs": 1, **arguments}
     if "dataset" in arguments:
-        del arguments["cache"]
+        if not with_cache:
+            del arguments["cache"]
         (tmp_path / arguments["cache_dir"]).mkdir()
     arguments = {k: tmp_path / v if k in ("cache_dir",) or v == "missing.h5" else v for k, v in arguments.items()}
     with pytest.raises(SpmlError, match=message.replace("(", r"\(").replace(")", r"\)")):
