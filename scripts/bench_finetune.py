@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spml_cache import backbone, losses  # noqa: E402
 from spml_cache import finetune_data as data  # noqa: E402
+from spml_cache import parallel  # noqa: E402
 from spml_cache.devices import resolve_device  # noqa: E402
 from spml_cache.finetune import FineTuneModel, make_optimizer, train_step  # noqa: E402
 
@@ -59,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = resolve_device(args.device)
-    processes = data.Processes(0, 1, device)
+    processes = parallel.Processes(0, 1, device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     with warnings.catch_warnings():

@@ -6,7 +6,7 @@ training, ImageNet normalisation, Adam without weight decay, BatchNorm in train 
 two's (selection.py): per config the first epoch of best val mAP, the test mAP there, the config of best mean
 val mAP over seeds. Every epoch leaves a checkpoint (model, optimiser, loss state, RNG, metric history) under
 `checkpoints/`, so `--resume RUN` goes on where a killed run stopped. Under torchrun the processes share each
-global batch (finetune_data.py); only rank 0 writes.
+global batch (parallel.py); only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import copy
 import math
 import shutil
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from spml_cache import backbone, cache, heads, linear, losses, protocol, runs
 from spml_cache import finetune_data as data
+from spml_cache import parallel
 from spml_cache.errors import SpmlError
 from spml_cache.extract import default_workers
 from spml_cache.progress import progress_bar
@@ -69,7 +70,7 @@ class Setup:
     rows: dict[str, np.ndarray]  # the cache rows used per split (all, or those whose image exists)
     start: data.LinearHead | None
     initial: FineTuneModel  # on the CPU; every config starts from a copy
-    processes: data.Processes
+    processes: parallel.Processes
     workers: int
     notes: list[str]
 
@@ -96,16 +97,16 @@ def finetune(
              "batch_sizes": None if batch_sizes is None else linear.parse_list(batch_sizes, "--batch-size", int),
              "seeds": None if seeds is None else list(range(linear.parse_list([seeds], "--seeds", int)[0]))}
     given = {key: value for key, value in given.items() if value is not None}
-    processes = data.start_processes(device)
+    processes = parallel.start_processes(device)
     say = log if processes.main else (lambda line: None)
     if processes.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # one input shape for training, one for scoring
     try:
-        stored = _resumable(Path(resume)) if resume is not None else None
+        stored = data.resumable(Path(resume)) if resume is not None else None
         setup = _resolve(given, hparams or [], stored, root, Path(out), Path(cache_dir), processes, workers)
         for note in setup.notes + ([f"resuming {resume}"] if resume is not None else []):
             say(note)
-        run_dir = Path(resume) if resume is not None else _create_run_dir(Path(out), setup)
+        run_dir = Path(resume) if resume is not None else data.create_run_dir(Path(out), setup)
         try:
             return _run_grid(setup, run_dir, resumed=resume is not None, say=say)
         except torch.cuda.OutOfMemoryError:
@@ -117,7 +118,7 @@ def finetune(
                 " with torchrun --nproc-per-node N"
             ) from None
     finally:
-        data.stop_processes(processes)
+        parallel.stop_processes(processes)
 
 
 # --- resolution: everything is checked before the run directory exists ------------------------------------
@@ -125,7 +126,7 @@ def finetune(
 
 def _resolve(given: dict, hp_items: list, stored, root, out: Path, cache_dir: Path, processes, workers) -> Setup:
     if stored is not None:
-        given = {**stored["options"], **_same_as_stored(given, hp_items, stored)}
+        given = {**stored["options"], **data.same_as_stored(given, hp_items, stored)}
         root = root if root is not None else Path(stored["root"])
     options, features, start = _resolve_options(given, hp_items, out, cache_dir, processes)
     if stored is not None and cache.cache_id(features.attrs) != stored["cache_id"]:
@@ -186,7 +187,7 @@ def _resolve_options(given: dict, hp_items: list, out: Path, cache_dir: Path, pr
             raise SpmlError(f"{flag} {value}: must be at least {least}")
     if not options["head_lr_mult"] > 0:
         raise SpmlError(f"--head-lr-mult {options['head_lr_mult']}: must be positive")
-    data.check_batch_split(options["batch_sizes"], processes)
+    parallel.check_batch_split(options["batch_sizes"], processes)
     return options, features, start
 
 
@@ -205,95 +206,6 @@ def _build_loss(options: dict, features: cache.FeatureSet, seed: int, device: to
     built = losses.build(options["loss"], num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
                          train_observed=torch.from_numpy(features.train.observed), seed=seed, **options["hparams"])
     return built.to(device)
-
-
-# --- the run directory -----------------------------------------------------------------------------------
-
-
-def _resumable(run_dir: Path) -> dict:
-    if not (run_dir / "config.json").exists():
-        raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
-    config = runs.read_json(run_dir / "config.json")
-    if config.get("stage") != "finetune":
-        raise SpmlError(f"--resume {run_dir}: a {config.get('stage')} run; only fine-tuning runs resume here")
-    if runs.is_complete(run_dir):
-        raise SpmlError(f"--resume {run_dir}: that run is already complete (results.json)")
-    return {**config, "run_dir": str(run_dir)}
-
-
-def _same_as_stored(given: dict, hp_items: list, stored: dict) -> dict:
-    """The options given with --resume, which must be the interrupted run's; else say what differs."""
-    before = stored["options"]
-    hparams = linear.parse_hparams(hp_items, [before["loss"]])[before["loss"]]
-    differs = [f"--hp {key}={value} vs {before['hparams'].get(key)}" for key, value in hparams.items()
-               if before["hparams"].get(key) != value]
-    for key, value in given.items():
-        same_path = key in ("from_run", "cache") and Path(value).resolve() == Path(before.get(key) or "").resolve()
-        if value != before.get(key) and not same_path:
-            differs.append(f"{key} {value} vs {before.get(key)}")
-    if differs:
-        raise SpmlError(f"--resume {stored['run_dir']}: that run has another configuration"
-                        f" ({'; '.join(differs)} there): resume with its settings, or start a new run")
-    return given
-
-
-def _create_run_dir(out: Path, setup: Setup) -> Path:
-    """Rank 0 makes the directory and writes config.json and env.json; every process learns its path."""
-    run_dir = [None]
-    if setup.processes.main:
-        options, features = setup.options, setup.features
-        run_dir[0] = runs.make_run_dir("finetune", options["dataset"], options["loss"], out)
-        runs.write_json(run_dir[0] / "config.json", {
-            "stage": "finetune", "dataset": options["dataset"], "cache": options["cache"],
-            "cache_id": cache.cache_id(features.attrs), "cache_attrs": features.attrs, "classes": features.classes,
-            "losses": [options["loss"]], "lrs": options["lrs"], "batch_sizes": options["batch_sizes"],
-            "epochs": options["epochs"], "seeds": options["seeds"], "hparams": {options["loss"]: options["hparams"]},
-            "val_labels": "clean", "device": str(setup.processes.device), "processes": setup.processes.world,
-            "options": options, "root": str(setup.root), "init": _init_summary(setup),
-            "skipped_images": {s: len(getattr(features, s)) - len(setup.rows[s]) for s in cache.SPLITS},
-        })
-        runs.write_json(run_dir[0] / "env.json", runs.env_info(setup.processes.device))
-    if setup.processes.world > 1:
-        dist.broadcast_object_list(run_dir, src=0)
-    return Path(run_dir[0])
-
-
-def _init_summary(setup: Setup) -> dict:
-    if setup.start is None:
-        return {"mode": "imagenet", "weights": setup.options["weights"]}
-    start = setup.start
-    return {"mode": "best", "run": str(start.run), "loss": start.loss, **start.settings, "val_map": start.val_map,
-            "weights": setup.options["weights"]}
-
-
-def _checkpoint(run_dir: Path, record: HeadRecord, best: bool = False) -> Path:
-    """The config's last checkpoint, or the model of its best epoch (named by the epoch, so that a kill between
-    writing it and the checkpoint that records it leaves the recorded best model in place)."""
-    tag = f"lr{record.lr:g}-b{record.batch_size}-s{record.seed}"
-    return run_dir / "checkpoints" / (f"{tag}.best-{record.best_epoch}.pt" if best else f"{tag}.pt")
-
-
-def _record_state(record: HeadRecord) -> dict:
-    """A HeadRecord as plain values (weights_only-loadable); `_record_from` inverts it."""
-    state = {f.name: getattr(record, f.name) for f in fields(HeadRecord) if f.name != "best_state"}
-    state["best_test_ap"] = None if record.best_test_ap is None else torch.from_numpy(np.asarray(record.best_test_ap))
-    return state
-
-
-def _record_from(state: dict) -> HeadRecord:
-    best_test_ap = state["best_test_ap"]
-    return HeadRecord(**{**state, "best_test_ap": None if best_test_ap is None else best_test_ap.numpy()})
-
-
-def _metric_lines(record: HeadRecord, first: int = 1) -> list[dict]:
-    """The metrics.jsonl lines of `record`'s epochs from `first` on (the diverged epoch last, as linear's)."""
-    keys = {"loss": record.loss, "lr": record.lr, "batch_size": record.batch_size, "seed": record.seed}
-    lines = [{**keys, "epoch": e + 1, "train_loss": t, "val_map": v, "test_map": m}
-             for e, (t, v, m) in enumerate(zip(record.train_loss, record.val_map, record.test_map))]
-    if record.diverged_epoch is not None:
-        lines.append({**keys, "epoch": record.diverged_epoch, "train_loss": None, "val_map": None, "test_map": None,
-                      "diverged": True})
-    return lines[first - 1 :]
 
 
 # --- training --------------------------------------------------------------------------------------------
@@ -315,7 +227,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     model = copy.deepcopy(setup.initial).to(setup.processes.device, memory_format=torch.channels_last)
     train_maps, saved, scores = [], {}, {}
     for record in selection.records if selection else []:
-        state = runs.load_checkpoint(_checkpoint(run_dir, record, best=True))
+        state = runs.load_checkpoint(data.checkpoint(run_dir, record, best=True))
         model.load_state_dict(state["model"])
         train = torch.sigmoid(_score(model, setup, "train"))
         train_maps.append(protocol.mean_average_precision(train, _labels(setup, "train")))
@@ -328,7 +240,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         return {}
     entry = loss_results(records, selection, options["hparams"], train_maps, time.perf_counter() - began)
     results = {"stage": "finetune", "dataset": options["dataset"], "cache_id": cache.cache_id(setup.features.attrs),
-               "complete": True, "init": _init_summary(setup), "losses": {options["loss"]: entry}}
+               "complete": True, "init": data.init_summary(setup), "losses": {options["loss"]: entry}}
     runs.save_checkpoint(run_dir / "best.pt", {options["loss"]: saved} if saved else {})
     if scores:
         runs.write_npz(run_dir / "scores" / f"{options['loss']}.npz",
@@ -342,14 +254,14 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
 
 def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadRecord:
     processes, options, features = setup.processes, setup.options, setup.features
-    device, path = processes.device, _checkpoint(run_dir, record)
+    device, path = processes.device, data.checkpoint(run_dir, record)
     if processes.world > 1:
         dist.barrier()  # every process has looked at this config's checkpoint before rank 0 writes its next one
     checkpoint = runs.load_checkpoint(path) if path.exists() else None
     if checkpoint is not None:
-        record = _record_from(checkpoint["record"])
+        record = data.record_from(checkpoint["record"])
         if processes.main:
-            runs.append_metrics(run_dir, _metric_lines(record))
+            runs.append_metrics(run_dir, data.metric_lines(record))
         if checkpoint["done"]:
             return record
     model = copy.deepcopy(setup.initial)
@@ -357,7 +269,7 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
         model.head.weight.data, model.head.bias.data = heads.linear_init(backbone.FEATURE_DIM, len(features.classes),
                                                                          record.seed)
     # channels_last as the inputs (and the extraction) are: also what keeps DDP's gradient buckets aligned.
-    model = data.synchronise_batchnorm(model.to(device, memory_format=torch.channels_last), processes)
+    model = parallel.synchronise_batchnorm(model.to(device, memory_format=torch.channels_last), processes)
     loss_fn = _build_loss(options, features, record.seed, device)
     if setup.start is not None and "theta" in setup.start.loss_state:
         loss_fn.theta.data.copy_(data.role_theta_handover(setup.start.loss_state["theta"]))
@@ -393,7 +305,7 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
                                                           _labels(setup, split)) for split in ("val", "test"))
             val_map, test_map = 100 * val_ap.mean().item(), 100 * test_ap.mean().item()
             if record.add_epoch(epoch, train_loss, val_map, test_map, test_ap.cpu().numpy()) and processes.main:
-                runs.save_checkpoint(_checkpoint(run_dir, record, best=True),
+                runs.save_checkpoint(data.checkpoint(run_dir, record, best=True),
                                      {"model": model.state_dict(), "loss_state": loss_fn.state_dict()})
             say(f"{label}: train loss {train_loss:.4f}, val mAP {val_map:.2f}, test mAP {test_map:.2f}"
                 + (" (best so far)" if record.best_epoch == epoch else ""))
@@ -402,16 +314,16 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
             say(f"{label}: the loss is {train_loss}: diverged, stopped")
         done = epoch == options["epochs"] or record.diverged_epoch is not None
         if processes.main:
-            state = {"record": _record_state(record), "done": done}
+            state = {"record": data.record_state(record), "done": done}
             if not done:  # a finished config keeps only its record (and its best model)
                 state.update(model=model.state_dict(), optimizer=optimizer.state_dict(),
                              loss_state=loss_fn.state_dict(), rng={"torch": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []})
             runs.save_checkpoint(path, state)
             for stale in path.parent.glob(f"{path.stem}.best-*.pt"):
-                if stale != _checkpoint(run_dir, record, best=True):
+                if stale != data.checkpoint(run_dir, record, best=True):
                     stale.unlink()
-            runs.append_metrics(run_dir, _metric_lines(record, epoch))
+            runs.append_metrics(run_dir, data.metric_lines(record, epoch))
         if done:
             break
     return record
@@ -443,14 +355,14 @@ def make_optimizer(model: FineTuneModel, loss_fn: losses.Loss, lr: float, head_l
 
 def train_step(trainer: nn.Module, model: FineTuneModel, loss_fn: losses.Loss, optimizer, images: list, flips,
                observed: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, resolution: int,
-               processes: data.Processes) -> torch.Tensor:
+               processes: parallel.Processes) -> torch.Tensor:
     """One optimiser step on a global batch (`observed`, `labels`, `index` are the global batch's; `images` and
     `flips` this process's share): device-side preprocessing, bf16 autocast on GPU, the loss on the gathered
     logits, the head-only penalty. Returns the loss (detached)."""
     x = data.model_input(images, resolution, processes.device, flips)
     with torch.autocast(processes.device.type, dtype=torch.bfloat16, enabled=processes.device.type == "cuda"):
         local_logits = trainer(x)
-    logits = data.global_batch(local_logits.float(), processes)
+    logits = parallel.global_batch(local_logits.float(), processes)
     value = loss_fn(logits, observed, labels=labels, index=index)
     value = value + loss_fn.penalty(model.head.weight.t())  # L1R/L2R: on the head only
     optimizer.zero_grad(set_to_none=True)
@@ -470,7 +382,7 @@ def _score(model: FineTuneModel, setup: Setup, split: str) -> torch.Tensor:
     for _, images in data.loader(files, shards, setup.workers):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             outputs.append(model(data.model_input(images, setup.options["resolution"], device)).float())
-    return data.gather_rows(torch.cat(outputs), shards.counts, processes)
+    return parallel.gather_rows(torch.cat(outputs), shards.counts, processes)
 
 
 def _labels(setup: Setup, split: str) -> torch.Tensor:

@@ -1,29 +1,25 @@
 """Stage three's inputs: the linear run's head (LinearInit), the cache's images on disk, the batches of one or
-several processes, the device-side augmentation, and the few collectives that data-parallel fine-tuning needs.
-
-Data parallel keeps the single-process semantics exactly: every process draws the same permutation of the
-training rows from (seed, epoch), cuts it into the same global batches, and takes its contiguous share of each.
-The loss is then computed on the whole global batch in every process (logits are gathered), so losses whose
-terms couple the batch (EPR's and ROLE's R_k, the large-loss rejection, OPML's log det) and per-example state
-indexed by training row stay identical in every process without further communication.
+several processes (their collectives are in parallel.py), the device-side augmentation, and the run directory.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from spml_cache import backbone, datasets, runs
+from spml_cache import backbone, cache, datasets, linear, runs
 from spml_cache.datasets.base import find_missing
-from spml_cache.devices import resolve_device
 from spml_cache.errors import SpmlError
+from spml_cache.selection import HeadRecord
+
+if TYPE_CHECKING:  # finetune.py imports this module, so Setup is named only for the annotations
+    from spml_cache.finetune import Setup
 
 EVAL_BATCH_SIZE = 32
 MISSING_SHOWN = 3
@@ -142,147 +138,6 @@ def model_input(images: list[torch.Tensor], resolution: int, device: torch.devic
     return batch
 
 
-# --- data parallel ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Processes:
-    """Where this process stands: `rank` of `world` processes, on `device`."""
-
-    rank: int
-    world: int
-    device: torch.device
-    owns_group: bool = False  # this run started the process group, so it ends it
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def start_processes(device_name: str) -> Processes:
-    """One process, or (under torchrun) join the process group: nccl on GPUs, gloo on the CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Processes(0, 1, resolve_device(device_name))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_name)
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Processes(dist.get_rank(), dist.get_world_size(), device, owns_group)
-
-
-def stop_processes(processes: Processes) -> None:
-    if processes.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def gather_rows(local: torch.Tensor, counts: list[int], processes: Processes) -> torch.Tensor:
-    """Concatenate every process's `[n_r, ...]` rows in rank order (`counts` = every n_r), on every process."""
-    if processes.world == 1:
-        return local
-    padded = local.new_zeros((max(counts), *local.shape[1:]))
-    padded[: len(local)] = local
-    parts = [torch.empty_like(padded) for _ in range(processes.world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([part[:count] for part, count in zip(parts, counts)])
-
-
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def global_batch(local_logits: torch.Tensor, processes: Processes) -> torch.Tensor:
-    """The logits of the whole global batch, with this process's share live (differentiable).
-
-    Every process computes the same loss L on the global batch; its gradient reaches the model only through the
-    local share. DDP averages the model's gradients over the processes, so the share's gradient is scaled by the
-    world size first: the average then equals dL/dparams exactly, while the loss's own parameters (ROLE's
-    theta, identical in every process) get dL/dtheta unscaled.
-    """
-    if processes.world == 1:
-        return local_logits
-    parts = [torch.empty_like(local_logits) for _ in range(processes.world)]
-    dist.all_gather(parts, local_logits.detach().contiguous())
-    parts[processes.rank] = _ScaleGradient.apply(local_logits, float(processes.world))
-    return torch.cat(parts)
-
-
-class _SumOverProcesses(torch.autograd.Function):
-    """all_reduce(SUM) with its gradient (the sum of every process's gradients), on any backend."""
-
-    @staticmethod
-    def forward(ctx, x):
-        total = x.clone()
-        dist.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = grad.clone()
-        dist.all_reduce(total)
-        return total
-
-
-class GlobalBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm whose training statistics span the global batch of all processes, on any device.
-
-    torch's SyncBatchNorm serves GPUs only; this is its CPU (gloo) counterpart, so that a data-parallel CPU run
-    normalises exactly as the single process does; the statistics' gradients cross processes too.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(x)
-        local_count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
-        sums = _SumOverProcesses.apply(torch.cat([x.sum(dim=(0, 2, 3)), local_count]))
-        count = sums[-1].detach()
-        mean = sums[:-1] / count
-        centred = x - mean.view(1, -1, 1, 1)
-        var = _SumOverProcesses.apply(centred.square().sum(dim=(0, 2, 3))) / count
-        with torch.no_grad():
-            self.running_mean.lerp_(mean.detach(), self.momentum)
-            self.running_var.lerp_(var.detach() * count / (count - 1), self.momentum)
-            self.num_batches_tracked.add_(1)
-        scale = self.weight * torch.rsqrt(var + self.eps)
-        return centred * scale.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
-
-
-def synchronise_batchnorm(module: nn.Module, processes: Processes) -> nn.Module:
-    """Under data parallel, make every BatchNorm normalise over the global batch (in place; returns module)."""
-    if processes.world == 1:
-        return module
-    if processes.device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    for name, child in module.named_children():
-        if isinstance(child, nn.BatchNorm2d):
-            replacement = GlobalBatchNorm2d(child.num_features, child.eps, child.momentum).to(child.weight.device)
-            replacement.load_state_dict(child.state_dict())
-            setattr(module, name, replacement)
-        else:
-            synchronise_batchnorm(child, processes)
-    return module
-
-
-def check_batch_split(batch_sizes: list[int], processes: Processes) -> None:
-    for batch_size in batch_sizes:
-        if batch_size % processes.world:
-            raise SpmlError(
-                f"--batch-size {batch_size} does not split over {processes.world} processes: the global batch is"
-                f" shared equally, so pass multiples of {processes.world}"
-            )
-
-
 # --- the linear stage's head (LinearInit) ----------------------------------------------------------------
 
 THETA_CLIP = 1e-5
@@ -388,3 +243,92 @@ def describe_start(head: LinearHead | None, options: dict) -> str:
                          if value is not None)
     val = f", val mAP {head.val_map:.2f}" if head.val_map is not None else ""
     return f"LinearInit from {head.run}: the {head.loss} head ({settings}{val})"
+
+
+# --- the run directory -----------------------------------------------------------------------------------
+
+
+def resumable(run_dir: Path) -> dict:
+    if not (run_dir / "config.json").exists():
+        raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
+    config = runs.read_json(run_dir / "config.json")
+    if config.get("stage") != "finetune":
+        raise SpmlError(f"--resume {run_dir}: a {config.get('stage')} run; only fine-tuning runs resume here")
+    if runs.is_complete(run_dir):
+        raise SpmlError(f"--resume {run_dir}: that run is already complete (results.json)")
+    return {**config, "run_dir": str(run_dir)}
+
+
+def same_as_stored(given: dict, hp_items: list, stored: dict) -> dict:
+    """The options given with --resume, which must be the interrupted run's; else say what differs."""
+    before = stored["options"]
+    hparams = linear.parse_hparams(hp_items, [before["loss"]])[before["loss"]]
+    differs = [f"--hp {key}={value} vs {before['hparams'].get(key)}" for key, value in hparams.items()
+               if before["hparams"].get(key) != value]
+    for key, value in given.items():
+        same_path = key in ("from_run", "cache") and Path(value).resolve() == Path(before.get(key) or "").resolve()
+        if value != before.get(key) and not same_path:
+            differs.append(f"{key} {value} vs {before.get(key)}")
+    if differs:
+        raise SpmlError(f"--resume {stored['run_dir']}: that run has another configuration"
+                        f" ({'; '.join(differs)} there): resume with its settings, or start a new run")
+    return given
+
+
+def create_run_dir(out: Path, setup: Setup) -> Path:
+    """Rank 0 makes the directory and writes config.json and env.json; every process learns its path."""
+    run_dir = [None]
+    if setup.processes.main:
+        options, features = setup.options, setup.features
+        run_dir[0] = runs.make_run_dir("finetune", options["dataset"], options["loss"], out)
+        runs.write_json(run_dir[0] / "config.json", {
+            "stage": "finetune", "dataset": options["dataset"], "cache": options["cache"],
+            "cache_id": cache.cache_id(features.attrs), "cache_attrs": features.attrs, "classes": features.classes,
+            "losses": [options["loss"]], "lrs": options["lrs"], "batch_sizes": options["batch_sizes"],
+            "epochs": options["epochs"], "seeds": options["seeds"], "hparams": {options["loss"]: options["hparams"]},
+            "val_labels": "clean", "device": str(setup.processes.device), "processes": setup.processes.world,
+            "options": options, "root": str(setup.root), "init": init_summary(setup),
+            "skipped_images": {s: len(getattr(features, s)) - len(setup.rows[s]) for s in cache.SPLITS},
+        })
+        runs.write_json(run_dir[0] / "env.json", runs.env_info(setup.processes.device))
+    if setup.processes.world > 1:
+        dist.broadcast_object_list(run_dir, src=0)
+    return Path(run_dir[0])
+
+
+def init_summary(setup: Setup) -> dict:
+    if setup.start is None:
+        return {"mode": "imagenet", "weights": setup.options["weights"]}
+    start = setup.start
+    return {"mode": "best", "run": str(start.run), "loss": start.loss, **start.settings, "val_map": start.val_map,
+            "weights": setup.options["weights"]}
+
+
+def checkpoint(run_dir: Path, record: HeadRecord, best: bool = False) -> Path:
+    """The config's last checkpoint, or the model of its best epoch (named by the epoch, so that a kill between
+    writing it and the checkpoint that records it leaves the recorded best model in place)."""
+    tag = f"lr{record.lr:g}-b{record.batch_size}-s{record.seed}"
+    return run_dir / "checkpoints" / (f"{tag}.best-{record.best_epoch}.pt" if best else f"{tag}.pt")
+
+
+def record_state(record: HeadRecord) -> dict:
+    """A HeadRecord as plain values (weights_only-loadable); `record_from` inverts it."""
+    state = {f.name: getattr(record, f.name) for f in fields(HeadRecord) if f.name != "best_state"}
+    state["best_test_ap"] = None if record.best_test_ap is None else torch.from_numpy(np.asarray(record.best_test_ap))
+    return state
+
+
+def record_from(state: dict) -> HeadRecord:
+    best_test_ap = state["best_test_ap"]
+    return HeadRecord(**{**state, "best_test_ap": None if best_test_ap is None else best_test_ap.numpy()})
+
+
+def metric_lines(record: HeadRecord, first: int = 1) -> list[dict]:
+    """The metrics.jsonl lines of `record`'s epochs from `first` on (the diverged epoch last, as linear's)."""
+    keys = {"loss": record.loss, "lr": record.lr, "batch_size": record.batch_size, "seed": record.seed}
+    lines = [{**keys, "epoch": e + 1, "train_loss": t, "val_map": v, "test_map": m}
+             for e, (t, v, m) in enumerate(zip(record.train_loss, record.val_map, record.test_map))]
+    if record.diverged_epoch is not None:
+        lines.append({**keys, "epoch": record.diverged_epoch, "train_loss": None, "val_map": None, "test_map": None,
+                      "diverged": True})
+    return lines[first - 1 :]

@@ -28,6 +28,7 @@ from sklearn.metrics import average_precision_score
 
 from spml_cache import cache, demo_data, extract, finetune, linear, losses, runs
 from spml_cache import finetune_data as data
+from spml_cache import parallel
 from spml_cache.errors import SpmlError
 
 REPO = Path(__file__).parents[1]
@@ -323,19 +324,19 @@ def test_data_parallel_shares_are_the_single_process_batches():
         assert set(sum(whole, [])) <= set(rows.tolist())
         assert torch.equal(shares[1].flips, single.flips)
     with pytest.raises(SpmlError, match="--batch-size 8 does not split over 3 processes"):
-        data.check_batch_split([6, 8], data.Processes(0, 3, torch.device("cpu")))
+        parallel.check_batch_split([6, 8], parallel.Processes(0, 3, torch.device("cpu")))
 
 
 def _distributed_gradients(rank: int, world: int, port: int, images: torch.Tensor, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    processes = data.Processes(rank, world, torch.device("cpu"))
-    model = data.synchronise_batchnorm(small_model(), processes)
+    processes = parallel.Processes(rank, world, torch.device("cpu"))
+    model = parallel.synchronise_batchnorm(small_model(), processes)
     share = len(images) // world
     trainer = torch.nn.parallel.DistributedDataParallel(model)  # kept alive: its hooks average the gradients
     local = trainer(images[rank * share : (rank + 1) * share])
-    batch_coupled_loss(data.global_batch(local, processes)).backward()
+    batch_coupled_loss(parallel.global_batch(local, processes)).backward()
     if rank == 0:
         torch.save({name: p.grad for name, p in model.named_parameters()} | {"running_var": model[1].running_var}, out)
     torch.distributed.destroy_process_group()
