@@ -8,22 +8,11 @@ import torch
 
 from spml_cache import losses
 from spml_cache.errors import SpmlError
+from loss_support import entropy, nl, sigmoid
 
 LOGITS = [[2.0, -1.0, 0.5, -3.0], [-0.3, 1.2, -2.0, 0.7], [0.1, -0.4, 3.5, -1.5]]
 OBSERVED = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, -1]]
 C = 4
-
-
-def nl(q):
-    return -math.log(q)
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x))
-
-
-def entropy(p):
-    return -p * math.log(p) - (1 - p) * math.log(1 - p)
 
 
 def em_term(x, z, alpha):

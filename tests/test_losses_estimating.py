@@ -8,6 +8,7 @@ import torch
 
 from spml_cache import losses
 from spml_cache.errors import SpmlError
+from loss_support import nl, sigmoid
 
 LOGITS = [[2.0, -1.0, 0.5, -3.0], [-0.3, 1.2, -2.0, 0.7], [0.1, -0.4, 3.5, -1.5]]
 OBSERVED = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, -1]]  # the last entry: an observed negative
@@ -16,14 +17,6 @@ TRAIN_OBSERVED = torch.tensor(
     [[1, 0, 0, 0], [0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 1, -1], [0, 0, 0, 1]], dtype=torch.int8
 )
 INDEX = torch.tensor([0, 2, 4])  # TRAIN_OBSERVED[INDEX] == OBSERVED
-
-
-def nl(q):
-    return -math.log(q)
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x))
 
 
 def logit(q):

@@ -1,24 +1,16 @@
 """Oracle losses (bce, bce_ls, iun): values from spec/losses.md restated with plain loops."""
 
-import math
 
 import pytest
 import torch
 
 from spml_cache import losses
 from spml_cache.errors import SpmlError
+from loss_support import nl, sigmoid
 
 LOGITS = [[2.0, -1.0, 0.5, -3.0], [-0.3, 1.2, -2.0, 0.7], [0.1, -0.4, 3.5, -1.5]]
 OBSERVED = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]
 LABELS = [[1, 0, 1, 0], [0, 1, 1, 0], [1, 0, 1, 1]]
-
-
-def nl(q):
-    return -math.log(q)
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x))
 
 
 def mean_of_terms(term):

@@ -1,24 +1,16 @@
 """focal, asl, hill, splc against spec/losses.md ("Robust-loss family"), restated here with numpy loops."""
 
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from spml_cache import losses
+from loss_support import nl, sigmoid
 
 # one head, 2 images x 4 classes: an observed positive per row, one observed negative (partial-label setting)
 LOGITS = np.array([[2.0, -1.0, 0.5, -4.0], [-0.3, 1.5, -2.0, 3.0]])
 OBSERVED = np.array([[1, 0, 0, 0], [0, 1, -1, 0]])
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x))
-
-
-def nl(q):
-    return -math.log(q)
 
 
 def mean_of_terms(term, logits=LOGITS, observed=OBSERVED):
