@@ -270,7 +270,8 @@ def linear_command(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/."),
     val_labels: str = typer.Option("clean", "--val-labels", help="Select on clean (full) val labels, or on the observed ones."),
-    workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed) jobs in parallel; 0: one per core on the CPU when the grid is big."),
+    workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
+    from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best head)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 
@@ -282,6 +283,7 @@ def linear_command(
     run = run_linear(
         cache=cache, dataset=dataset, cache_dir=default_cache_dir(), losses=loss, lrs=lr, batch_sizes=batch_size,
         epochs=epochs, seeds=seeds, hparams=hp or [], device=device, out=out, val_labels=val_labels, workers=workers,
+        from_run=from_run,
     )
     console.print(summary_table(run.results))
     console.print(f"run directory: {run.run_dir}")

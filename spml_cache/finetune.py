@@ -68,7 +68,7 @@ class Setup:
     features: cache.FeatureSet
     root: Path  # the folder the cache's ids are relative to
     rows: dict[str, np.ndarray]  # the cache rows used per split (all, or those whose image exists)
-    start: data.LinearHead | None
+    start: runs.LinearHead | None
     initial: FineTuneModel  # on the CPU; every config starts from a copy
     processes: parallel.Processes
     workers: int
@@ -191,15 +191,15 @@ def _resolve_options(given: dict, hp_items: list, out: Path, cache_dir: Path, pr
     return options, features, start
 
 
-def _choose_head(options: dict, features: cache.FeatureSet | None, out: Path) -> data.LinearHead:
+def _choose_head(options: dict, features: cache.FeatureSet | None, out: Path) -> runs.LinearHead:
     if "from_run" in options:
-        return data.read_linear_head(Path(options["from_run"]), options.get("loss"))
+        return runs.read_linear_head(Path(options["from_run"]), options.get("loss"))
     dataset = features.dataset if features is not None else options.get("dataset")
     if dataset is None or "loss" not in options:
         raise SpmlError("--init best needs --loss and --dataset (or --cache) to find the newest linear run,"
                         " or --from RUN")
     cache_id = cache.cache_id(features.attrs) if features is not None else None
-    return data.read_linear_head(data.newest_linear_run(out, dataset, options["loss"], cache_id), options["loss"])
+    return runs.read_linear_head(data.newest_linear_run(out, dataset, options["loss"], cache_id), options["loss"])
 
 
 def _build_loss(options: dict, features: cache.FeatureSet, seed: int, device: torch.device) -> losses.Loss:

@@ -4,7 +4,7 @@ several processes (their collectives are in parallel.py), the device-side augmen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -144,22 +144,6 @@ THETA_CLIP = 1e-5
 WEIGHT_NAMES = ("IMAGENET1K_V1", "IMAGENET1K_V2", "none")
 
 
-@dataclass(frozen=True)
-class LinearHead:
-    """The selected head of one loss in a finished linear run, and what it was trained with."""
-
-    run: Path
-    loss: str
-    weight: torch.Tensor  # [C, D]
-    bias: torch.Tensor  # [C]
-    loss_state: dict  # ROLE: {"theta": [1, N_train, C]}
-    settings: dict  # lr, batch_size, seed, epoch
-    hparams: dict
-    val_map: float | None
-    cache: str | None
-    cache_id: str | None
-
-
 def role_theta_handover(theta: torch.Tensor) -> torch.Tensor:
     """ROLE's label logits carried into fine-tuning: logit(clip(Q, 1e-5, 1 - 1e-5)) with Q = sigmoid(theta)."""
     q = torch.sigmoid(theta.double()).clamp(THETA_CLIP, 1 - THETA_CLIP)
@@ -195,30 +179,7 @@ def newest_linear_run(runs_root: Path, dataset: str, loss: str, cache_id: str | 
     return max(usable, key=lambda path: (runs.run_stamp(path), path.name))
 
 
-def read_linear_head(run: Path, loss: str | None) -> LinearHead:
-    """Loss `loss`'s head from linear run `run` (default: the loss of best val mAP there)."""
-    results = runs.load_results(run)
-    if results.get("stage") != "linear":
-        raise SpmlError(f"--from {run} is a {results.get('stage')} run; LinearInit starts from a linear run")
-    trained = results["losses"]
-    if loss is None:
-        loss = max(trained, key=lambda name: trained[name].get("val_map") or -1.0)
-    if loss not in trained:
-        raise SpmlError(f"--from {run} trained {', '.join(trained)}, not {loss}: pass one of those to --loss")
-    entry = runs.load_checkpoint(run / "best.pt").get(loss)
-    if not isinstance(entry, dict) or "head" not in entry:
-        raise SpmlError(f"{run / 'best.pt'} holds no head for {loss}: re-run spml-cache linear --loss {loss}")
-    config = runs.read_json(run / "config.json") if (run / "config.json").exists() else {}
-    return LinearHead(
-        run=Path(run), loss=loss, weight=entry["head"]["weight"].float(), bias=entry["head"]["bias"].float(),
-        loss_state=dict(entry.get("loss_state") or {}),
-        settings={key: entry.get(key) for key in ("lr", "batch_size", "seed", "epoch")},
-        hparams=dict(entry.get("hparams") or trained[loss].get("selected", {}).get("hparams") or {}),
-        val_map=trained[loss].get("val_map"), cache=config.get("cache"), cache_id=config.get("cache_id"),
-    )
-
-
-def check_head(head: LinearHead, num_classes: int, num_train: int, cache_path: Path) -> None:
+def check_head(head: runs.LinearHead, num_classes: int, num_train: int, cache_path: Path) -> None:
     """A head (and ROLE's theta) must fit the cache that fine-tuning reads."""
     rows, width = head.weight.shape
     if rows != num_classes or width != backbone.FEATURE_DIM:

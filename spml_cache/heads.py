@@ -1,9 +1,10 @@
 """Stacked linear heads and the stacked Adam: many heads trained as one tensor, each head as if alone.
 
-`StackedHeads` holds K heads as one weight `[K, D, C]` and one bias `[K, C]`; head k starts exactly as
-`torch.nn.Linear(D, C)` built right after `torch.manual_seed(seed_k)`, so a head inside a stack is the same
-model as the head trained on its own. `StackedAdam` is `torch.optim.Adam` (betas 0.9/0.999, eps 1e-8, no
-weight decay) applied independently to every head slice `param[k]`, with one learning rate per head; a
+`StackedHeads` holds K linear heads side by side in one `[D, K*C]` matrix and trains them with Adam, each at
+its own learning rate, in one fused update (see the class). Head k starts exactly as `torch.nn.Linear(D, C)`
+built right after `torch.manual_seed(seed_k)`, so a head inside a stack is the same model as the head trained
+on its own. `StackedAdam`, for the losses' own parameters, is `torch.optim.Adam` (betas 0.9/0.999, eps 1e-8,
+no weight decay) applied independently to every head slice `param[k]`, with one learning rate per head; a
 parameter may carry an lr multiplier (ROLE's `theta` at 10x).
 
 Parameters indexed by training row on dim 1 (ROLE's `theta [K, N_train, C]`) only get gradient on the batch's
@@ -42,33 +43,93 @@ def linear_init(in_features: int, num_classes: int, seed: int) -> tuple[torch.Te
     return linear.weight.detach(), linear.bias.detach()
 
 
-class StackedHeads(nn.Module):
-    """K linear heads `D -> C` as one weight `[K, D, C]` and one bias `[K, C]`; `seeds[k]` initialises head k."""
+class StackedHeads:
+    """K linear heads `D -> C` side by side in one matrix, each trained by Adam at its own learning rate.
 
-    def __init__(self, in_features: int, num_classes: int, seeds: Sequence[int]) -> None:
-        super().__init__()
-        inits = {seed: linear_init(in_features, num_classes, seed) for seed in set(seeds)}
-        self.weight = nn.Parameter(torch.stack([inits[seed][0].t() for seed in seeds]).contiguous())
-        self.bias = nn.Parameter(torch.stack([inits[seed][1] for seed in seeds]))
+    Layout: `scaled_weight [D, K*C]` and `scaled_bias [K*C]`, head k in columns `k*C .. (k+1)*C - 1`, so one
+    `addmm` gives every head's logits on a batch and one `mm` every head's weight gradient.
 
-    @property
-    def num_heads(self) -> int:
-        return self.weight.shape[0]
+    Adam moves a parameter by lr times a quantity of the gradients alone, so head k's parameters are stored
+    divided by its lr (`scaled_*`): Adam updates them at lr 1 for all heads in one fused call, from the
+    gradient of the real parameters, and the forward pass multiplies the logits back by lr_k. Head k's real
+    weight is `lr_k * scaled_weight[:, k]`: `torch.optim.Adam` on that head alone, up to float rounding.
+    Gradients are not taken by autograd through the heads (that would give the scaled parameters' gradient):
+    the trainer hands `step` the gradient of the loss with respect to the logits.
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits `[K, B, C]` of every head on the same rows `[B, D]`: one batched matmul."""
-        batch = features.expand(self.num_heads, *features.shape)
-        return torch.baddbmm(self.bias.unsqueeze(1), batch, self.weight)
+    A plain class, not an `nn.Module`: a step reads a dozen of its tensors, and module attribute lookups
+    would cost more than some of the ops.
+    """
 
-    @torch.no_grad()
+    def __init__(self, in_features: int, num_classes: int, seeds: Sequence[int], lrs: Sequence[float], *,
+                 device: torch.device | str = "cpu", fused: bool | None = None,
+                 start: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`start`: one head's `nn.Linear` weight `[C, D]` and bias `[C]` for every head to start from,
+        instead of each seed's initialisation."""
+        if len(seeds) != len(lrs):
+            raise ValueError(f"got {len(seeds)} seeds for {len(lrs)} learning rates: give one of each per head")
+        device = torch.device(device)
+        self.num_heads, self.num_classes = len(lrs), num_classes
+        self.fused = fused_adam_available(device) if fused is None else fused
+        if start is None:
+            inits = {seed: linear_init(in_features, num_classes, seed) for seed in set(seeds)}
+        else:
+            inits = {seed: tuple(t.detach().cpu().float() for t in start) for seed in set(seeds)}
+        lr_columns = torch.tensor(lrs, dtype=torch.float64).repeat_interleave(num_classes)
+        weight = torch.cat([inits[seed][0].t() for seed in seeds], dim=1).double() / lr_columns
+        bias = torch.cat([inits[seed][1] for seed in seeds]).double() / lr_columns
+        self.lr_columns = lr_columns.float().to(device)
+        self.scaled_weight, self.scaled_bias = weight.float().to(device), bias.float().to(device)
+        params = [self.scaled_weight, self.scaled_bias]
+        self.grads, self.exp_avgs, self.exp_avg_sqs = ([torch.zeros_like(p) for p in params] for _ in range(3))
+        self.params = params
+        self.steps = 0
+        self.step_tensor = torch.zeros((), device=device)  # where the fused kernel reads the step count
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits `[K, B, C]` of every head on the same rows `[B, D]` (no autograd through the heads)."""
+        flat = torch.addmm(self.scaled_bias, features, self.scaled_weight).mul_(self.lr_columns)
+        return flat.view(len(features), self.num_heads, self.num_classes).transpose(0, 1)
+
     def logits(self, features: torch.Tensor, chunk_rows: int = 16384) -> torch.Tensor:
         """Evaluation logits `[K, N, C]` for many rows, in row chunks to bound the memory of one matmul."""
-        parts = [torch.matmul(features[i : i + chunk_rows], self.weight) for i in range(0, len(features), chunk_rows)]
-        return torch.cat(parts, dim=1) + self.bias.unsqueeze(1)
+        return torch.cat([self(features[i : i + chunk_rows]) for i in range(0, len(features), chunk_rows)], dim=1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Every head's real weight, `[K, D, C]` (a copy)."""
+        weight = self.scaled_weight * self.lr_columns
+        return weight.view(-1, self.num_heads, self.num_classes).permute(1, 0, 2)
 
     def linear_state(self, k: int) -> dict[str, torch.Tensor]:
         """Head k in `nn.Linear` layout: `{"weight": [C, D], "bias": [C]}` (detached copies)."""
-        return {"weight": self.weight[k].detach().t().contiguous().clone(), "bias": self.bias[k].detach().clone()}
+        columns = slice(k * self.num_classes, (k + 1) * self.num_classes)
+        lr = self.lr_columns[columns]
+        return {"weight": (self.scaled_weight[:, columns] * lr).t().contiguous(),
+                "bias": self.scaled_bias[columns] * lr}
+
+    @torch.no_grad()
+    def step(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
+             active: torch.Tensor | None = None) -> None:
+        """One Adam step of every head from the batch `features [B, D]` and the loss's gradient with respect
+        to the logits `[K, B, C]`; `weight_grad [K, D, C]`: a penalty's gradient on the weights, added.
+        `active [K]` (None: all): a stopped head keeps its parameters and moments."""
+        grad = grad_logits.transpose(0, 1).reshape(len(features), -1)  # [B, K*C], the layout of the logits
+        grad_weight, grad_bias = self.grads
+        torch.mm(features.t(), grad, out=grad_weight)
+        torch.sum(grad, dim=0, out=grad_bias)
+        if weight_grad is not None:
+            grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
+        state = self.params + self.exp_avgs + self.exp_avg_sqs
+        if active is not None:
+            stopped = (~active).repeat_interleave(self.num_classes)
+            kept = [t[..., stopped].clone() for t in state]
+        self.steps += 1
+        self.step_tensor += 1
+        adam_update(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.steps, 1.0, fused=self.fused,
+                    step_tensor=self.step_tensor)
+        if active is not None:
+            for t, saved in zip(state, kept):
+                t[..., stopped] = saved
 
 
 def scalar_dtype(device: torch.device) -> torch.dtype:
@@ -84,6 +145,31 @@ def fused_adam_available(device: torch.device) -> bool:
         return hasattr(torch, "_fused_adam_") and device.type in _get_fused_kernels_supported_devices()
     except ImportError:
         return False
+
+
+def adam_update(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, step: int, lr, *, fused: bool,
+                step_tensor: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+                betas: tuple[float, float] = (BETA1, BETA2), eps: float = EPS) -> None:
+    """`torch.optim.Adam`'s update (no weight decay) of tensors that have all taken `step` steps, in place.
+
+    `fused`: torch's fused kernel (what `Adam(fused=True)` calls; one pass over memory instead of eight
+    elementwise ops), which reads the step count from `step_tensor` and leaves everything as it is where `skip`
+    is 1. Otherwise the same update as tensor ops, where `lr` may also be a tensor broadcasting over each param.
+    """
+    beta1, beta2 = betas
+    if fused:
+        torch._fused_adam_(
+            params, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(params), lr=lr, beta1=beta1, beta2=beta2,
+            weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=None, found_inf=skip,
+        )
+        return
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.sub_(exp_avg / denom * (lr / bias_correction1))
 
 
 class _Slot:
@@ -159,8 +245,6 @@ class StackedAdam:
             self._fused_groups = self._group_fused()
         if self._fused_groups:
             self._fused_step(active)
-        bias_correction1 = 1 - self.beta1**self.steps
-        bias_correction2_sqrt = (1 - self.beta2**self.steps) ** 0.5
         for slot in self.slots:
             if slot.fused:
                 continue
@@ -177,10 +261,8 @@ class StackedAdam:
                 grad = torch.zeros_like(param) if slot.param.grad is None else slot.param.grad
             if active is not None:
                 grad = torch.where(active.view(-1, *([1] * (grad.dim() - 1))), grad, 0.0)
-            exp_avg.lerp_(grad, 1 - self.beta1)
-            exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            param.addcmul_(exp_avg / denom, self._lr_tensor(slot, active, grad.dim(), -1 / bias_correction1))
+            adam_update([param], [grad], [exp_avg], [exp_avg_sq], self.steps, self._lr_tensor(slot, active, grad.dim()),
+                        fused=False, betas=(self.beta1, self.beta2), eps=self.eps)
             if slot.lazy_rows:
                 slot.param.index_copy_(1, rows, param)
                 slot.exp_avg.index_copy_(1, rows, exp_avg)
@@ -199,20 +281,17 @@ class StackedAdam:
             slots = [self._fused_slots[i] for i in members]
             for k in range(self.num_heads):
                 groups.append((k, self.lr[k] * lr_mult, members, [s.param[k] for s in slots],
-                               [s.exp_avg[k] for s in slots], [s.exp_avg_sq[k] for s in slots],
-                               [self._step_counts[k]] * len(slots)))
+                               [s.exp_avg[k] for s in slots], [s.exp_avg_sq[k] for s in slots]))
         return groups
 
     def _fused_step(self, active: torch.Tensor | None) -> None:
         self._step_counts += 1
         skip = None if active is None else (~active).float().unbind()  # the kernel skips a head where this is 1
         grads = [(torch.zeros_like(s.param) if s.param.grad is None else s.param.grad).unbind() for s in self._fused_slots]
-        for k, lr, members, params, exp_avgs, exp_avg_sqs, steps in self._fused_groups:
-            torch._fused_adam_(
-                params, [grads[i][k] for i in members], exp_avgs, exp_avg_sqs, [], steps, lr=lr,
-                beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False,
-                grad_scale=None, found_inf=None if skip is None else skip[k],
-            )
+        for k, lr, members, params, exp_avgs, exp_avg_sqs in self._fused_groups:
+            adam_update(params, [grads[i][k] for i in members], exp_avgs, exp_avg_sqs, self.steps, lr, fused=True,
+                        step_tensor=self._step_counts[k], skip=None if skip is None else skip[k],
+                        betas=(self.beta1, self.beta2), eps=self.eps)
 
     # --- lazy rows -----------------------------------------------------------------------------------------
 

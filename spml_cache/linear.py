@@ -11,6 +11,7 @@ import math
 import multiprocessing
 import os
 import re
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -26,7 +27,9 @@ from spml_cache.devices import resolve_device
 from spml_cache.errors import SpmlError
 from spml_cache.progress import console as progress_console
 from spml_cache.protocol import EXPECTED_POSITIVES
-from spml_cache.runs import append_metrics, env_info, make_run_dir, save_checkpoint, write_json, write_npz
+from spml_cache.runs import (
+    append_metrics, env_info, load_results, make_run_dir, read_linear_head, save_checkpoint, write_json, write_npz,
+)
 from spml_cache.selection import LiveTable, best_so_far, finish_loss
 from spml_cache.stacks import LinearData, SeedRun
 
@@ -165,11 +168,40 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
     return resolved
 
 
+def start_heads(from_run: Path | str | None, losses: list[str], features: FeatureSet) -> dict[str, dict]:
+    """`--from RUN`: per loss, the head its heads start from: RUN's selected head of the same loss, else RUN's
+    best head (highest val mAP). The loss's own state (ROLE's theta) comes along when it is the same loss on
+    the same cache. `{loss: {"weight", "bias", "loss_state", "from"}}`; empty without `--from`."""
+    if from_run is None:
+        return {}
+    trained = load_results(from_run).get("losses", {})
+    read = {}
+    for name in dict.fromkeys(name if name in trained else None for name in losses):
+        read[name] = read_linear_head(Path(from_run), name)
+    num_classes, dim = len(features.classes), features.train.features.shape[1]
+    same_cache = cache_file.cache_id(features.attrs)
+    starts = {}
+    for name in losses:
+        head = read[name if name in trained else None]
+        if tuple(head.weight.shape) != (num_classes, dim) or (head.classes and list(head.classes) != features.classes):
+            theirs = head.classes or [f"{head.weight.shape[0]} classes"]
+            raise SpmlError(
+                f"--from {from_run}: its heads predict {len(theirs)} classes ({', '.join(map(str, theirs[:3]))}, ...)"
+                f" from {head.weight.shape[1]}-d features, but {features.path} has {num_classes} classes"
+                f" ({', '.join(features.classes[:3])}, ...) of {dim}-d features: train on the cache that run used,"
+                " or leave out --from"
+            )
+        keep_state = head.loss == name and head.cache_id == same_cache
+        starts[name] = {"weight": head.weight, "bias": head.bias, "loss_state": head.loss_state if keep_state else {},
+                        "from": {"run": str(head.run), "loss": head.loss, **head.settings}}
+    return starts
+
+
 # --- the run ---------------------------------------------------------------------------------------------
 
-# Below this much work (training rows x epochs x (loss, seed) jobs) starting worker processes costs more than
-# it saves; above it, each core trains its own (loss, seed) jobs.
-PARALLEL_MIN_WORK = 100_000
+# Below this much work (training rows x epochs x (loss, seed) pairs) starting worker processes costs more than it
+# saves; above it, each core trains its own jobs.
+PARALLEL_MIN_WORK = 50_000
 
 
 @dataclass(frozen=True)
@@ -194,18 +226,23 @@ def run_linear(
     *, cache: Path | str | None = None, dataset: str | None = None, cache_dir: Path | str = "cache",
     losses="all", lrs=DEFAULT_LRS, batch_sizes=DEFAULT_BATCH_SIZES, epochs: int = DEFAULT_EPOCHS, seeds: int = 1,
     hparams=(), device: str = "auto", out: Path | str = "runs", val_labels: str = "clean", workers: int = 0,
-    console: Console | None = None,
+    from_run: Path | str | None = None, console: Console | None = None,
 ) -> LinearRun:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
-    Each (loss, seed) is one job; `workers` > 1 trains jobs in parallel processes (same results).
+    A job trains every lr of one (loss, seed) and its batch sizes; with `workers` > 1 each batch size is its
+    own job, so that even one loss's grid spreads over the cores (same results either way). `from_run`: every
+    head starts from that linear run's head (`start_heads`) instead of its seed's initialisation.
     """
     settings = resolve_settings(losses, lrs, batch_sizes, epochs, seeds, hparams, val_labels)
     target = resolve_device(device)
     features = cache_file.load(find_cache(cache, dataset, cache_dir))
     used = resolved_hparams(settings, features)
-    jobs = [(name, index, seed) for name in settings.losses for index, seed in enumerate(settings.seeds)]
-    workers = resolve_workers(workers, target, len(jobs), len(features.train) * settings.epochs * len(jobs))
+    starts = start_heads(from_run, settings.losses, features)
+    pairs = [(name, index, seed) for name in settings.losses for index, seed in enumerate(settings.seeds)]
+    split = [(name, index, seed, (size,)) for name, index, seed in pairs for size in settings.batch_sizes]
+    workers = resolve_workers(workers, target, len(split), len(features.train) * settings.epochs * len(pairs))
+    jobs = split if workers > 1 else [(name, index, seed, tuple(settings.batch_sizes)) for name, index, seed in pairs]
     data = LinearData.from_features(features, target, settings.val_labels)
 
     label = "all" if settings.losses == loss_registry.names() else "+".join(settings.losses)
@@ -217,27 +254,33 @@ def run_linear(
         "epochs": settings.epochs, "seeds": settings.seeds, "hparams": used, "val_labels": settings.val_labels,
         "device": str(target), "workers": workers, "num_train": data.num_train, "num_val": data.num_val,
         "num_test": len(features.test), "feature_dim": data.train_features.shape[1],
+        "from": {name: start["from"] for name, start in starts.items()} or None,
     })
     write_json(run_dir / "env.json", env_info(target))
     write_npz(run_dir / "labels.npz", train_labels=features.train.labels, train_observed=features.train.observed,
               val_labels=features.val.labels, test_labels=features.test.labels)
 
+    def grid_order(record) -> tuple:  # seed, then lr, then batch size: selection breaks ties in this order
+        return record.seed, settings.lrs.index(record.lr), settings.batch_sizes.index(record.batch_size)
+
     entries, checkpoint = {}, {}
-    finished: dict[str, dict[int, tuple]] = {name: {} for name in settings.losses}
+    expected = {name: sum(1 for job in jobs if job[0] == name) for name in settings.losses}
+    finished: dict[str, list] = {name: [] for name in settings.losses}
+    progress: dict[tuple, dict] = {}
     with LiveTable(settings.losses, len(settings.seeds), settings.epochs, console or progress_console) as live:
-        for (name, index), progress, lines, job in _train_jobs(jobs, used, settings, data, features, workers):
+        for (name, index, part), epoch_best, lines, job in _train_jobs(jobs, used, settings, data, features, workers, starts):
             append_metrics(run_dir, lines)
-            if progress is not None and name in finished:  # an epoch of a job of an unfinished loss
-                live.epoch(name, index, *progress)
+            if epoch_best is not None and name in finished:  # an epoch of a job of an unfinished loss
+                progress.setdefault((name, index), {})[part] = epoch_best
+                live.epoch(name, index, *merged_progress(progress[(name, index)].values()))
             if job is None:
                 continue
-            records, seconds = job
-            finished[name][index] = (records, seconds)
-            if len(finished[name]) == len(settings.seeds):  # every seed of this loss is done
+            finished[name].append(job)
+            if len(finished[name]) == expected[name]:  # every job of this loss is done
                 done = finished.pop(name)
-                seed_records = [record for i in sorted(done) for record in done[i][0]]
-                seconds = sum(seconds for _, seconds in done.values())  # training time, summed over seeds
-                entry, best = finish_loss(run_dir, name, seed_records, used[name], data, seconds)
+                records = sorted((record for records, _ in done for record in records), key=grid_order)
+                seconds = sum(seconds for _, seconds in done)  # training time, summed over the loss's jobs
+                entry, best = finish_loss(run_dir, name, records, used[name], data, seconds)
                 entries[name] = entry
                 if best is not None:
                     checkpoint[name] = best
@@ -249,29 +292,42 @@ def run_linear(
     return LinearRun(run_dir, results)
 
 
-def _train_jobs(jobs, used, settings, data, features, workers):
-    """Train every (loss, seed) job; yields `((loss, seed index), progress, metrics lines, job)` events:
-    `progress = (epoch, best_so_far)` after each epoch of a job, `job = (records, seconds)` when it is done.
-    In-process the metrics lines come with each epoch; from worker processes, with the finished job."""
+def merged_progress(parts) -> tuple[int, dict | None]:
+    """(epoch, best so far) of one (loss, seed) from its jobs' latest `(epoch, best_so_far)`."""
+    parts = list(parts)
+    bests = [best for _, best in parts if best is not None]
+    return min(epoch for epoch, _ in parts), max(bests, key=lambda best: best["val_map"], default=None)
+
+
+def _train_jobs(jobs, used, settings, data, features, workers, starts):
+    """Train every job `(loss, seed index, seed, batch sizes)`; yields `((loss, seed index, batch sizes),
+    progress, metrics lines, job)` events: `progress = (epoch, best_so_far)` after each epoch of a job,
+    `job = (records, seconds)` when it is done. In-process the metrics lines come with each epoch; from worker
+    processes, with the finished job."""
     if workers == 1:
-        for name, index, seed in jobs:
+        for name, index, seed, sizes in jobs:
             start = time.perf_counter()
-            run = SeedRun(name, used[name], seed, settings.lrs, settings.batch_sizes, settings.epochs, data)
+            run = SeedRun(name, used[name], seed, settings.lrs, list(sizes), settings.epochs, data, starts.get(name))
             for epoch in range(1, settings.epochs + 1):
                 lines = run.run_epoch(epoch)
                 done = (run.records, time.perf_counter() - start) if epoch == settings.epochs else None
-                yield (name, index), (epoch, best_so_far(run.records)), lines, done
+                yield (name, index, sizes), (epoch, best_so_far(run.records)), lines, done
         return
-    context = multiprocessing.get_context("spawn")  # fork is unsafe once torch has started its threads
+    # fork on Linux's CPU: the workers inherit the features already in memory, no second import or read. Spawn
+    # elsewhere: CUDA cannot be forked, and macOS's system libraries are not fork-safe.
+    forking = data.train_features.device.type == "cpu" and sys.platform.startswith("linux")
+    context = multiprocessing.get_context("fork" if forking else "spawn")
     progress = context.Queue()
-    device = str(data.train_features.device)
+    source = data if forking else str(features.path)
+    sys.stdout.flush()  # a forked worker flushes what it inherited when it exits
+    sys.stderr.flush()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(str(features.path), device, settings.val_labels, progress))
+                               initargs=(source, str(data.train_features.device), settings.val_labels, progress))
     try:
         pending = {
-            pool.submit(_run_job, (name, index), name, used[name], seed, settings.lrs, settings.batch_sizes,
-                        settings.epochs): (name, index)
-            for name, index, seed in jobs
+            pool.submit(_run_job, (name, index, sizes), name, used[name], seed, settings.lrs, list(sizes),
+                        settings.epochs, starts.get(name)): (name, index, sizes)
+            for name, index, seed, sizes in jobs
         }
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -288,17 +344,20 @@ def _train_jobs(jobs, used, settings, data, features, workers):
 _worker: dict = {}  # in a worker process: the training data and the progress queue
 
 
-def _start_worker(cache_path: str, device: str, val_labels: str, progress) -> None:
-    _worker["data"] = LinearData.from_features(cache_file.load(cache_path), torch.device(device), val_labels)
-    _worker["progress"] = progress
+def _start_worker(source, device: str, val_labels: str, progress) -> None:
+    """The training data: inherited (fork), or read from the cache file (spawn)."""
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool
+    if not isinstance(source, LinearData):
+        source = LinearData.from_features(cache_file.load(source), torch.device(device), val_labels)
+    _worker.update(data=source, progress=progress)
 
 
-def _run_job(key, name, hparams, seed, lrs, batch_sizes, epochs):
-    """One (loss, seed) in a worker process: the same training as in-process, progress through the queue."""
-    start = time.perf_counter()
-    run = SeedRun(name, hparams, seed, lrs, batch_sizes, epochs, _worker["data"])
+def _run_job(key, name, hparams, seed, lrs, batch_sizes, epochs, start):
+    """One job in a worker process: the same training as in-process, progress through the queue."""
+    begin = time.perf_counter()
+    run = SeedRun(name, hparams, seed, lrs, batch_sizes, epochs, _worker["data"], start)
     lines = []
     for epoch in range(1, epochs + 1):
         lines += run.run_epoch(epoch)
         _worker["progress"].put((key, (epoch, best_so_far(run.records))))
-    return run.records, lines, time.perf_counter() - start
+    return run.records, lines, time.perf_counter() - begin

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -184,3 +185,47 @@ def load_results(run_dir: Path | str) -> dict:
     if not is_complete(run_dir):
         raise SpmlError(f"{run_dir} has no {RESULTS}: the run did not finish; run it again")
     return read_json(run_dir / RESULTS)
+
+
+# --- a linear run's selected heads (stage three's LinearInit, `linear --from`) ----------------------------
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    """The selected head of one loss in a finished linear run, and what it was trained with."""
+
+    run: Path
+    loss: str
+    weight: torch.Tensor  # [C, D]
+    bias: torch.Tensor  # [C]
+    loss_state: dict  # ROLE: {"theta": [1, N_train, C]}
+    settings: dict  # lr, batch_size, seed, epoch
+    hparams: dict
+    val_map: float | None
+    cache: str | None
+    cache_id: str | None
+    classes: list | None  # the class names of the cache it was trained on
+
+
+def read_linear_head(run: Path, loss: str | None) -> LinearHead:
+    """Loss `loss`'s head from linear run `run` (default: the loss of best val mAP there)."""
+    results = load_results(run)
+    if results.get("stage") != "linear":
+        raise SpmlError(f"--from {run} is a {results.get('stage')} run: pass a run of spml-cache linear")
+    trained = results["losses"]
+    if loss is None:
+        loss = max(trained, key=lambda name: trained[name].get("val_map") or -1.0)
+    if loss not in trained:
+        raise SpmlError(f"--from {run} trained {', '.join(trained)}, not {loss}: pass one of those to --loss")
+    entry = load_checkpoint(run / "best.pt").get(loss)
+    if not isinstance(entry, dict) or "head" not in entry:
+        raise SpmlError(f"{run / 'best.pt'} holds no head for {loss}: re-run spml-cache linear --loss {loss}")
+    config = read_json(run / "config.json") if (run / "config.json").exists() else {}
+    return LinearHead(
+        run=Path(run), loss=loss, weight=entry["head"]["weight"].float(), bias=entry["head"]["bias"].float(),
+        loss_state=dict(entry.get("loss_state") or {}),
+        settings={key: entry.get(key) for key in ("lr", "batch_size", "seed", "epoch")},
+        hparams=dict(entry.get("hparams") or trained[loss].get("selected", {}).get("hparams") or {}),
+        val_map=trained[loss].get("val_map"), cache=config.get("cache"), cache_id=config.get("cache_id"),
+        classes=config.get("classes"),
+    )

@@ -190,13 +190,11 @@ class LiveTable:
         self.last_line = time.perf_counter()
 
     def __enter__(self) -> "LiveTable":
-        if self.live:
-            self.live.__enter__()
-        return self
+        return self  # the live display starts with the first update: worker processes are forked before it
 
     def __exit__(self, *exc) -> None:
-        if self.live:
-            self.live.__exit__(*exc)
+        if self.live and self.live.is_started:
+            self.live.stop()
 
     def _table(self) -> Table:
         table = Table(title="training linear heads")
@@ -230,6 +228,8 @@ class LiveTable:
 
     def _show(self, line: str, force: bool = False) -> None:
         if self.live:
+            if not self.live.is_started:
+                self.live.start()
             self.live.update(self._table())
             return
         now = time.perf_counter()

@@ -62,38 +62,47 @@ class LinearData:
 
 
 class HeadStack:
-    """The heads of one (loss, seed, batch size): one for each lr, trained as one stacked tensor."""
+    """The heads of one (loss, seed, batch size): one for each lr, trained as one stacked tensor.
 
-    def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_size: int, data: LinearData) -> None:
+    A step: the batch's logits for every head (one matmul), the loss and its gradient with respect to the
+    logits (and the loss's own parameters) by autograd, then the heads' gradient and Adam update in
+    `StackedHeads.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
+    """
+
+    def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_size: int, data: LinearData,
+                 start: dict | None = None) -> None:
         device = data.train_features.device
         self.batch_size, self.num_heads = batch_size, len(lrs)
-        self.heads = StackedHeads(data.train_features.shape[1], data.num_classes, [seed] * len(lrs)).to(device)
+        self.heads = StackedHeads(data.train_features.shape[1], data.num_classes, [seed] * len(lrs), lrs, device=device,
+                                  start=(start["weight"], start["bias"]) if start else None)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
             num_heads=len(lrs), train_observed=data.train_observed.cpu(), seed=seed, **hparams,
         ).to(device)
-        self.adam = StackedAdam(lrs)
-        self.adam.add_param(self.heads.weight)
-        self.adam.add_param(self.heads.bias)
+        if start:
+            self.loss.load_head_state(start["loss_state"])
+        self.penalised = type(self.loss).penalty is not loss_registry.Loss.penalty
+        self.adam = StackedAdam(lrs)  # the loss's own parameters (ROLE's theta), at their lr multiplier
         # Per-training-row parameters (ROLE's theta) only get gradient on the batch's rows: Adam keeps them
         # lazily. A loss with no other per-row state uses `index` only to read them, so it can be handed just
-        # the batch's rows (and index 0..B-1): autograd then never builds an [N_train]-row gradient, which
+        # the batch's rows (and index `slice(None)`): autograd then never builds an [N_train]-row gradient, which
         # on COCO-sized data costs more than everything else in a step.
         def per_row(tensor: torch.Tensor) -> bool:
             return tensor.dim() >= 2 and tensor.shape[1] == data.num_train
 
+        self.params = list(self.loss.parameters())
         self.row_params = [(key, p) for key, p in self.loss.named_parameters() if per_row(p)]
-        for param in self.loss.parameters():
+        for param in self.params:
             self.adam.add_param(param, getattr(param, "lr_mult", 1.0), lazy_rows=per_row(param))
         self.lazy = bool(self.row_params)
         self.rows_only = self.lazy and not any(per_row(b) for b in self.loss.buffers()) and all(
             "." not in key for key, _ in self.row_params
-        )
-        self.batch_positions = torch.arange(batch_size, device=device)
+        ) and len(self.row_params) == len(self.params)
         self.active = torch.ones(len(lrs), dtype=torch.bool, device=device)  # false once a head has diverged
         self.active_at_start = self.active
+        self.stopped = None  # `active` once a head has stopped: the optimisers then leave that head alone
+        self.step_losses: list[torch.Tensor] = []  # this epoch's per-step losses [K], summed at its end
         self.loss_sum = torch.zeros(len(lrs), device=device)
-        self.steps = 0
         self.records = [HeadRecord(name, lr, batch_size, seed) for lr in lrs]
 
     def start_epoch(self, epoch: int, num_epochs: int, order: torch.Tensor, data: LinearData) -> None:
@@ -102,46 +111,58 @@ class HeadStack:
             # A stopped head's logits may be NaN: hand the loss zeros instead, it is never trained again.
             train_logits = torch.where(self.active.view(-1, 1, 1), self.heads.logits(data.train_features), 0.0)
         self.loss.start_epoch(epoch, num_epochs, train_logits)
-        self.loss_sum.zero_()
-        self.steps = 0
+        self.step_losses = []
         self.active_at_start = self.active
         if self.lazy:
             # Every row is read once this epoch, by batch i // batch_size for the row at position i of `order`:
             # bring each row to the step before its batch now, instead of a replay at every step.
             batch_index = torch.arange(len(order), device=order.device) // self.batch_size
-            self.adam.advance_rows(order, self.adam.steps + batch_index, self.active)
+            self.adam.advance_rows(order, self.adam.steps + batch_index, self.stopped)
 
     def train_step(self, rows: torch.Tensor, data: LinearData) -> None:
-        with self._rows_for_loss(rows) as (index, proxies):
-            logits = self.heads(data.train_features.index_select(0, rows))
+        features = data.train_features.index_select(0, rows)
+        with self._rows_for_loss(rows) as (index, params):
+            logits = self.heads(features).requires_grad_()
             labels = data.train_labels.index_select(0, rows) if self.loss.oracle else None
             per_head = self.loss(logits, data.train_observed.index_select(0, rows), labels=labels, index=index)
-            penalty = self.loss.penalty(self.heads.weight)
-            if isinstance(penalty, torch.Tensor):
-                per_head = per_head + penalty
-            values = per_head.detach()
-            # A head whose loss is NaN/inf stops here (no host sync): Adam ignores its gradient from now on.
-            # Heads share no computation, so a NaN in one head's loss reaches no other head's gradient.
-            self.active = self.active & torch.isfinite(values)
-            self.adam.zero_grad()
-            per_head.sum().backward()
-        row_grads = None if proxies is None else {id(p): proxy.grad for (_, p), proxy in zip(self.row_params, proxies)}
-        self.adam.step(self.active, rows, row_grads)
-        self.loss_sum += values
-        self.steps += 1
+            inputs = [logits] + params
+            if self.penalised:
+                weight = self.heads.weight.requires_grad_()
+                per_head = per_head + self.loss.penalty(weight)
+                inputs.append(weight)
+            # Heads share no computation: a NaN in one head's loss reaches no other head's gradient.
+            grads = torch.autograd.grad(per_head.sum(), inputs, allow_unused=True)
+        self.heads.step(features, grads[0], grads[-1] if self.penalised else None, self.stopped)
+        if params:
+            param_grads = grads[1 : 1 + len(params)]
+            if self.rows_only:
+                self.adam.step(self.stopped, rows, {id(p): g for (_, p), g in zip(self.row_params, param_grads)})
+            else:
+                for param, grad in zip(self.params, param_grads):
+                    param.grad = grad
+                self.adam.step(self.stopped, rows)
+        self.step_losses.append(per_head.detach())
+
+    def end_epoch(self) -> None:
+        """Stop the heads whose loss was NaN/inf in this epoch (one host sync per epoch, none per step)."""
+        self.loss_sum = torch.stack(self.step_losses).sum(dim=0)
+        self.active = self.active & torch.isfinite(self.loss_sum)
+        self.stopped = None if bool(self.active.all()) else self.active
 
     @contextmanager
     def _rows_for_loss(self, rows: torch.Tensor):
-        """The `index` to hand the loss, and (with `rows_only`) the leaves standing in for its per-row
-        parameters: just the batch's rows, swapped into the loss for this step and swapped back after."""
+        """The `index` to hand the loss and the loss's tensors to differentiate: its parameters, or (with
+        `rows_only`) leaves standing in for them holding just the batch's rows, swapped into the loss for this
+        step and swapped back after; `index` is then `slice(None)`, every row of the stand-ins, so that
+        reading them is a view rather than a gather (and its gradient no scatter)."""
         if not self.rows_only:
-            yield rows, None
+            yield rows, self.params
             return
         proxies = [torch.nn.Parameter(param.detach().index_select(1, rows)) for _, param in self.row_params]
         for (key, _), proxy in zip(self.row_params, proxies):
             setattr(self.loss, key, proxy)
         try:
-            yield self.batch_positions[: len(rows)], proxies
+            yield slice(None), proxies
         finally:
             for key, param in self.row_params:
                 setattr(self.loss, key, param)
@@ -153,7 +174,7 @@ class HeadStack:
     def finish_epoch(self, epoch: int, val_ap: np.ndarray, test_ap: np.ndarray) -> list[dict]:
         """Record the epoch's scores (per-class AP, 0..1, [K, C]), keep the best heads; the metrics lines."""
         diverged = (self.active_at_start & ~self.active).cpu().tolist()
-        train_loss = (self.loss_sum / max(self.steps, 1)).cpu().tolist()
+        train_loss = (self.loss_sum / max(len(self.step_losses), 1)).cpu().tolist()
         lines = []
         for k, record in enumerate(self.records):
             if record.diverged_epoch is not None:
@@ -179,9 +200,10 @@ class SeedRun:
     """Every (lr, batch size) head of one loss and one seed; `run_epoch` trains and scores one epoch."""
 
     def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_sizes: list[int], epochs: int,
-                 data: LinearData) -> None:
+                 data: LinearData, start: dict | None = None) -> None:
+        """`start`: `{"weight", "bias", "loss_state"}` of one head for every head to start from (`linear --from`)."""
         self.data, self.epochs = data, epochs
-        self.stacks = [HeadStack(name, hparams, seed, lrs, batch_size, data) for batch_size in batch_sizes]
+        self.stacks = [HeadStack(name, hparams, seed, lrs, batch_size, data, start) for batch_size in batch_sizes]
         self.permutations = epoch_permutations(data.num_train, seed, epochs).to(data.train_features.device)
 
     @property
@@ -203,6 +225,7 @@ class SeedRun:
                 if bool(stack.active.any()):
                     for start in range(0, len(order), stack.batch_size):
                         stack.train_step(order[start : start + stack.batch_size], data)
+                    stack.end_epoch()
 
     @torch.no_grad()
     def _score(self, epoch: int) -> list[dict]:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -91,10 +88,3 @@ def write_cub_dataset(root: Path, num_images: int = 10, num_attributes: int = 4)
     (folder / "train_test_split.txt").write_text("".join(split))
     (folder / "attributes" / "image_attribute_labels.txt").write_text("".join(labels))
     return expected
-
-
-def run_cli(*args: str, cwd: Path, extra_env: dict | None = None, **popen) -> subprocess.CompletedProcess:
-    """`python -m spml_cache ...` as a user types it, from `cwd`."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SPML_OFFLINE": "1", **(extra_env or {})}
-    command = [sys.executable, "-m", "spml_cache", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, **popen)

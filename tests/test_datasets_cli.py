@@ -1,48 +1,33 @@
 """`spml-cache datasets` and `spml-cache make-demo-data` as a user types them, from a subprocess."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from cli_support import run_cli
 
 from spml_cache import datasets
 from spml_cache.datasets.base import DatasetSurvey
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def spml(*args, cwd, env_extra=None):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "400"}
-    env.pop("SPML_DATA", None)
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
-    )
 
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
     """A tiny VOC-layout dataset written by the command itself."""
     cwd = tmp_path_factory.mktemp("cli")
-    result = spml("make-demo-data", "tiny", "--train", "6", "--test", "4", "--size", "32", "--seed", "1", cwd=cwd)
+    result = run_cli("make-demo-data", "tiny", "--train", "6", "--test", "4", "--size", "32", "--seed", "1", cwd=cwd)
     assert result.returncode == 0, result.stderr
     assert "6 train + 4 test images" in result.stdout
     return cwd / "tiny"
 
 
 def test_help_lists_the_commands(tmp_path):
-    result = spml("--help", cwd=tmp_path)
+    result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "datasets" in result.stdout and "make-demo-data" in result.stdout
     for command in ("datasets", "make-demo-data"):
-        result = spml(command, "--help", cwd=tmp_path)
+        result = run_cli(command, "--help", cwd=tmp_path)
         assert result.returncode == 0 and "Example:" in result.stdout
 
 
 def test_datasets_without_root_prints_every_layout(tmp_path):
-    result = spml("datasets", cwd=tmp_path)
+    result = run_cli("datasets", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     for expected in ("voc", "coco", "nus", "cub", "csv", "VOCdevkit/VOC2012", "instances_{train,val}2014.json",
                      "Concepts81.txt", "image_attribute_labels.txt", "SPML_DATA"):
@@ -50,22 +35,22 @@ def test_datasets_without_root_prints_every_layout(tmp_path):
 
 
 def test_datasets_with_root_reports_what_was_found(demo_root):
-    result = spml("datasets", "--root", str(demo_root), cwd=demo_root.parent)
+    result = run_cli("datasets", "--root", str(demo_root), cwd=demo_root.parent)
     assert result.returncode == 0, result.stderr
     assert "train 6, test 4 images, 20 classes" in result.stdout
     assert f"not found: no {demo_root / 'annotations'}" in result.stdout
     # SPML_DATA is the default root; here the demo sits in its voc/ subfolder
     (demo_root.parent / "data").mkdir()
     (demo_root.parent / "data" / "voc").symlink_to(demo_root)
-    result = spml("datasets", cwd=demo_root.parent, env_extra={"SPML_DATA": "data"})
+    result = run_cli("datasets", cwd=demo_root.parent, env={"SPML_DATA": "data"})
     assert "train 6, test 4 images, 20 classes" in result.stdout
 
 
 def test_user_errors_are_one_red_line_exit_1(demo_root):
-    result = spml("make-demo-data", str(demo_root), cwd=demo_root.parent)
+    result = run_cli("make-demo-data", str(demo_root), cwd=demo_root.parent)
     assert result.returncode == 1
     assert "already exists" in result.stderr and "Traceback" not in result.stderr
-    result = spml("datasets", "--root", "no-such-folder", cwd=demo_root.parent)
+    result = run_cli("datasets", "--root", "no-such-folder", cwd=demo_root.parent)
     assert result.returncode == 1 and "no-such-folder does not exist" in result.stderr
 
 

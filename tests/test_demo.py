@@ -1,26 +1,20 @@
 """`spml-cache demo`: the whole pipeline from a subprocess, at a tiny size (hidden size flags)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_support import run_cli
 
 from spml_cache import losses
 from spml_cache.demo import run_demo
 from spml_cache.errors import SpmlError
 
-REPO = Path(__file__).parents[1]
-
 
 def test_demo_end_to_end(tmp_path):
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_HOME": str(tmp_path / "torch-home")}
     tiny = ["--train", "16", "--test", "8", "--size", "32", "--resolution", "32", "--epochs", "2", "--lr", "1e-2",
             "--batch-size", "8"]
-    done = subprocess.run([sys.executable, "-m", "spml_cache", "demo", "--out", "out", *tiny], cwd=tmp_path,
-                          env=environment, capture_output=True, text=True, timeout=300)
+    done = run_cli("demo", "--out", "out", *tiny, cwd=tmp_path, env={"TORCH_HOME": str(tmp_path / "torch-home")})
     assert done.returncode == 0, done.stderr
     out = tmp_path / "out"
     assert "no ImageNet ResNet-50 weights" in done.stdout  # TORCH_HOME is empty: random trunk, said out loud

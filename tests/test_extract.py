@@ -15,11 +15,11 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from cli_support import run_cli
 from extract_support import (
     REPO,
     RESOLUTION,
     random_weights,
-    run_cli,
     truncate,
     write_coco_dataset,
     write_csv_dataset,

@@ -13,8 +13,6 @@ import io
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from cli_support import run_cli
 from PIL import Image
 from rich.console import Console
 from sklearn.metrics import average_precision_score
@@ -31,19 +30,12 @@ from spml_cache import finetune_data as data
 from spml_cache import parallel
 from spml_cache.errors import SpmlError
 
-REPO = Path(__file__).parents[1]
 RESOLUTION = 32
 RUN_ARGS = ["--lr", "1e-4", "--batch-size", "4", "--epochs", "2", "--workers", "0", "--device", "cpu"]
 
 
 class Stop(Exception):
     """Raised from inside a run once the test has seen what it came for."""
-
-
-def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SPML_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
 
 
 def write_linear_run(path: Path, cache_path: Path, heads: dict[str, dict]) -> Path:
@@ -101,7 +93,7 @@ def cli_run(world):
     """The reference run: the command line, LinearInit from the newest linear run of role on voc."""
     args = ["finetune", "--init", "best", "--dataset", "voc", "--loss", "role", "--root", str(world.root),
             "--weights", str(world.weights), "--out", str(world.runs), *RUN_ARGS]
-    done = run_cli(args, cwd=world.base)
+    done = run_cli(*args, cwd=world.base, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     run_dir = Path(done.stdout.strip().splitlines()[-1].split("-> ")[-1])
     return SimpleNamespace(stdout=done.stdout, run_dir=run_dir, metrics=runs.read_metrics(run_dir),

@@ -9,20 +9,83 @@ LRS = [1e-1, 1e-2, 1e-3]
 
 
 def test_each_head_starts_as_nn_linear_under_its_seed():
-    heads = StackedHeads(7, 3, seeds=[5, 9, 5])
+    heads = StackedHeads(7, 3, seeds=[5, 9, 5], lrs=LRS)
     for k, seed in enumerate([5, 9, 5]):
         torch.manual_seed(seed)
         reference = torch.nn.Linear(7, 3)
-        assert torch.equal(heads.linear_state(k)["weight"], reference.weight.detach())
-        assert torch.equal(heads.linear_state(k)["bias"], reference.bias.detach())
+        # stored divided by the head's lr: equal up to the rounding of that division
+        torch.testing.assert_close(heads.linear_state(k)["weight"], reference.weight.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(heads.linear_state(k)["bias"], reference.bias.detach(), rtol=1e-6, atol=0)
     x = torch.randn(4, 7)
     torch.testing.assert_close(heads(x)[1], reference_logits(heads, 1, x))
-    torch.testing.assert_close(heads.logits(x, chunk_rows=3), heads(x).detach())
+    torch.testing.assert_close(heads.logits(x, chunk_rows=3), heads(x))
+    torch.testing.assert_close(heads.weight[2], heads.linear_state(2)["weight"].T)
 
 
 def reference_logits(heads, k, x):
     state = heads.linear_state(k)
     return x @ state["weight"].T + state["bias"]
+
+
+def train_heads_and_reference(fused, steps=15, stop=None, penalty=False):
+    """Three heads at three lrs, trained by `StackedHeads.step` from the logits' gradient, and the same three
+    heads as `nn.Linear` + `torch.optim.Adam` each; `stop=(head, step)` stops that head before that step."""
+    generator = torch.Generator().manual_seed(0)
+    heads = StackedHeads(6, 4, seeds=[1, 2, 1], lrs=LRS, fused=fused)
+    alone = []
+    for seed, lr in zip([1, 2, 1], LRS):
+        torch.manual_seed(seed)
+        linear = torch.nn.Linear(6, 4)
+        alone.append((linear, torch.optim.Adam(linear.parameters(), lr=lr)))
+    for step in range(steps):
+        x = torch.randn(5, 6, generator=generator)
+        target = torch.randn(3, 5, 4, generator=generator)
+        active = None
+        if stop is not None and step >= stop[1]:
+            active = torch.tensor([k != stop[0] for k in range(3)])
+        logits = heads(x).requires_grad_()
+        weight = heads.weight.requires_grad_()
+        value = (((logits - target) ** 2) * (1 + logits.abs())).sum()
+        value = value + (weight.abs().sum() if penalty else 0.0)
+        grad_logits, grad_weight = torch.autograd.grad(value, [logits, weight], allow_unused=True)
+        heads.step(x, grad_logits, grad_weight if penalty else None, active)
+        for k, (linear, optimiser) in enumerate(alone):
+            if active is not None and not active[k]:
+                continue
+            out = linear(x)
+            loss = (((out - target[k]) ** 2) * (1 + out.abs())).sum() + (linear.weight.abs().sum() if penalty else 0.0)
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+    return heads, [linear for linear, _ in alone]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("penalty", [False, True])
+def test_stacked_heads_train_as_torch_adam_per_head(fused, penalty):
+    if fused and not fused_adam_available(torch.device("cpu")):
+        pytest.skip("no fused Adam kernel on the CPU in this torch")
+    heads, alone = train_heads_and_reference(fused, penalty=penalty)
+    for k, linear in enumerate(alone):
+        state = heads.linear_state(k)
+        assert not torch.allclose(state["weight"], heads_at_start(k), atol=1e-3)  # it moved
+        torch.testing.assert_close(state["weight"], linear.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["bias"], linear.bias.detach(), rtol=1e-5, atol=1e-6)
+
+
+def heads_at_start(k):
+    return StackedHeads(6, 4, seeds=[1, 2, 1], lrs=LRS).linear_state(k)["weight"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_stopped_head_keeps_its_weights_while_the_others_train(fused):
+    if fused and not fused_adam_available(torch.device("cpu")):
+        pytest.skip("no fused Adam kernel on the CPU in this torch")
+    stopped_early, alone = train_heads_and_reference(fused, steps=12, stop=(1, 5))
+    at_stop, _ = train_heads_and_reference(fused, steps=5)
+    torch.testing.assert_close(stopped_early.linear_state(1)["weight"], at_stop.linear_state(1)["weight"], rtol=0, atol=0)
+    for k in (0, 2):
+        torch.testing.assert_close(stopped_early.linear_state(k)["weight"], alone[k].weight.detach(), rtol=1e-5, atol=1e-6)
 
 
 def quadratic_loss(tensors, targets):

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from extract_support import run_cli
+from cli_support import run_cli
 
 from spml_cache import cache
 from spml_cache.errors import SpmlError

@@ -1,27 +1,17 @@
 """`spml-cache linear` as a user types it, and every kind of bad input it must refuse before writing anything."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
 import pytest
 import torch
 
+from cli_support import run_cli
 from linear_support import write_synthetic_cache
 from spml_cache import losses
 from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
-
-REPO = Path(__file__).parents[1]
-
-
-def spml(*args, cwd, env=None):
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=environment,
-                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +21,8 @@ def tiny_cache(tmp_path_factory):
 
 
 def test_loss_all_runs_every_registered_loss(tmp_path, tiny_cache):
-    done = spml("linear", "--cache", str(tiny_cache), "--loss", "all", "--lr", "1e-2,1e-3", "--batch-size", "4,8",
-                "--epochs", "2", cwd=tmp_path)
+    done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "all", "--lr", "1e-2,1e-3", "--batch-size", "4,8",
+                   "--epochs", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert run_dir.name.startswith("linear-all-")
@@ -53,17 +43,17 @@ def test_dataset_finds_its_cache_in_spml_cache(tmp_path, tiny_cache):
     folder = tmp_path / "features"
     folder.mkdir()
     (folder / tiny_cache.name).write_bytes(tiny_cache.read_bytes())
-    done = spml("linear", "--dataset", "voc", "--loss", "an", "--lr", "1e-2", "--batch-size", "8", "--epochs", "1",
-                "--out", "out", cwd=tmp_path, env={"SPML_CACHE": str(folder)})
+    done = run_cli("linear", "--dataset", "voc", "--loss", "an", "--lr", "1e-2", "--batch-size", "8", "--epochs", "1",
+                   "--out", "out", cwd=tmp_path, env={"SPML_CACHE": str(folder)})
     assert done.returncode == 0, done.stderr
     assert json.loads(next((tmp_path / "out" / "voc").iterdir()).joinpath("config.json").read_text())["cache"] == str(
         folder / tiny_cache.name)
 
 
 def test_usage_errors_exit_2(tmp_path, tiny_cache):
-    assert spml("linear", "--cache", str(tiny_cache), cwd=tmp_path).returncode == 2  # --loss is required
-    assert "Example:" in spml("linear", "--help", cwd=tmp_path).stdout
-    assert "Example:" in spml("demo", "--help", cwd=tmp_path).stdout
+    assert run_cli("linear", "--cache", str(tiny_cache), cwd=tmp_path).returncode == 2  # --loss is required
+    assert "Example:" in run_cli("linear", "--help", cwd=tmp_path).stdout
+    assert "Example:" in run_cli("demo", "--help", cwd=tmp_path).stdout
 
 
 def incomplete_copy(source: Path, target: Path) -> Path:
@@ -121,7 +111,7 @@ def test_caches_that_cannot_be_used(tmp_path, tiny_cache):
 
 
 def test_a_user_error_is_one_red_line(tmp_path, tiny_cache):
-    done = spml("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", "", cwd=tmp_path)
+    done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", "", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == ["error: --lr is empty: give at least one value, e.g. --lr 1e-3"]
     assert not (tmp_path / "runs").exists()

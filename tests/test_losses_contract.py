@@ -5,17 +5,14 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from cli_support import run_cli
 
 from spml_cache import losses
 from spml_cache.errors import SpmlError
 
-REPO = Path(__file__).parents[1]
 N, C, B, K, EPOCHS = 8, 5, 4, 3, 6
 DATASETS = {"voc", "coco", "nus", "cub"}
 
@@ -198,15 +195,8 @@ def test_state_dict_round_trip_with_weights_only(name):
         assert getattr(parameter, "lr_mult", None), "trainable loss state carries its learning-rate multiplier"
 
 
-def run_cli(*args, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "spml_cache", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-
-
 def test_cli_losses_table_lists_every_loss(tmp_path):
-    result = run_cli("losses", tmp_path=tmp_path)
+    result = run_cli("losses", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     for name in ALL:
         assert re.search(rf"│ {re.escape(name)}\s+│", result.stdout), name
@@ -214,7 +204,7 @@ def test_cli_losses_table_lists_every_loss(tmp_path):
 
 
 def test_cli_losses_json(tmp_path):
-    result = run_cli("losses", "--json", tmp_path=tmp_path)
+    result = run_cli("losses", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [row["name"] for row in rows] == ALL

@@ -6,21 +6,19 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import run_cli
 from rich.console import Console
 from sklearn.metrics import average_precision_score
 
 from spml_cache import plots, report
 from spml_cache.errors import SpmlError
 
-REPO = Path(__file__).parents[1]
 CLASSES = ["cat", "dog", "car", "bus", "sky"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -302,13 +300,8 @@ def test_missing_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch):
     assert not (tmp_path / "figures").exists() and not (tmp_path / "t.csv").exists()
 
 
-def run_cli(args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=env, capture_output=True, text=True)
-
-
 def test_cli_report_from_a_subprocess(runs):
-    done = run_cli(["report", "--paper", "--format", "json", "--output", "t.json"], cwd=runs.parent)
+    done = run_cli("report", "--paper", "--format", "json", "--output", "t.json", cwd=runs.parent)
     assert done.returncode == 0, done.stderr
     cell = {r["loss"]: r for r in json.loads((runs.parent / "t.json").read_text())["rows"]}["an"]["cells"]["VOC linear"]
     assert (cell["mean"], cell["paper"]) == (85.0, 84.2)

@@ -24,13 +24,15 @@ def neg_log_p(x: torch.Tensor) -> torch.Tensor:
 
 
 def neg_log_1mp(x: torch.Tensor) -> torch.Tensor:
-    """nl(1 - p) = -log(1 - sigmoid(x)) = -log(sigmoid(-x))."""
-    return -F.logsigmoid(-x)
+    """nl(1 - p) = -log(1 - sigmoid(x)) = log(1 + e^x), stable for any logit (one op: steps run ~100 of them)."""
+    return F.softplus(x)
 
 
 def bce(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-entry binary cross-entropy of logits `x` against a (soft) target in [0, 1]."""
-    return target * neg_log_p(x) + (1 - target) * neg_log_1mp(x)
+    """Per-entry binary cross-entropy of logits `x` against a (soft) target in [0, 1] (broadcast to `x`):
+    `target * nl(p) + (1 - target) * nl(1 - p)`, as torch's one fused op (differentiable in the target too)."""
+    x, target = torch.broadcast_tensors(x, target)
+    return F.binary_cross_entropy_with_logits(x, target, reduction="none")
 
 
 def entropy(x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +157,13 @@ class Loss(torch.nn.Module):
         """The state of head `head` alone: what a `num_heads=1` loss's `state_dict()` holds (every state tensor
         leads with the head dimension K)."""
         return {key: value[head : head + 1].clone() for key, value in self.state_dict().items()}
+
+    @torch.no_grad()
+    def load_head_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Start every head from one head's state (`head_state_dict` of some head, leading dimension 1)."""
+        own = self.state_dict()
+        for key, value in state.items():
+            own[key].copy_(value.to(own[key].device, own[key].dtype).expand_as(own[key]))
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.hparams.items())
