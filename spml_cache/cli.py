@@ -271,7 +271,7 @@ def linear_command(
     out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/."),
     val_labels: str = typer.Option("clean", "--val-labels", help="Select on clean (full) val labels, or on the observed ones."),
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
-    from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best head)."),
+    from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 

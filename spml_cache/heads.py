@@ -1,9 +1,9 @@
 """Stacked linear heads and the stacked Adam: many heads trained as one tensor, each head as if alone.
 
 `StackedHeads` holds K linear heads side by side in one `[D, K*C]` matrix and trains them with Adam, each at
-its own learning rate, in one fused update (see the class). Head k starts exactly as `torch.nn.Linear(D, C)`
-built right after `torch.manual_seed(seed_k)`, so a head inside a stack is the same model as the head trained
-on its own. `StackedAdam`, for the losses' own parameters, is `torch.optim.Adam` (betas 0.9/0.999, eps 1e-8,
+its own learning rate, in one fused update (see the class). Head k starts as `torch.nn.Linear(D, C)` built
+right after `torch.manual_seed(seed_k)` (up to the rounding of storing it divided by its lr), so a head inside a
+stack is the same model as the head trained on its own. `StackedAdam`, for the losses' own parameters, is `torch.optim.Adam` (betas 0.9/0.999, eps 1e-8,
 no weight decay) applied independently to every head slice `param[k]`, with one learning rate per head; a
 parameter may carry an lr multiplier (ROLE's `theta` at 10x).
 
@@ -54,7 +54,8 @@ class StackedHeads:
     gradient of the real parameters, and the forward pass multiplies the logits back by lr_k. Head k's real
     weight is `lr_k * scaled_weight[:, k]`: `torch.optim.Adam` on that head alone, up to float rounding.
     Gradients are not taken by autograd through the heads (that would give the scaled parameters' gradient):
-    the trainer hands `step` the gradient of the loss with respect to the logits.
+    the trainer hands `step` the gradient of the loss with respect to the logits. (An lr below ~1e-37 would
+    overflow the scaled parameters in float32: such a head shows up as diverged.)
 
     A plain class, not an `nn.Module`: a step reads a dozen of its tensors, and module attribute lookups
     would cost more than some of the ops.
@@ -119,8 +120,8 @@ class StackedHeads:
         torch.sum(grad, dim=0, out=grad_bias)
         if weight_grad is not None:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
-        state = self.params + self.exp_avgs + self.exp_avg_sqs
         if active is not None:
+            state = self.params + self.exp_avgs + self.exp_avg_sqs
             stopped = (~active).repeat_interleave(self.num_classes)
             kept = [t[..., stopped].clone() for t in state]
         self.steps += 1
@@ -175,8 +176,11 @@ def adam_update(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
 class _Slot:
     """One parameter's Adam state: moments with the parameter's shape; `last[row]` for a lazy parameter."""
 
-    def __init__(self, param: torch.Tensor, lr: list[float], lr_mult: float, lazy_rows: bool, fused: bool) -> None:
-        self.param, self.lr_mult, self.lazy_rows, self.fused = param, float(lr_mult), lazy_rows, fused
+    def __init__(self, param: torch.Tensor, lr: list[float], lr_mult: float, lazy_rows: bool, kernel: bool) -> None:
+        self.param, self.lr_mult, self.lazy_rows = param, float(lr_mult), lazy_rows
+        self.fused = kernel and not lazy_rows  # updated per head by the fused kernel
+        self.fused_rows = kernel and lazy_rows  # its batch's rows updated by the fused kernel
+        self.step_tensor = torch.zeros((), device=param.device)  # where the kernel reads the step count
         self.lr = torch.tensor(lr, dtype=scalar_dtype(param.device), device=param.device) * self.lr_mult  # [K]
         self.exp_avg = torch.zeros_like(param, memory_format=torch.contiguous_format)
         self.exp_avg_sq = torch.zeros_like(param, memory_format=torch.contiguous_format)
@@ -218,8 +222,8 @@ class StackedAdam:
             raise ValueError("a lazy-rows parameter needs a row dim after the head dim")
         if not param.is_contiguous():
             raise ValueError("stacked parameters must be contiguous (each head's slice is updated in place)")
-        fused = not lazy_rows and (fused_adam_available(param.device) if self.fused is None else self.fused)
-        self.slots.append(_Slot(param, self.lr, lr_mult, lazy_rows, fused))
+        kernel = fused_adam_available(param.device) if self.fused is None else self.fused
+        self.slots.append(_Slot(param, self.lr, lr_mult, lazy_rows, kernel))
         self._fused_groups = None
 
     def zero_grad(self) -> None:
@@ -261,13 +265,23 @@ class StackedAdam:
                 grad = torch.zeros_like(param) if slot.param.grad is None else slot.param.grad
             if active is not None:
                 grad = torch.where(active.view(-1, *([1] * (grad.dim() - 1))), grad, 0.0)
-            adam_update([param], [grad], [exp_avg], [exp_avg_sq], self.steps, self._lr_tensor(slot, active, grad.dim()),
-                        fused=False, betas=(self.beta1, self.beta2), eps=self.eps)
+            lr = self._lr_tensor(slot, active, grad.dim())
+            if slot.fused_rows:
+                # The kernel at lr 1 on a zero tensor leaves the step -m_hat / (sqrt(v_hat) + eps) there (one op
+                # where the update as tensor ops takes ten); each head's lr then scales it onto the rows.
+                step = torch.zeros_like(param)
+                slot.step_tensor += 1
+                adam_update([step], [grad], [exp_avg], [exp_avg_sq], self.steps, 1.0, fused=True,
+                            step_tensor=slot.step_tensor, betas=(self.beta1, self.beta2), eps=self.eps)
+                param.addcmul_(step, lr)
+            else:
+                adam_update([param], [grad], [exp_avg], [exp_avg_sq], self.steps, lr, fused=False,
+                            betas=(self.beta1, self.beta2), eps=self.eps)
             if slot.lazy_rows:
                 slot.param.index_copy_(1, rows, param)
                 slot.exp_avg.index_copy_(1, rows, exp_avg)
                 slot.exp_avg_sq.index_copy_(1, rows, exp_avg_sq)
-                slot.last[rows] = self.steps
+                slot.last.index_fill_(0, rows, self.steps)
 
     def _group_fused(self) -> list:
         """Per (lr multiplier, head): which fused slots, the head's slices of them, their moments, step count."""

@@ -170,19 +170,26 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
 
 def start_heads(from_run: Path | str | None, losses: list[str], features: FeatureSet) -> dict[str, dict]:
     """`--from RUN`: per loss, the head its heads start from: RUN's selected head of the same loss, else RUN's
-    best head (highest val mAP). The loss's own state (ROLE's theta) comes along when it is the same loss on
-    the same cache. `{loss: {"weight", "bias", "loss_state", "from"}}`; empty without `--from`."""
+    best single-positive head (highest val mAP; never an oracle's, which saw the full labels). The loss's own
+    state (ROLE's theta) comes along when it is the same loss on the same cache.
+    `{loss: {"weight", "bias", "loss_state", "from"}}`; empty without `--from`."""
     if from_run is None:
         return {}
     trained = load_results(from_run).get("losses", {})
-    read = {}
-    for name in dict.fromkeys(name if name in trained else None for name in losses):
-        read[name] = read_linear_head(Path(from_run), name)
+    fair = [name for name in trained if trained[name].get("val_map") is not None
+            and name in loss_registry.names() and not loss_registry.get(name).oracle]
+    fallback = max(fair, key=lambda name: trained[name]["val_map"], default=None)
+    sources = {name: name if name in trained else fallback for name in losses}
+    if None in sources.values():
+        missing = [name for name, source in sources.items() if source is None]
+        raise SpmlError(f"--from {from_run} has no head for {', '.join(missing)} and no single-positive head to"
+                        " start from: pass a run that trained those losses")
+    read = {source: read_linear_head(Path(from_run), source) for source in dict.fromkeys(sources.values())}
     num_classes, dim = len(features.classes), features.train.features.shape[1]
     same_cache = cache_file.cache_id(features.attrs)
     starts = {}
     for name in losses:
-        head = read[name if name in trained else None]
+        head = read[sources[name]]
         if tuple(head.weight.shape) != (num_classes, dim) or (head.classes and list(head.classes) != features.classes):
             theirs = head.classes or [f"{head.weight.shape[0]} classes"]
             raise SpmlError(

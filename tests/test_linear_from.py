@@ -53,14 +53,23 @@ def test_heads_start_from_the_same_loss_head_of_the_run(tmp_path, tiny_cache, fi
     assert started["an"]["epoch"] == before["an"]["epoch"]
 
 
-def test_a_loss_the_run_lacks_starts_from_its_best_head(tmp_path, tiny_cache, first_run):
-    run = run_linear(cache=tiny_cache, losses="bce", lrs=STILL, batch_sizes="4", epochs=1, out=tmp_path,
+def test_a_loss_the_run_lacks_starts_from_its_best_single_positive_head(tmp_path, tiny_cache, first_run):
+    run = run_linear(cache=tiny_cache, losses="wan", lrs=STILL, batch_sizes="4", epochs=1, out=tmp_path,
                      from_run=first_run.run_dir, console=quiet())
     trained = first_run.results["losses"]
     best_loss = max(trained, key=lambda name: trained[name]["val_map"])
-    torch.testing.assert_close(best(run)["bce"]["head"]["weight"], best(first_run)[best_loss]["head"]["weight"],
+    torch.testing.assert_close(best(run)["wan"]["head"]["weight"], best(first_run)[best_loss]["head"]["weight"],
                                rtol=0, atol=1e-6)
-    assert json.loads((run.run_dir / "config.json").read_text())["from"]["bce"]["loss"] == best_loss
+    assert json.loads((run.run_dir / "config.json").read_text())["from"]["wan"]["loss"] == best_loss
+
+
+def test_an_oracle_head_is_never_the_fallback(tmp_path, tiny_cache):
+    """The full-label bce head would hand a single-positive loss what it must not see."""
+    oracle_only = run_linear(cache=tiny_cache, losses="bce", lrs="1e-1", batch_sizes="4", epochs=1,
+                             out=tmp_path / "oracle", console=quiet())
+    with pytest.raises(SpmlError, match="has no head for an and no single-positive head"):
+        run_linear(cache=tiny_cache, losses="an", out=tmp_path / "runs", from_run=oracle_only.run_dir, console=quiet())
+    assert not (tmp_path / "runs").exists()
 
 
 def test_without_from_heads_start_from_their_seed(tmp_path, tiny_cache, first_run):

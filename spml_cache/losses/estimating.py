@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from spml_cache.errors import SpmlError
-from spml_cache.losses.base import Loss, bce, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
+from spml_cache.losses.base import Loss, bce, mean_over_entries, register, rows_for_heads
 from spml_cache.protocol import EXPECTED_POSITIVES
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -28,10 +28,9 @@ def expected_positive_regularizer(p: torch.Tensor, k: float) -> torch.Tensor:
 
 
 def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
-    """`nl(p)` on observed positives, `nl(1-p)` on observed negatives, 0 on unobserved labels."""
-    zeros = torch.zeros_like(logits)
-    terms = torch.where(observed == 1, neg_log_p(logits), zeros)
-    return torch.where(observed == -1, neg_log_1mp(logits), terms)
+    """`nl(p)` on observed positives, `nl(1-p)` on observed negatives, 0 on unobserved labels: BCE against
+    1[z = 1] where z != 0 (one fused op and a mask, where the two branches would take ten)."""
+    return bce(logits, (observed == 1).to(logits.dtype)) * (observed != 0)
 
 
 class _ExpectedPositivesLoss(Loss):
