@@ -71,23 +71,10 @@ def datasets_command(
 
     Example: spml-cache datasets --root ~/data
     """
-    from rich.table import Table
-
     from spml_cache import datasets
 
     root = root or default_data_root()
-    table = Table(title=f"datasets under {root}" if root else "datasets", show_lines=True)
-    table.add_column("dataset", ratio=2)
-    table.add_column("layout expected under the root", ratio=3, overflow="fold")
-    if root is not None:
-        table.add_column("found", ratio=3, overflow="fold")
-    for survey in datasets.survey(root):
-        name = Text(f"{survey.dataset}", style="bold") + Text(f"  {survey.title}\n{survey.about}", style="dim")
-        cells = [name, "\n".join(survey.layout)]
-        if root is not None:
-            cells.append(Text("\n".join(survey.summary()), style="green" if survey.found else "red"))
-        table.add_row(*cells)
-    console.print(table)
+    console.print(datasets.survey_table(root))
     if root is None:
         console.print("[dim]pass --root DIR or set SPML_DATA to see what is found there[/dim]")
 
@@ -208,17 +195,6 @@ def import_features_command(
 # --- losses (losses helper) ---
 
 
-_LOSS_FLAGS = {
-    "oracle": "oracle (reads the full labels)",
-    "needs_train_logits": "scores the training set every epoch",
-    "reconstructed": "reconstructed (no public code)",
-}
-
-
-def _format_hparams(values: dict) -> str:
-    return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in values.items())
-
-
 @app.command("losses")
 def losses_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per loss instead of a table."),
@@ -231,27 +207,13 @@ def losses_command(
     """
     import json
 
-    from rich.table import Table
-
     from spml_cache import losses
 
     rows = losses.describe()
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title=f"{len(rows)} losses", show_lines=True)
-    table.add_column("name", style="bold", no_wrap=True)
-    table.add_column("what it does / paper reference", ratio=3)
-    table.add_column("defaults", ratio=2)
-    table.add_column("state / flags", ratio=2)
-    for row in rows:
-        defaults = [_format_hparams(row["defaults"]) or "-"]
-        defaults += [f"{dataset}: {_format_hparams(values)}" for dataset, values in row["dataset_defaults"].items()]
-        flags = [row["state"]] if row["state"] else []
-        flags += [text for flag, text in _LOSS_FLAGS.items() if row[flag]]
-        what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
-        table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
-    console.print(table)
+    console.print(losses.describe_table(rows))
 
 
 # --- linear, demo (linear helper) ---

@@ -2,21 +2,26 @@
 
 `read(name, root)` looks for the dataset's layout at `root`, then at `root/<name>` (so one `SPML_DATA` folder
 can hold every dataset, e.g. `$SPML_DATA/voc/VOCdevkit/...`), and returns the official train and test splits
-with full labels. `survey(root)` is what `spml-cache datasets` prints.
+with full labels. `survey(root)` is what `spml-cache datasets` finds; `survey_table(root)` is the table it prints.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from spml_cache.datasets import coco, cub, nus, voc
 from spml_cache.datasets import csv as csv_reader
 from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
 from spml_cache.errors import SpmlError
 
+if TYPE_CHECKING:
+    from rich.table import Table
+
 __all__ = [
     "DatasetSurvey", "ImageSplit", "LabeledImages", "find_layout", "names", "read", "reader", "resolve_root", "survey",
+    "survey_table",
 ]
 
 READERS: dict[str, ModuleType] = {module.NAME: module for module in (voc, coco, nus, cub, csv_reader)}
@@ -107,3 +112,23 @@ def survey(root: Path | None) -> list[DatasetSurvey]:
             )
         )
     return surveys
+
+
+def survey_table(root: Path | None) -> Table:
+    """`survey(root)` as a rich Table: per dataset its name and description, the layout, and (given a root)
+    what was found there in green or what is missing in red."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"datasets under {root}" if root else "datasets", show_lines=True)
+    table.add_column("dataset", ratio=2)
+    table.add_column("layout expected under the root", ratio=3, overflow="fold")
+    if root is not None:
+        table.add_column("found", ratio=3, overflow="fold")
+    for entry in survey(root):
+        name = Text(f"{entry.dataset}", style="bold") + Text(f"  {entry.title}\n{entry.about}", style="dim")
+        cells = [name, "\n".join(entry.layout)]
+        if root is not None:
+            cells.append(Text("\n".join(entry.summary()), style="green" if entry.found else "red"))
+        table.add_row(*cells)
+    return table

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from spml_cache.errors import SpmlError
 from spml_cache.losses.base import _REGISTRY, Loss, register
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # Importing a family module registers its losses; the order here is the order `names()` lists them in.
 from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
@@ -17,7 +22,14 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
     pairwise,
 )
 
-__all__ = ["Loss", "build", "describe", "get", "names", "register"]
+__all__ = ["Loss", "build", "describe", "describe_table", "get", "names", "register"]
+
+# The flags of a `describe()` row, as the table words them.
+_FLAG_TEXTS = {
+    "oracle": "oracle (reads the full labels)",
+    "needs_train_logits": "scores the training set every epoch",
+    "reconstructed": "reconstructed (no public code)",
+}
 
 
 def names() -> list[str]:
@@ -60,3 +72,28 @@ def describe() -> list[dict]:
             }
         )
     return rows
+
+
+def _format_hparams(values: dict) -> str:
+    return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in values.items())
+
+
+def describe_table(rows: list[dict] | None = None) -> Table:
+    """`describe()` rows (default: every loss) as the rich Table `spml-cache losses` prints."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = describe() if rows is None else rows
+    table = Table(title=f"{len(rows)} losses", show_lines=True)
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("what it does / paper reference", ratio=3)
+    table.add_column("defaults", ratio=2)
+    table.add_column("state / flags", ratio=2)
+    for row in rows:
+        defaults = [_format_hparams(row["defaults"]) or "-"]
+        defaults += [f"{dataset}: {_format_hparams(values)}" for dataset, values in row["dataset_defaults"].items()]
+        flags = [row["state"]] if row["state"] else []
+        flags += [text for flag, text in _FLAG_TEXTS.items() if row[flag]]
+        what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
+        table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
+    return table

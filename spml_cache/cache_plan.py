@@ -1,0 +1,93 @@
+"""What stage one's cache file will hold, planned before any feature is computed: its rows, its settings
+attrs and its size; and whether a cache or partial file already on disk was built with the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from spml_cache import cache
+from spml_cache.backbone import FEATURE_DIM, IMAGENET_MEAN, IMAGENET_STD
+from spml_cache.errors import SpmlError
+
+# The attrs that decide what the features are; a cache differing in one of them is another cache.
+SETTINGS = (
+    "dataset", "classes", "backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim",
+    "precision", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
+)  # fmt: skip
+
+
+def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
+    """The protocol's splits as cache rows, cut to the first `limit` rows of each split (0: all)."""
+    rows = {}
+    for name in cache.SPLITS:
+        split = getattr(protocol_splits, name)
+        keep = slice(None) if limit == 0 else slice(0, limit)
+        observed = None if split.observed is None else np.asarray(split.observed, dtype=np.int8)[keep]
+        rows[name] = cache.SplitRows(list(split.ids)[keep], np.asarray(split.labels, dtype=np.uint8)[keep], observed)
+    return rows
+
+
+def settings_attrs(images, protocol_attrs: dict, weights: str, resolution: int, precision: str, limit: int) -> dict:
+    return {
+        "dataset": images.dataset,
+        "classes": json.dumps(list(images.classes)),
+        "num_classes": len(images.classes),
+        "backbone": "resnet50",
+        "weights": weights,
+        "resolution": resolution,
+        "resize": f"{resolution}x{resolution}, bilinear, antialiased, no crop",
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+        "feature_dim": FEATURE_DIM,
+        "precision": precision,
+        "limit": limit,
+        **{key: protocol_attrs[key] for key in ("split_seed", "val_frac", "observe_seed", "num_pos", "num_neg")},
+        "expected_positives": float(protocol_attrs["expected_positives"]),
+        "skipped_missing": json.dumps(list(images.skipped)),
+        "source": "extract",
+    }
+
+
+def _same(a, b) -> bool:
+    return json.dumps(cache.plain(a), sort_keys=True) == json.dumps(cache.plain(b), sort_keys=True)
+
+
+def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.SplitRows], was: str, fix: str) -> None:
+    difference = settings_difference(path, settings, rows)
+    if difference is not None:
+        raise SpmlError(
+            f"{path} {was} with other settings ({difference}): pass --force to {fix}, or pick another --out"
+        )
+
+
+def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitRows]) -> str | None:
+    """What differs between the cache (or partial file) at `path` and this run, or None."""
+    attrs, found = cache.read_header(path)
+    for key in SETTINGS:
+        if not _same(attrs.get(key), settings[key]):
+            return f"{key}: {attrs.get(key)!r} in the file, {settings[key]!r} now"
+    dropped = json.loads(attrs.get("skipped_images") or "{}")
+    for name in cache.SPLITS:
+        gone = set(dropped.get(name, []))
+        keep = [i for i, image_id in enumerate(rows[name].ids) if image_id not in gone]
+        planned = rows[name]
+        if found[name].ids != [planned.ids[i] for i in keep]:
+            return f"the {name} images differ ({len(found[name])} rows in the file, {len(keep)} now)"
+        if not np.array_equal(found[name].labels, planned.labels[keep]):
+            return f"the {name} labels differ"
+        if planned.observed is not None and not np.array_equal(found[name].observed, planned.observed[keep]):
+            return f"the {name} observed labels differ"
+    return None
+
+
+def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int) -> int:
+    """Bytes of the arrays (features dominate; ids counted at their UTF-8 length plus a pointer)."""
+    total = 0
+    for name, split in rows.items():
+        per_row = FEATURE_DIM * 4 + num_classes * (2 if split.observed is not None else 1) + 2
+        total += len(split) * per_row + sum(len(i.encode()) + 16 for i in split.ids)
+    return total
