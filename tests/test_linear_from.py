@@ -8,6 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from cli_support import run_cli
 from linear_support import write_synthetic_cache
 from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
@@ -124,3 +125,19 @@ def test_from_what_is_not_a_finished_linear_run(tmp_path, tiny_cache, first_run)
     with pytest.raises(SpmlError, match="did not finish"):
         run_linear(cache=tiny_cache, losses="an", out=tmp_path / "runs", from_run=unfinished, console=quiet())
     assert not (tmp_path / "runs").exists()
+
+
+def test_from_on_the_command_line(tmp_path, tiny_cache, first_run):
+    done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", STILL, "--batch-size", "4",
+                   "--epochs", "1", "--from", str(first_run.run_dir), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    torch.testing.assert_close(torch.load(run_dir / "best.pt", weights_only=True)["an"]["head"]["weight"],
+                               best(first_run)["an"]["head"]["weight"], rtol=0, atol=1e-6)
+    other = write_synthetic_cache(tmp_path / "other" / "voc-resnet50-448.h5", classes=5, dim=8)
+    refused = run_cli("linear", "--cache", str(other), "--loss", "an", "--from", str(first_run.run_dir),
+                      "--out", "refused", cwd=tmp_path, env={"COLUMNS": "60"})  # one line, however narrow
+    assert refused.returncode == 1
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith(f"error: --from {first_run.run_dir}: its heads predict 4 classes") and "--from" in line
+    assert not (tmp_path / "refused").exists()
