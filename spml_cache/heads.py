@@ -196,8 +196,9 @@ class StackedAdam:
     NaN, is ignored). All heads of one optimiser step together, so they share the step count.
 
     Dense parameters go through torch's fused Adam kernel where the device has it (one call per head and lr
-    multiplier over that head's slices: one pass over memory instead of eight elementwise ops); elsewhere,
-    and for lazy parameters, the same update is written out with tensor ops.
+    multiplier over that head's slices: one pass over memory instead of eight elementwise ops), and so do the
+    batch's rows of a lazy parameter (the kernel writes the step into a zero tensor at lr 1, each head's lr
+    scales it onto the rows); elsewhere the same update is written out with tensor ops.
     """
 
     def __init__(self, lr, *, betas: tuple[float, float] = (BETA1, BETA2), eps: float = EPS, fused: bool | None = None) -> None:

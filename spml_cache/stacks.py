@@ -1,9 +1,9 @@
 """The engine of stage two: every (lr, batch size) head of one loss and one seed, trained as stacks.
 
-One `StackedHeads` + `StackedAdam` + loss per batch size (a "stack", one head per lr), every stack cutting the
-same per-(seed, epoch) permutation into consecutive batches of its size, the last one partial. A batch-16
-head thus sees exactly two consecutive batch-8 batches: the schedule of a batch-16 head trained alone, for
-any loss, batch-coupled or stateful. Each epoch ends with one batched scoring of every head on val and test
+One `StackedHeads` + loss (+ `StackedAdam` for the loss's own parameters) per batch size (a "stack", one head
+per lr), every stack cutting the same per-(seed, epoch) permutation into consecutive batches of its size, the
+last one partial. A batch-16 head thus sees exactly two consecutive batch-8 batches: the schedule of a
+batch-16 head trained alone, for any loss, batch-coupled or stateful. Each epoch ends with one batched scoring of every head on val and test
 (`protocol.average_precision` on [K, N, C]).
 """
 
