@@ -119,7 +119,7 @@ def main() -> None:
             count = args.backbone_batches * args.batch_size
             trunk_rate = time_backbone(trunk, resolution, args.batch_size, args.backbone_batches, device, dtype)
             rows.append(("backbone alone", resolution, count, trunk_rate))
-    print(f"\n| stage | R | images | images/s |\n|---|---|---|---|")
+    print("\n| stage | R | images | images/s |\n|---|---|---|---|")
     for stage, resolution, count, rate in rows:
         print(f"| {stage} | {resolution} | {count} | {rate:.1f} |")
 

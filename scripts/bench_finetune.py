@@ -27,8 +27,7 @@ import torchvision
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spml_cache import backbone, losses  # noqa: E402
-from spml_cache import finetune_data as data  # noqa: E402
-from spml_cache import parallel  # noqa: E402
+from spml_cache.finetune import parallel  # noqa: E402
 from spml_cache.devices import resolve_device  # noqa: E402
 from spml_cache.finetune import FineTuneModel, make_optimizer, train_step  # noqa: E402
 

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spml_cache import cache, losses  # noqa: E402
 from spml_cache.devices import resolve_device  # noqa: E402
-from spml_cache.linear import DEFAULT_BATCH_SIZES, DEFAULT_LRS, run_linear  # noqa: E402
+from spml_cache.linear import run_linear  # noqa: E402
+from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS  # noqa: E402
 from spml_cache.protocol import observe_labels  # noqa: E402
 
 SHAPES = {  # train, val, test, classes
@@ -103,8 +104,8 @@ def time_reference(path: Path, loss_name: str, epochs: int, measured_epochs: int
     features = cache.load(path)
     num_classes = len(features.classes)
     total = 0.0
-    for lr in DEFAULT_LRS:
-        for batch_size in DEFAULT_BATCH_SIZES:
+    for lr in GRID_LRS:
+        for batch_size in GRID_BATCH_SIZES:
             start = time.perf_counter()
             torch.manual_seed(0)
             model = torch.nn.Linear(FEATURE_DIM, num_classes).to(device)

@@ -7,6 +7,7 @@ traceback instead.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -38,15 +39,45 @@ def default_data_root() -> Optional[Path]:
     return Path(value) if value else None
 
 
-def default_cache_dir() -> Path:
-    """`SPML_CACHE` is the default cache folder (else ./cache)."""
-    return Path(os.environ.get("SPML_CACHE", "cache"))
-
-
 def require_root(root: Optional[Path]) -> Path:
+    """`--root`, else `SPML_DATA`, else a clear error."""
+    root = root or default_data_root()
     if root is None:
         raise SpmlError("no data root: pass --root DIR or set SPML_DATA")
     return root
+
+
+def parse_list(text: str, flag: str, kind: type) -> list:
+    """A comma list of numbers (`--lr 1e-3,1e-4`): a clear error naming the flag otherwise. The stages check
+    the values themselves."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        return [kind(item) for item in items]
+    except ValueError:
+        what = "numbers" if kind is float else "whole numbers"
+        raise SpmlError(f"{flag} {text!r}: expected a comma list of {what}") from None
+
+
+def parse_names(text: str) -> list[str]:
+    """A comma list of names (`--loss an,role`)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def parse_hparams(items: List[str]) -> dict[str, float]:
+    """`--hp key=value` or `--hp loss.key=value` (repeatable) as `{key: value}`."""
+    given = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise SpmlError(f"--hp {item!r}: expected key=value or loss.key=value, e.g. --hp alpha=0.1")
+        try:
+            value = int(text) if text.strip().lstrip("-").isdigit() else float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise SpmlError(f"--hp {item!r}: the value must be a finite number")
+        given[key.strip()] = value
+    return given
 
 
 @app.callback()
@@ -94,7 +125,7 @@ def make_demo_data_command(
 
     Example: spml-cache make-demo-data demo-data --train 400 --test 200
     """
-    from spml_cache.demo_data import make_demo_data
+    from spml_cache.demo.data import make_demo_data
 
     root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
     console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {root}")
@@ -162,7 +193,7 @@ def extract_command(
         # `--weights none` and ignored checkpoint keys warn: say so in one yellow line, when it happens.
         warnings.showwarning = lambda message, *_: err_console.print(f"[yellow]warning: {message}[/yellow]")
         report = extract(
-            dataset, require_root(root or default_data_root()), out=out, weights=weights, resolution=resolution,
+            dataset, require_root(root), out=out, weights=weights, resolution=resolution,
             batch_size=batch_size, workers=workers, device=device, precision=precision, limit=limit,
             dry_run=dry_run, force=force, on_bad_image=on_bad_image, skip_missing=skip_missing,
         )
@@ -183,7 +214,7 @@ def import_features_command(
 
     Example: spml-cache import-features data/pascal --dataset voc
     """
-    from spml_cache.published import import_features
+    from spml_cache.extract import import_features
 
     report = import_features(folder, dataset=dataset, out=out, classes_file=classes, force=force)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
@@ -239,12 +270,12 @@ def linear_command(
 
     Example: spml-cache linear --dataset voc --loss an,role --seeds 3
     """
-    from spml_cache.linear import run_linear
-    from spml_cache.selection import summary_table
+    from spml_cache.linear import run_linear, summary_table
 
     run = run_linear(
-        cache=cache, dataset=dataset, cache_dir=default_cache_dir(), losses=loss, lrs=lr, batch_sizes=batch_size,
-        epochs=epochs, seeds=seeds, hparams=hp or [], device=device, out=out, val_labels=val_labels, workers=workers,
+        cache=cache, dataset=dataset, losses=parse_names(loss), lrs=parse_list(lr, "--lr", float),
+        batch_sizes=parse_list(batch_size, "--batch-size", int), epochs=epochs, seeds=seeds,
+        hparams=parse_hparams(hp or []), device=device, out=out, val_labels=val_labels, workers=workers,
         from_run=from_run,
     )
     console.print(summary_table(run.results))
@@ -269,11 +300,12 @@ def demo_command(
 
     Example: spml-cache demo --out demo
     """
-    from spml_cache.demo import run_demo
+    from spml_cache.demo.run import run_demo
 
     # The hidden size flags (for tests) override the demo's measured defaults only when given.
-    sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution,
-             "epochs": epochs, "lrs": lr, "batch_sizes": batch_size}
+    sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution, "epochs": epochs,
+             "lrs": None if lr is None else parse_list(lr, "--lr", float),
+             "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int)}
     result = run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
     console.print(f"run directory: {result.run_dir}")
     if result.plots:
@@ -312,12 +344,15 @@ def finetune_command(
 
     Example: spml-cache finetune --init best --dataset voc --loss role --root ~/data --lr 1e-5 --batch-size 8
     """
-    from spml_cache import finetune
+    from spml_cache.finetune import finetune
+    from spml_cache.protocol import GRID_LRS
 
-    results = finetune.finetune(
-        init=init, from_run=from_run, cache_path=cache_file, dataset=dataset, cache_dir=default_cache_dir(),
+    lrs = None if lr is None else list(GRID_LRS) if lr == "grid" else parse_list(lr, "--lr", float)
+    results = finetune(
+        init=init, from_run=from_run, cache_path=cache_file, dataset=dataset,
         root=root if root is not None else (None if resume else default_data_root()), loss=loss, weights=weights,
-        epochs=epochs, lrs=lr, batch_sizes=batch_size, resolution=resolution, seeds=seeds, hparams=hp,
+        epochs=epochs, lrs=lrs, batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int),
+        resolution=resolution, seeds=seeds, hparams=parse_hparams(hp or []),
         head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, device=device, out=out, resume=resume,
         workers=workers, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
     )

@@ -1,9 +1,11 @@
-"""Run directories (docs/internals.md, "run directories"): making them, writing their files, reading them back.
+"""Run directories (docs/internals.md, "run directories"): the one place that lays them out, for both training
+stages, and reads them back.
 
-`runs/<dataset>/<stage>-<loss or "all">-<YYYYmmdd-HHMMSS>/` holds `config.json`, `env.json`, `metrics.jsonl`,
-`results.json` (written last: without it the run is incomplete), `best.pt`, `scores/<loss>.npz` and
-`labels.npz`. Every file but `metrics.jsonl` is written to a temporary name and renamed, so a reader never
-sees half a file; `metrics.jsonl` grows one complete line at a time.
+`runs/<dataset>/<stage>-<loss or "all">-<YYYYmmdd-HHMMSS>/` holds `config.json` and `env.json` (`start_run`),
+`metrics.jsonl` (`append_metrics`), `scores/<loss>.npz` (`write_scores`), `labels.npz` (`write_labels`), then
+`best.pt` and `results.json` (`finish_run`; results last: without it the run is incomplete). Every file but
+`metrics.jsonl` is written to a temporary name and renamed, so a reader never sees half a file;
+`metrics.jsonl` grows one complete line at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.errors import SpmlError
 
 RESULTS = "results.json"
@@ -69,8 +72,9 @@ def jsonable(value: Any) -> Any:
 
 
 def replace_atomically(path: Path, write) -> None:
-    """`write(temporary)` then rename the temporary file to `path`; nothing is left behind on failure."""
-    temporary = path.with_name(path.name + ".tmp")
+    """`write(temporary)` then rename the temporary file to `path`; nothing is left behind on failure. The
+    temporary name keeps the suffix (numpy's savez insists on `.npz`)."""
+    temporary = path.with_name(f"{path.stem}.tmp{path.suffix}")
     try:
         write(temporary)
         os.replace(temporary, path)
@@ -126,16 +130,10 @@ def load_checkpoint(path: Path | str) -> dict:
 
 
 def write_npz(path: Path | str, **arrays: np.ndarray) -> Path:
-    """`numpy.savez_compressed` atomically (the temporary name keeps the .npz suffix numpy insists on)."""
+    """`numpy.savez_compressed`, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.stem + ".tmp.npz")
-    try:
-        np.savez_compressed(temporary, **arrays)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    replace_atomically(path, lambda temporary: np.savez_compressed(temporary, **arrays))
     return path
 
 
@@ -165,6 +163,47 @@ def env_info(device: torch.device | str) -> dict:
         "device": str(device),
         "device_name": device_name,
     }
+
+
+# --- one run's files, for both training stages -------------------------------------------------------------
+
+
+def start_run(out: Path | str, *, stage: str, label: str, features: FeatureSet, device: torch.device,
+              grid: dict, **extra) -> Path:
+    """Make `out/<dataset>/<stage>-<label>-<stamp>/` and write its `config.json` (the cache, the grid: `losses`,
+    `lrs`, `batch_sizes`, `epochs`, `seeds`, `hparams`, `val_labels`; then the stage's `extra`) and `env.json`."""
+    run_dir = make_run_dir(stage, features.dataset, label, out)
+    write_json(run_dir / "config.json", {
+        "stage": stage, "dataset": features.dataset, "cache": str(Path(features.path).resolve()),
+        "cache_id": cache_id(features.attrs), "cache_attrs": features.attrs, "classes": features.classes,
+        **grid, "device": str(device), **extra,
+    })
+    write_json(run_dir / "env.json", env_info(device))
+    return run_dir
+
+
+def write_scores(run_dir: Path | str, loss: str, **splits: torch.Tensor) -> Path:
+    """`scores/<loss>.npz`: the selected head's sigmoid scores per split, as float16."""
+    arrays = {split: values.detach().cpu().numpy().astype(np.float16) for split, values in splits.items()}
+    return write_npz(Path(run_dir) / "scores" / f"{loss}.npz", **arrays)
+
+
+def write_labels(run_dir: Path | str, *, train_labels, train_observed, val_labels, test_labels) -> Path:
+    """`labels.npz`: the labels the scores are judged against (what report's figures need)."""
+    return write_npz(Path(run_dir) / "labels.npz", train_labels=train_labels, train_observed=train_observed,
+                     val_labels=val_labels, test_labels=test_labels)
+
+
+def finish_run(run_dir: Path | str, *, stage: str, features: FeatureSet, losses: dict, checkpoints: dict,
+               **extra) -> dict:
+    """Write `best.pt` (per loss: the selected model and its loss state) and then `results.json`, whose presence
+    marks a finished run; returns the results."""
+    run_dir = Path(run_dir)
+    results = {"stage": stage, "dataset": features.dataset, "cache_id": cache_id(features.attrs), "complete": True,
+               **extra, "losses": losses}
+    save_checkpoint(run_dir / "best.pt", checkpoints)
+    write_json(run_dir / RESULTS, results)
+    return results
 
 
 def run_stamp(run_dir: Path | str) -> tuple[str, int]:

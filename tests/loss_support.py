@@ -1,4 +1,4 @@
-"""Scalar restatements of the spec's notation (spec/losses.md) for hand-worked loss values: plain math, no torch."""
+"""Scalar restatements of the spec's notation (docs/losses.md) for hand-worked loss values: plain math, no torch."""
 
 import math
 

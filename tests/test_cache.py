@@ -1,4 +1,4 @@
-"""The HDF5 schema of spec/design.md: what `write` puts on disk, what `load` accepts and what it refuses."""
+"""The HDF5 schema of docs/internals.md: what `write` puts on disk, what `load` accepts and what it refuses."""
 
 from __future__ import annotations
 

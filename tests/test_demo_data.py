@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from spml_cache import datasets
-from spml_cache.demo_data import make_demo_data
+from spml_cache.demo.data import make_demo_data
 from spml_cache.errors import SpmlError
 
 VOC_CLASSES = (

@@ -28,7 +28,7 @@ from extract_support import (
 )
 
 from spml_cache import backbone, cache, datasets, protocol
-from spml_cache.demo_data import make_demo_data
+from spml_cache.demo.data import make_demo_data
 from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
 

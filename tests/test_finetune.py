@@ -25,9 +25,11 @@ from PIL import Image
 from rich.console import Console
 from sklearn.metrics import average_precision_score
 
-from spml_cache import cache, demo_data, extract, finetune, linear, losses, runs
-from spml_cache import finetune_data as data
-from spml_cache import parallel
+from spml_cache import cache, extract, finetune, linear, losses, runs
+from spml_cache.demo import data as demo_data
+from spml_cache.finetune import checkpoints
+from spml_cache.finetune import images as data
+from spml_cache.finetune import parallel
 from spml_cache.errors import SpmlError
 
 RESOLUTION = 32
@@ -76,14 +78,14 @@ def world(tmp_path_factory, one_thread):
     classes = len(cache.load(cache_path).classes)
     decoy = {"weight": torch.ones(classes, 2048), "bias": torch.zeros(classes)}
     write_linear_run(runs_dir / "voc" / "linear-all-20000101-000000", cache_path, {"role": decoy, "em_apl": decoy})
-    newest = linear.run_linear(cache=cache_path, losses="role,em_apl", lrs="1e-3", batch_sizes="4", epochs=2,
+    newest = linear.run_linear(cache=cache_path, losses=["role", "em_apl"], lrs=[1e-3], batch_sizes=[4], epochs=2,
                                out=runs_dir, device="cpu", console=Console(file=io.StringIO())).run_dir
     return SimpleNamespace(base=base, root=root, weights=weights, cache=cache_path, runs=runs_dir, linear=newest,
                            features=cache.load(cache_path))
 
 
 def common(world, **overrides) -> dict:
-    options = dict(root=world.root, weights=str(world.weights), lrs="1e-4", batch_sizes="4", epochs=2, workers=0,
+    options = dict(root=world.root, weights=str(world.weights), lrs=[1e-4], batch_sizes=[4], epochs=2, workers=0,
                    device="cpu", out=world.runs, cache_dir=world.base)
     return {**options, **overrides}
 
@@ -142,7 +144,7 @@ def test_role_theta_is_handed_over_as_clipped_logits(world, monkeypatch):
     np.testing.assert_allclose(seen["theta"].numpy(), np.log(q / (1 - q)), rtol=1e-5, atol=1e-5)
     extreme = torch.tensor([[-40.0, -3.0, 0.0, 2.5, 40.0]])
     bound = np.log((1 - 1e-5) / 1e-5)
-    np.testing.assert_allclose(data.role_theta_handover(extreme).numpy(), [[-bound, -3.0, 0.0, 2.5, bound]], rtol=1e-5)
+    np.testing.assert_allclose(checkpoints.role_theta_handover(extreme).numpy(), [[-bound, -3.0, 0.0, 2.5, bound]], rtol=1e-5)
 
 
 def test_cli_run_names_its_start_and_selects_the_best_val_epoch(world, cli_run):
@@ -296,7 +298,7 @@ def test_cuda_out_of_memory_suggests_a_smaller_batch_and_leaves_nothing(world, t
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(finetune, "_train_epoch", out_of_memory)
+    monkeypatch.setattr(finetune.run, "_train_epoch", out_of_memory)
     out = tmp_path / "out"
     with pytest.raises(SpmlError, match="out of memory.*smaller --batch-size"):
         finetune.finetune(init="best", from_run=world.linear, loss="role", **common(world, out=out))

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from spml_cache.heads import StackedAdam, StackedHeads, fused_adam_available
+from spml_cache.linear.adam import StackedAdam, fused_adam_available
+from spml_cache.linear.head_matrix import HeadMatrix
 
 LRS = [1e-1, 1e-2, 1e-3]
 
 
 def test_each_head_starts_as_nn_linear_under_its_seed():
-    heads = StackedHeads(7, 3, seeds=[5, 9, 5], lrs=LRS)
+    heads = HeadMatrix(7, 3, seeds=[5, 9, 5], lrs=LRS)
     for k, seed in enumerate([5, 9, 5]):
         torch.manual_seed(seed)
         reference = torch.nn.Linear(7, 3)
@@ -28,10 +29,10 @@ def reference_logits(heads, k, x):
 
 
 def train_heads_and_reference(fused, steps=15, stop=None, penalty=False):
-    """Three heads at three lrs, trained by `StackedHeads.step` from the logits' gradient, and the same three
+    """Three heads at three lrs, trained by `HeadMatrix.step` from the logits' gradient, and the same three
     heads as `nn.Linear` + `torch.optim.Adam` each; `stop=(head, step)` stops that head before that step."""
     generator = torch.Generator().manual_seed(0)
-    heads = StackedHeads(6, 4, seeds=[1, 2, 1], lrs=LRS, fused=fused)
+    heads = HeadMatrix(6, 4, seeds=[1, 2, 1], lrs=LRS, fused=fused)
     alone = []
     for seed, lr in zip([1, 2, 1], LRS):
         torch.manual_seed(seed)
@@ -74,7 +75,7 @@ def test_stacked_heads_train_as_torch_adam_per_head(fused, penalty):
 
 
 def heads_at_start(k):
-    return StackedHeads(6, 4, seeds=[1, 2, 1], lrs=LRS).linear_state(k)["weight"]
+    return HeadMatrix(6, 4, seeds=[1, 2, 1], lrs=LRS).linear_state(k)["weight"]
 
 
 @pytest.mark.parametrize("fused", [True, False])

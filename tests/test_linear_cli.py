@@ -11,6 +11,7 @@ from cli_support import run_cli
 from linear_support import write_synthetic_cache
 from spml_cache import losses
 from spml_cache.errors import SpmlError
+from spml_cache import cli
 from spml_cache.linear import run_linear
 
 
@@ -66,20 +67,37 @@ def incomplete_copy(source: Path, target: Path) -> Path:
 BAD_INPUTS = [
     ({"cache": "missing.h5"}, "missing.h5"),
     ({"dataset": "voc", "cache_dir": "empty"}, "spml-cache extract voc"),
-    ({"losses": "an,nope"}, "unknown loss 'nope'"),
-    ({"hparams": ["alpha=0.3"]}, "has no hyperparameter alpha"),
-    ({"losses": "an,em", "hparams": ["gamma=0.3"]}, "none of the selected losses has a hyperparameter 'gamma'"),
-    ({"losses": "an,em", "hparams": ["wan.gamma=0.3"]}, "loss 'wan' is not among --loss"),
-    ({"hparams": ["alpha"]}, "expected key=value"),
-    ({"hparams": ["an.gamma=fast"]}, "must be a finite number"),
+    ({"losses": ["an", "nope"]}, "unknown loss 'nope'"),
+    ({"hparams": {"alpha": 0.3}}, "has no hyperparameter alpha"),
+    ({"losses": ["an", "em"], "hparams": {"gamma": 0.3}}, "none of the selected losses has a hyperparameter 'gamma'"),
+    ({"losses": ["an", "em"], "hparams": {"wan.gamma": 0.3}}, "loss 'wan' is not among --loss"),
+    ({"hparams": {"an.gamma": float("nan")}}, "must be a finite number"),
     ({"dataset": "voc", "cache_dir": "empty", "cache": "x.h5"}, "not both"),
-    ({"lrs": ""}, "--lr is empty"),
-    ({"lrs": "1e-3,fast"}, "comma list of numbers"),
-    ({"batch_sizes": "8,0"}, "must be positive"),
+    ({"lrs": []}, "--lr is empty"),
+    ({"batch_sizes": [8, 0]}, "must be positive"),
     ({"epochs": 0}, "--epochs 0"),
     ({"val_labels": "noisy"}, "--val-labels"),
     ({"device": "tpu"}, "--device"),
 ]
+
+CLI_PARSING = [
+    (lambda: cli.parse_hparams(["alpha"]), "expected key=value"),
+    (lambda: cli.parse_hparams(["an.gamma=fast"]), "must be a finite number"),
+    (lambda: cli.parse_list("1e-3,fast", "--lr", float), "comma list of numbers"),
+    (lambda: cli.parse_list("8,sixteen", "--batch-size", int), "comma list of whole numbers"),
+]
+
+
+@pytest.mark.parametrize("parse, message", CLI_PARSING, ids=[m for _, m in CLI_PARSING])
+def test_the_command_line_refuses_what_it_cannot_parse(parse, message):
+    with pytest.raises(SpmlError, match=message):
+        parse()
+
+
+def test_the_command_line_parses_lists_and_hyperparameters():
+    assert cli.parse_list(" 1e-2, 1e-3,", "--lr", float) == [1e-2, 1e-3]
+    assert cli.parse_names("an, role") == ["an", "role"]
+    assert cli.parse_hparams(["alpha=0.3", "role.k=2", "an.gamma=-1"]) == {"alpha": 0.3, "role.k": 2, "an.gamma": -1}
 
 
 @pytest.mark.parametrize("arguments, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])

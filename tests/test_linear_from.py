@@ -14,7 +14,7 @@ from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
 
 # So small that a head ends its one epoch where it started (to ~1e-9): what it starts from is what best.pt holds.
-STILL = "1e-10"
+STILL = [1e-10]
 
 
 def quiet() -> Console:
@@ -31,7 +31,7 @@ def tiny_cache(tmp_path_factory):
 def first_run(tmp_path_factory, tiny_cache):
     """A finished run of an and role whose heads have moved far from any seed's init."""
     out = tmp_path_factory.mktemp("runs")
-    return run_linear(cache=tiny_cache, losses="an,role", lrs="1e-1", batch_sizes="4", epochs=3, out=out,
+    return run_linear(cache=tiny_cache, losses=["an", "role"], lrs=[1e-1], batch_sizes=[4], epochs=3, out=out,
                       console=quiet())
 
 
@@ -40,7 +40,7 @@ def best(run) -> dict:
 
 
 def test_heads_start_from_the_same_loss_head_of_the_run(tmp_path, tiny_cache, first_run):
-    run = run_linear(cache=tiny_cache, losses="an,role", lrs=STILL, batch_sizes="4,8", epochs=1, seeds=2,
+    run = run_linear(cache=tiny_cache, losses=["an", "role"], lrs=STILL, batch_sizes=[4, 8], epochs=1, seeds=2,
                      out=tmp_path, from_run=first_run.run_dir, console=quiet())
     before, after = best(first_run), best(run)
     for name in ("an", "role"):
@@ -55,7 +55,7 @@ def test_heads_start_from_the_same_loss_head_of_the_run(tmp_path, tiny_cache, fi
 
 
 def test_a_loss_the_run_lacks_starts_from_its_best_single_positive_head(tmp_path, tiny_cache, first_run):
-    run = run_linear(cache=tiny_cache, losses="wan", lrs=STILL, batch_sizes="4", epochs=1, out=tmp_path,
+    run = run_linear(cache=tiny_cache, losses="wan", lrs=STILL, batch_sizes=[4], epochs=1, out=tmp_path,
                      from_run=first_run.run_dir, console=quiet())
     trained = first_run.results["losses"]
     best_loss = max(trained, key=lambda name: trained[name]["val_map"])
@@ -66,7 +66,7 @@ def test_a_loss_the_run_lacks_starts_from_its_best_single_positive_head(tmp_path
 
 def test_an_oracle_head_is_never_the_fallback(tmp_path, tiny_cache):
     """The full-label bce head would hand a single-positive loss what it must not see."""
-    oracle_only = run_linear(cache=tiny_cache, losses="bce", lrs="1e-1", batch_sizes="4", epochs=1,
+    oracle_only = run_linear(cache=tiny_cache, losses="bce", lrs=[1e-1], batch_sizes=[4], epochs=1,
                              out=tmp_path / "oracle", console=quiet())
     with pytest.raises(SpmlError, match="has no head for an and no single-positive head"):
         run_linear(cache=tiny_cache, losses="an", out=tmp_path / "runs", from_run=oracle_only.run_dir, console=quiet())
@@ -74,7 +74,7 @@ def test_an_oracle_head_is_never_the_fallback(tmp_path, tiny_cache):
 
 
 def test_without_from_heads_start_from_their_seed(tmp_path, tiny_cache, first_run):
-    run = run_linear(cache=tiny_cache, losses="an", lrs=STILL, batch_sizes="4", epochs=1, out=tmp_path,
+    run = run_linear(cache=tiny_cache, losses="an", lrs=STILL, batch_sizes=[4], epochs=1, out=tmp_path,
                      console=quiet())
     assert not torch.allclose(best(run)["an"]["head"]["weight"], best(first_run)["an"]["head"]["weight"], atol=1e-2)
     assert json.loads((run.run_dir / "config.json").read_text())["from"] is None
@@ -84,7 +84,7 @@ def test_theta_stays_behind_on_another_cache(tmp_path, tiny_cache, first_run):
     """Same classes, other training rows: the head fits, ROLE's per-row label matrix does not."""
     other = write_synthetic_cache(tmp_path / "other" / "voc-resnet50-448.h5", train=36, val=16, test=20, classes=4,
                                   dim=8, seed=5)
-    run = run_linear(cache=other, losses="role", lrs=STILL, batch_sizes="4", epochs=1, out=tmp_path / "runs",
+    run = run_linear(cache=other, losses="role", lrs=STILL, batch_sizes=[4], epochs=1, out=tmp_path / "runs",
                      from_run=first_run.run_dir, console=quiet())
     torch.testing.assert_close(best(run)["role"]["head"]["weight"], best(first_run)["role"]["head"]["weight"],
                                rtol=0, atol=1e-6)
@@ -128,7 +128,7 @@ def test_from_what_is_not_a_finished_linear_run(tmp_path, tiny_cache, first_run)
 
 
 def test_from_on_the_command_line(tmp_path, tiny_cache, first_run):
-    done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", STILL, "--batch-size", "4",
+    done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", "1e-10", "--batch-size", "4",
                    "--epochs", "1", "--from", str(first_run.run_dir), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()

@@ -35,7 +35,7 @@ def read_metrics(run_dir):
 
 
 def test_a_diverging_head_is_stopped_and_the_others_finish(tmp_path, tiny_cache):
-    run = run_linear(cache=tiny_cache, losses="an", lrs="1e-2,1e38", batch_sizes="8", epochs=3, out=tmp_path,
+    run = run_linear(cache=tiny_cache, losses="an", lrs=[1e-2, 1e38], batch_sizes=[8], epochs=3, out=tmp_path,
                      console=quiet())
     result = run.results["losses"]["an"]
     configs = {c["lr"]: c for c in result["configs"]}
@@ -53,7 +53,7 @@ def test_a_diverging_head_is_stopped_and_the_others_finish(tmp_path, tiny_cache)
 
 @pytest.mark.parametrize("val_labels", ["clean", "observed"])
 def test_results_are_the_best_head_at_its_best_epoch(tmp_path, tiny_cache, val_labels):
-    run = run_linear(cache=tiny_cache, losses="role", lrs="1e-2,1e-3", batch_sizes="8,16", epochs=4,
+    run = run_linear(cache=tiny_cache, losses="role", lrs=[1e-2, 1e-3], batch_sizes=[8, 16], epochs=4,
                      val_labels=val_labels, out=tmp_path, console=quiet())
     features = cache.load(tiny_cache)
     result = run.results["losses"]["role"]
@@ -94,7 +94,7 @@ def test_results_are_the_best_head_at_its_best_epoch(tmp_path, tiny_cache, val_l
 
 def test_single_positive_losses_learn_a_learnable_problem(tmp_path):
     path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=200, val=60, test=80, classes=10, dim=32)
-    run = run_linear(cache=path, losses="bce,an,role,em", lrs="1e-2", batch_sizes="8", epochs=6,
+    run = run_linear(cache=path, losses=["bce", "an", "role", "em"], lrs=[1e-2], batch_sizes=[8], epochs=6,
                      out=tmp_path / "runs", console=quiet())
     chance = 100 * cache.load(path).test.labels.mean()  # ~20: the mAP of random scores
     for name, result in run.results["losses"].items():
@@ -103,13 +103,13 @@ def test_single_positive_losses_learn_a_learnable_problem(tmp_path):
 
 def test_a_dataset_without_published_k_takes_the_caches(tmp_path):
     path = write_synthetic_cache(tmp_path / "mine-resnet50-448.h5", dataset="mine")
-    run = run_linear(cache=path, losses="epr", lrs="1e-2", batch_sizes="8", epochs=1, out=tmp_path, console=quiet())
+    run = run_linear(cache=path, losses="epr", lrs=[1e-2], batch_sizes=[8], epochs=1, out=tmp_path, console=quiet())
     assert run.results["losses"]["epr"]["selected"]["hparams"]["k"] == pytest.approx(
         cache.load(path).attrs["expected_positives"])
 
 
 def test_worker_processes_give_the_same_run(tmp_path, tiny_cache):
-    grid = dict(cache=tiny_cache, losses="an,role", lrs="1e-2,1e-3", batch_sizes="8,16", epochs=2, seeds=2,
+    grid = dict(cache=tiny_cache, losses=["an", "role"], lrs=[1e-2, 1e-3], batch_sizes=[8, 16], epochs=2, seeds=2,
                 console=quiet())
     alone = run_linear(out=tmp_path / "one", workers=1, **grid)
     parallel = run_linear(out=tmp_path / "two", workers=2, **grid)

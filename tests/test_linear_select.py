@@ -1,4 +1,4 @@
-"""Selection (spec/protocol.md): best val epoch per head (strictly greater replaces), best config by val mAP
+"""Selection (docs/protocol.md): best val epoch per head (strictly greater replaces), best config by val mAP
 (mean over seeds), test mAP at that epoch; mean ± std over seeds."""
 
 import numpy as np

@@ -12,7 +12,7 @@ from sklearn.metrics import average_precision_score
 
 from linear_support import write_synthetic_cache
 from spml_cache import cache, losses
-from spml_cache.stacks import LinearData, SeedRun
+from spml_cache.linear.engine import LinearData, SeedRun
 
 EPOCHS = 3
 

@@ -1,4 +1,4 @@
-"""EM and EM+APL (seed 003): values, the gradient regime, per-dataset defaults, pseudo-labelling over epochs."""
+"""EM and EM+APL (Zhou et al., ECCV 2022): values, the gradient regime, per-dataset defaults, pseudo-labelling over epochs."""
 
 import io
 import math
@@ -48,7 +48,7 @@ def test_em_gradient_vanishes_at_one_half_and_points_towards_it():
     assert unobserved_gradient("em", 0.0) == 0.0
     assert unobserved_gradient("em", 1.0) > 0  # descent lowers a positive logit towards p = 0.5
     assert unobserved_gradient("em", -1.0) < 0
-    # closed form of seed 003 Eq. 5 for -alpha*H: alpha * x * p * (1 - p), over B*C = 2
+    # closed form of Zhou et al. Eq. 5 for -alpha*H: alpha * x * p * (1 - p), over B*C = 2
     p = sigmoid(1.5)
     assert unobserved_gradient("em", 1.5, alpha=0.3) == pytest.approx(0.3 * 1.5 * p * (1 - p) / 2, rel=1e-12)
     assert unobserved_gradient("an", 0.0) == pytest.approx(0.5 / 2)  # AN's does not vanish there

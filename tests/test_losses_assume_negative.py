@@ -1,4 +1,4 @@
-"""Assume-negative family (an, an_ls, an_ls_neg, wan, l1r, l2r, entmin, pr): spec/losses.md restated with loops."""
+"""Assume-negative family (an, an_ls, an_ls_neg, wan, l1r, l2r, entmin, pr): docs/losses.md restated with loops."""
 
 
 import pytest

@@ -64,7 +64,8 @@ def test_metadata(name):
     cls = losses.get(name)
     assert cls.name == name
     assert cls.description and "\n" not in cls.description
-    assert re.search(r"seed 00[0-4]", cls.reference), "the reference names the seed file (e.g. 'seed 002')"
+    assert re.search(r"et al\.|, [A-Z][a-z]+ and [A-Z]", cls.reference), "the reference names the paper's authors"
+    assert not re.search(r"seed 00|seeds/|spec/", cls.reference), "the reference cites what a user can find"
     assert re.search(r"Eq\.|Table|Sec\.|Algorithm|appendix", cls.reference), "and the equation, table or section"
     assert isinstance(cls.state, str)
     assert all(isinstance(flag, bool) for flag in (cls.oracle, cls.needs_train_logits, cls.reconstructed))
@@ -200,7 +201,7 @@ def test_cli_losses_table_lists_every_loss(tmp_path):
     assert result.returncode == 0, result.stderr
     for name in ALL:
         assert re.search(rf"│ {re.escape(name)}\s+│", result.stdout), name
-    assert "seed 002" in result.stdout and "1/(C-1)" in result.stdout and "voc: alpha=0.2" in result.stdout
+    assert "Cole et al., CVPR 2021" in result.stdout and "1/(C-1)" in result.stdout and "voc: alpha=0.2" in result.stdout
 
 
 def test_cli_losses_json(tmp_path):

@@ -1,4 +1,4 @@
-"""EPR and ROLE (seed 002): values, k resolution, Theta's init, stop-gradients, stacking and checkpoints."""
+"""EPR and ROLE (Cole et al., CVPR 2021): values, k resolution, Theta's init, stop-gradients, stacking and checkpoints."""
 
 import io
 import math

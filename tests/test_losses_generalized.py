@@ -1,4 +1,4 @@
-"""gr against spec/losses.md ("Generalized Robust Loss") and seed 001 (eqs. 5-14, 18; Table 6)."""
+"""gr against docs/losses.md ("Generalized Robust Loss") and Chen et al., IJCAI 2024 (eqs. 5-14, 18; Table 6)."""
 
 import math
 
@@ -86,7 +86,7 @@ def test_value_matches_the_formula(dataset, epoch):
 
 
 def test_k_and_v_are_detached():
-    # seed 001, eq. 18 weighted by v: on a missing label dL/dx = v [(1-k)(1-p)^q3 p - k p^q2 (1-p)], k and v constant
+    # Chen et al., eq. 18 weighted by v: on a missing label dL/dx = v [(1-k)(1-p)^q3 p - k p^q2 (1-p)], k and v constant
     loss = losses.build("gr", num_classes=5, dataset="coco")
     loss.start_epoch(6, 8)
     s = schedule("coco", 6, 8)
@@ -111,7 +111,7 @@ def test_zero_slope_and_vanishing_k_reduce_to_weighted_l3():
 
 
 def test_early_gradient_lifts_small_p_and_late_gradient_lifts_large_p():
-    # seed 001, C.5: with k constant (w = 0) the gradient is negative for small p; late (COCO's beta_T, threshold
+    # Chen et al., C.5: with k constant (w = 0) the gradient is negative for small p; late (COCO's beta_T, threshold
     # -b/w = 0.8), negative near p = 1 as well, so a likely false negative is pushed up
     grid = torch.tensor([[-4.0, 4.0]], dtype=torch.float64)
     for epoch, entry in ((1, 0), (8, 1)):

@@ -1,4 +1,4 @@
-"""ll_r, ll_ct, ll_cp against spec/losses.md ("Large-loss modification"), restated here with numpy."""
+"""ll_r, ll_ct, ll_cp against docs/losses.md ("Large-loss modification"), restated here with numpy."""
 
 import math
 from fractions import Fraction

@@ -1,4 +1,4 @@
-"""Oracle losses (bce, bce_ls, iun): values from spec/losses.md restated with plain loops."""
+"""Oracle losses (bce, bce_ls, iun): values from docs/losses.md restated with plain loops."""
 
 
 import pytest

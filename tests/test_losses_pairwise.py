@@ -1,4 +1,4 @@
-"""zlpr, opml, opml_sp against spec/losses.md ("One pair at a time"), restated here with numpy loops."""
+"""zlpr, opml, opml_sp against docs/losses.md ("One pair at a time"), restated here with numpy loops."""
 
 import math
 

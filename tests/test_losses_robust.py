@@ -1,4 +1,4 @@
-"""focal, asl, hill, splc against spec/losses.md ("Robust-loss family"), restated here with numpy loops."""
+"""focal, asl, hill, splc against docs/losses.md ("Robust-loss family"), restated here with numpy loops."""
 
 
 import numpy as np
@@ -120,7 +120,7 @@ def test_hill_value():
 
 
 def test_hill_negative_gradient_is_the_papers_hill():
-    # seed 001, eq. 33: d[(lam - p) p^2]/dx = 3 p^2 (1-p)^2 at lam = 1.5; zero at both ends, largest at p = 0.5
+    # Chen et al., IJCAI 2024, eq. 33: d[(lam - p) p^2]/dx = 3 p^2 (1-p)^2 at lam = 1.5; zero at both ends, largest at p = 0.5
     grid = np.linspace(-8, 8, 9).reshape(1, -1)
     grad = autograd_gradient("hill", logits=grid, observed=np.zeros_like(grid, dtype=int))
     p = 1 / (1 + np.exp(-grid))

@@ -1,4 +1,4 @@
-"""The SPML protocol (spec/protocol.md) against independent re-statements of the reference, and the metric
+"""The SPML protocol (docs/protocol.md) against independent re-statements of the reference, and the metric
 against scikit-learn."""
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from cli_support import run_cli
 from rich.console import Console
 from sklearn.metrics import average_precision_score
 
-from spml_cache import plots, report
+from spml_cache import report
+from spml_cache.report import plots
 from spml_cache.errors import SpmlError
 
 CLASSES = ["cat", "dog", "car", "bus", "sky"]
@@ -145,7 +146,7 @@ def test_file_formats_round_trip(runs, tmp_path, fmt):
             assert numbers == pytest.approx([mean, std], abs=0.005)
             assert float(by_loss[loss][column + 1]) == published
             assert float(by_loss[loss][column + 2]) == pytest.approx(mean - published, abs=0.005)
-        assert "002 Table 1" in text and "002_c72ef981da2e5818.txt" in text
+        assert "Cole et al. 2021, Table 1" in text and "Multi-Label Learning from Single Positive Labels, CVPR 2021" in text
     else:
         payload = json.loads(text)
         rows = {row["loss"]: row for row in payload["rows"]}
@@ -158,7 +159,7 @@ def test_file_formats_round_trip(runs, tmp_path, fmt):
 
 
 def test_paper_numbers_match_protocol(tmp_path):
-    # restated from spec/protocol.md
+    # restated from docs/protocol.md
     make_run(tmp_path, "nus", "linear", {"an_ls": [40.0], "epr": [40.0], "role": [40.0]}, stamp="20240101-000000")
     make_run(tmp_path, "cub", "linear", {"bce_ls": [20.0], "wan": [20.0]}, stamp="20240101-000000")
     make_run(tmp_path, "voc", "finetune", {"em": [80.0], "gr": [80.0], "an_ls": [80.0]}, stamp="20240101-000000")
@@ -166,18 +167,18 @@ def test_paper_numbers_match_protocol(tmp_path):
     make_run(tmp_path, "coco", "finetune", {"opml": [60.0], "role": [60.0], "entmin": [60.0]}, stamp="20240101-000000",
              weights="none")
     published = {
-        ("NUS linear", "an_ls"): (48.5, "002"), ("NUS linear", "epr"): (46.4, "002"), ("NUS linear", "role"): (49.5, "002"),
-        ("CUB linear", "bce_ls"): (29.3, "002"), ("CUB linear", "wan"): (17.9, "002"),
-        ("VOC fine-tuned", "em"): (89.09, "003"), ("VOC fine-tuned", "gr"): (89.83, "001"),
-        ("VOC fine-tuned", "an_ls"): (86.5, "002"), ("CUB fine-tuned", "opml_sp"): (24.11, "004"),
-        ("CUB fine-tuned", "em_apl"): (21.84, "003"), ("COCO fine-tuned", "opml"): (68.93, "004"),
-        ("COCO fine-tuned", "role"): (69.0, "002"), ("COCO fine-tuned", "entmin"): (None, None),
+        ("NUS linear", "an_ls"): (48.5, "Cole"), ("NUS linear", "epr"): (46.4, "Cole"), ("NUS linear", "role"): (49.5, "Cole"),
+        ("CUB linear", "bce_ls"): (29.3, "Cole"), ("CUB linear", "wan"): (17.9, "Cole"),
+        ("VOC fine-tuned", "em"): (89.09, "Zhou"), ("VOC fine-tuned", "gr"): (89.83, "Chen"),
+        ("VOC fine-tuned", "an_ls"): (86.5, "Cole"), ("CUB fine-tuned", "opml_sp"): (24.11, "Li e"),
+        ("CUB fine-tuned", "em_apl"): (21.84, "Zhou"), ("COCO fine-tuned", "opml"): (68.93, "Li e"),
+        ("COCO fine-tuned", "role"): (69.0, "Cole"), ("COCO fine-tuned", "entmin"): (None, None),
     }
     table = table_of([tmp_path], paper=True)
     for (label, loss), (value, seed) in published.items():
         cell = cells_by_loss(table, label)[loss]
         assert cell.paper == value, (label, loss)
-        assert (cell.source or "")[:3] == (seed or "")
+        assert (cell.source or "")[:4] == (seed or "")
     assert "LinearInit" in cells_by_loss(table, "COCO fine-tuned")["role"].source
     assert cells_by_loss(table, "VOC linear") == {}
     # only the column whose cache was not made with the papers' backbone weights gets the warning
@@ -191,7 +192,7 @@ def test_finetune_from_imagenet_is_its_own_column(tmp_path):
     assert [c.label for c in table.columns] == ["VOC fine-tuned", "VOC fine-tuned from ImageNet"]
     linear_init, imagenet = (cells_by_loss(table, c.label)["em"] for c in table.columns)
     assert (linear_init.mean, imagenet.mean) == (88.0, 87.0)
-    assert linear_init.paper == imagenet.paper == 89.09  # seed 003 Table 1
+    assert linear_init.paper == imagenet.paper == 89.09  # Zhou et al. Table 1
     assert table.notes == []  # two experiments, not a newer run of the same one
 
 
@@ -305,4 +306,4 @@ def test_cli_report_from_a_subprocess(runs):
     assert done.returncode == 0, done.stderr
     cell = {r["loss"]: r for r in json.loads((runs.parent / "t.json").read_text())["rows"]}["an"]["cells"]["VOC linear"]
     assert (cell["mean"], cell["paper"]) == (85.0, 84.2)
-    assert "wrote t.json" in done.stdout and "002: Cole et al." in done.stdout  # the notes on the terminal
+    assert "wrote t.json" in done.stdout and "Cole et al. 2021: E. Cole" in done.stdout  # the notes on the terminal

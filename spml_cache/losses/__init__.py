@@ -1,8 +1,11 @@
-"""Every SPML loss of the papers behind one contract (spec/losses.md); a registry in the style of timm."""
+"""Every SPML loss of the papers behind one contract (docs/losses.md); a registry in the style of timm."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
+
+import torch
 
 from spml_cache.errors import SpmlError
 from spml_cache.losses.base import _REGISTRY, Loss, register
@@ -22,7 +25,9 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
     pairwise,
 )
 
-__all__ = ["Loss", "build", "describe", "describe_table", "get", "names", "register"]
+__all__ = [
+    "Loss", "build", "describe", "describe_table", "get", "names", "overrides_for", "register", "resolve_hparams",
+]
 
 # The flags of a `describe()` row, as the table words them.
 _FLAG_TEXTS = {
@@ -33,7 +38,7 @@ _FLAG_TEXTS = {
 
 
 def names() -> list[str]:
-    """Registered loss names, in the order of spec/losses.md."""
+    """Registered loss names, in the order of docs/losses.md."""
     return list(_REGISTRY)
 
 
@@ -48,6 +53,43 @@ def get(name: str) -> type[Loss]:
 def build(name: str, *, num_classes: int, num_train: int | None = None, dataset: str | None = None, **kwargs) -> Loss:
     """Build loss `name`. kwargs: `num_heads`, `train_observed`, `seed`, and any hyperparameter override."""
     return get(name)(num_classes=num_classes, num_train=num_train, dataset=dataset, **kwargs)
+
+
+def overrides_for(losses: list[str], given: dict[str, float]) -> dict[str, dict]:
+    """Per loss, the hyperparameters given as `{key: value}` (every selected loss that has `key`; with one loss,
+    that loss, which then names an unknown key itself) or `{"loss.key": value}` (that loss only)."""
+    overrides: dict[str, dict] = {name: {} for name in losses}
+    for key, value in given.items():
+        if not math.isfinite(value):
+            raise SpmlError(f"--hp {key}={value}: the value must be a finite number")
+        loss, dot, name = key.rpartition(".")
+        if dot:
+            if loss not in overrides:
+                raise SpmlError(f"--hp {key}={value}: loss '{loss}' is not among --loss ({', '.join(losses)})")
+            targets = [loss]
+        elif len(losses) == 1:
+            targets = losses
+        else:
+            targets = [n for n in losses if name in get(n).defaults]
+            if not targets:
+                raise SpmlError(f"--hp {key}={value}: none of the selected losses has a hyperparameter '{name}'")
+        for target in targets:
+            overrides[target][name] = value
+    return overrides
+
+
+def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: str, train_observed: torch.Tensor,
+                    expected_positives: float | None = None) -> dict:
+    """The hyperparameters loss `name` trains with: its defaults, its dataset's, then `overrides`; checked by
+    building it once. A dataset without a published `k` (expected positives per image) takes
+    `expected_positives`, the value measured on its own labels."""
+    overrides, cls = dict(overrides), get(name)
+    published = cls.dataset_defaults.get(dataset, {})
+    if "k" in cls.defaults and "k" not in overrides and "k" not in published and expected_positives is not None:
+        overrides["k"] = float(expected_positives)
+    loss = build(name, num_classes=num_classes, dataset=dataset, num_heads=1, train_observed=train_observed, seed=0,
+                 **overrides)
+    return dict(loss.hparams)
 
 
 def describe() -> list[dict]:

@@ -1,4 +1,4 @@
-"""Acknowledging the unknown (seed 003, Zhou et al.): entropy maximisation and asymmetric pseudo-labelling.
+"""Acknowledging the unknown (Zhou et al., ECCV 2022): entropy maximisation and asymmetric pseudo-labelling.
 
 On unobserved labels EM *maximises* the entropy, whose gradient `alpha * x * p * (1 - p)` vanishes at p = 0.5
 and for confident predictions, so the observed positives dominate early training. Observed negatives (partial
@@ -35,7 +35,7 @@ class EntropyMaximization(Loss):
 
     name = "em"
     description = "Entropy maximisation on unobserved labels: acknowledge them as unknown instead of negative."
-    reference = "seed 003 (Zhou et al.), Eq. 3-4; Table 1 row EM loss"
+    reference = "Zhou et al., ECCV 2022, Eq. 3-4; Table 1 row EM loss"
     defaults = {"alpha": 0.1}
     dataset_defaults = {dataset: {"alpha": alpha} for dataset, alpha in EM_ALPHA.items()}
 
@@ -58,7 +58,7 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
 
     name = "em_apl"
     description = "EM plus asymmetric pseudo-labelling: the lowest-scoring unknowns turn into soft negatives."
-    reference = "seed 003 (Zhou et al.), Sec. 3.3, Algorithm 1, Eq. 6-8; Table 1 row EM loss+APL"
+    reference = "Zhou et al., ECCV 2022, Sec. 3.3, Algorithm 1, Eq. 6-8; Table 1 row EM loss+APL"
     defaults = {"alpha": 0.1, "beta": 0.9, "warmup": 5, "theta": 0.9}
     dataset_defaults = {
         "voc": {"alpha": 0.2, "beta": 0.02, "warmup": 5},

@@ -19,7 +19,7 @@ class AssumeNegative(Loss):
 
     name = "an"
     description = "Assume negative: every label that is not the observed positive is a negative."
-    reference = "seed 002 (Cole et al.), Eq. 8; Table 1 row L_AN (seed 003, Eq. 1)"
+    reference = "Cole et al., CVPR 2021, Eq. 8; Table 1 row L_AN (Zhou et al., Eq. 1)"
 
     def forward(self, logits, observed, *, labels=None, index=None):
         # nl(p) where z = 1 and nl(1 - p) elsewhere: BCE against the target 1[z = 1], as one fused op
@@ -37,7 +37,7 @@ class AssumeNegativeLabelSmoothing(Loss):
 
     name = "an_ls"
     description = "Assume negative with label smoothing on both sides (targets 1-ls / ls)."
-    reference = "seed 002 (Cole et al.), Eq. 9; Table 1 row L_AN-LS (seed 003, Table 1 row LS)"
+    reference = "Cole et al., CVPR 2021, Eq. 9; Table 1 row L_AN-LS (Zhou et al., Table 1 row LS)"
     defaults = {"ls": 0.1}
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -50,7 +50,7 @@ class AssumeNegativeSmoothNegatives(Loss):
 
     name = "an_ls_neg"
     description = "Assume negative with label smoothing on the assumed negatives only (targets 1 / ls)."
-    reference = "seed 002 (Cole et al.), appendix A, AN-LS(eps_p=0, eps_n) and Table A1 (seed 003, Table 1 row N-LS)"
+    reference = "Cole et al., CVPR 2021, appendix A, AN-LS(eps_p=0, eps_n) and Table A1 (Zhou et al., Table 1 row N-LS)"
     defaults = {"ls": 0.1}
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -63,7 +63,7 @@ class WeakAssumeNegative(Loss):
 
     name = "wan"
     description = "Weak assume negative: assumed negatives down-weighted by gamma."
-    reference = "seed 002 (Cole et al.), Sec. 5.1 (L_WAN); Table 1 row L_WAN (seed 003, Table 1 row DW)"
+    reference = "Cole et al., CVPR 2021, Sec. 5.1 (L_WAN); Table 1 row L_WAN (Zhou et al., Table 1 row DW)"
     defaults = {"gamma": None}
     derived = {"gamma": "1/(C-1)"}
 
@@ -85,7 +85,7 @@ class AssumeNegativeL1(AssumeNegative):
 
     name = "l1r"
     description = "Assume negative plus an L1 penalty lam*||W||_1 on the linear head's weight (not the bias)."
-    reference = "seed 003 (Zhou et al.), Sec. 4.1 'Comparing Methods' and Table 1 row L1R"
+    reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L1R"
     defaults = {"lam": 1e-4}
 
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ class AssumeNegativeL2(AssumeNegative):
 
     name = "l2r"
     description = "Assume negative plus an L2 penalty lam/2*||W||^2 on the linear head's weight (not the bias)."
-    reference = "seed 003 (Zhou et al.), Sec. 4.1 'Comparing Methods' and Table 1 row L2R"
+    reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L2R"
     defaults = {"lam": 1e-4}
 
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ class EntropyMinimization(Loss):
 
     name = "entmin"
     description = "Entropy minimisation on unobserved labels (the mirror image of em); a baseline that collapses."
-    reference = "seed 003 (Zhou et al.), Sec. 4.1 'Comparing Methods' and Table 1 row EntMin"
+    reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row EntMin"
     defaults = {"alpha": 0.1}
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -126,7 +126,7 @@ class PairwiseRanking(Loss):
 
     name = "pr"
     description = "Pairwise ranking hinge on probabilities: each observed positive above every assumed negative."
-    reference = "seed 002 (Cole et al.), appendix A, L_PR and Table A1"
+    reference = "Cole et al., CVPR 2021, appendix A, L_PR and Table A1"
 
     def forward(self, logits, observed, *, labels=None, index=None):
         p = torch.sigmoid(logits)

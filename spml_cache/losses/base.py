@@ -1,4 +1,4 @@
-"""The one contract every loss follows (spec/losses.md, "Notation and common rules").
+"""The one contract every loss follows (docs/losses.md, "Notation and common rules").
 
 A loss is a small `torch.nn.Module` whose `forward` builds the `[..., B, C]` matrix of per-entry terms and
 reduces it with `mean_over_entries` (sum / (B*C)), so one learning-rate grid serves every loss. Extra

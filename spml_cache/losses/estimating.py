@@ -1,6 +1,6 @@
-"""Losses that use the expected number of positives per image `k` (seed 002, Cole et al.): EPR and ROLE.
+"""Losses that use the expected number of positives per image `k` (Cole et al., CVPR 2021): EPR and ROLE.
 
-`k` defaults to the dataset's value (the fully labelled training set's mean positive count, seed 002 Table A3);
+`k` defaults to the dataset's value (the fully labelled training set's mean positive count, Cole et al., Table A3);
 for any other dataset pass it as a hyperparameter (`--hp k=`).
 """
 
@@ -57,7 +57,7 @@ class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
 
     name = "epr"
     description = "Observed labels only, plus a penalty pulling the batch's mean predicted positive count to k."
-    reference = "seed 002 (Cole et al.), Sec. 5.3, L_EPR with R_k of Eq. 10; Table 1 row L_EPR"
+    reference = "Cole et al., CVPR 2021, Sec. 5.3, L_EPR with R_k of Eq. 10; Table 1 row L_EPR"
 
     def forward(self, logits, observed, *, labels=None, index=None):
         regularizer = expected_positive_regularizer(torch.sigmoid(logits), self.k)
@@ -78,7 +78,7 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
 
     name = "role"
     description = "Regularised online label estimation: a learnable label matrix trained jointly with the head."
-    reference = "seed 002 (Cole et al.), Sec. 5.4, Eq. 11 and L_ROLE; Sec. 6.1 init of g; Table 1 row L_ROLE"
+    reference = "Cole et al., CVPR 2021, Sec. 5.4, Eq. 11 and L_ROLE; Sec. 6.1 init of g; Table 1 row L_ROLE"
     defaults = {**_ExpectedPositivesLoss.defaults, "lr_mult": 10.0}
     state = "theta: learnable label logits [K, N_train, C] (Adam at lr_mult x the head's lr)"
 

@@ -1,4 +1,4 @@
-"""Generalized Robust Loss (Chen et al., IJCAI 2024; spec/losses.md, "Generalized Robust Loss").
+"""Generalized Robust Loss (Chen et al., IJCAI 2024; docs/losses.md, "Generalized Robust Loss").
 
 On an unobserved entry GR mixes a robust positive loss `L2` and a robust negative loss `L3` by a soft pseudo-label
 `k(p) = sigmoid(w p + b)` and weights the mix by `v(p) = exp(-(p - mu)^2 / (2 sigma^2))`; `w, b, mu, sigma` follow
@@ -29,7 +29,7 @@ class GeneralizedRobust(Loss):
 
     name = "gr"
     description = "generalized robust loss: soft pseudo-label k(p) and weight v(p) on scheduled GCE terms"
-    reference = "seed 001 (Chen et al., IJCAI 2024), Sec. 3, eqs. 5-14; appendix E.2, Table 6"
+    reference = "Chen et al., IJCAI 2024, Sec. 3, eqs. 5-14; appendix E.2, Table 6"
     # Class defaults are the COCO and NUS columns of Table 6 (also a custom dataset's); VOC and CUB differ.
     defaults = {
         "w0": 0.0, "b0": -2.0, "mu0": 0.5, "sigma0": 2.0,

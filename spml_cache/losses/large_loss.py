@@ -1,4 +1,4 @@
-"""Large-loss modification of `an` (Kim et al., CVPR 2022; spec/losses.md, "Large-loss modification").
+"""Large-loss modification of `an` (Kim et al., CVPR 2022; docs/losses.md, "Large-loss modification").
 
 Early in training the largest losses among assumed negatives are mostly false negatives, so from epoch 2 each
 batch picks the `m` largest unobserved-entry losses and rejects them (`ll_r`), corrects them for this step
@@ -32,7 +32,7 @@ def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, m: int) -
 class _LargeLoss(Loss):
     """`an` with stable logits, and a per-batch selection of large unobserved losses from epoch 2 on."""
 
-    reference = "Kim et al., CVPR 2022 (Large Loss Matters); compared in seed 001 (Chen et al.), Table 2"
+    reference = "Kim et al., CVPR 2022 (Large Loss Matters); compared in Chen et al., IJCAI 2024, Table 2"
     defaults = {"delta": 0.002}
 
     def __init__(self, **kwargs) -> None:

@@ -1,4 +1,4 @@
-"""Oracle losses: they read more labels than SPML allows, so they are upper bounds (seed 002, Table 1 top rows).
+"""Oracle losses: they read more labels than SPML allows, so they are upper bounds (Cole et al., CVPR 2021, Table 1 top rows).
 
 `labels` are the full ground truth `y` in {0, 1}; `observed` is `z` (1 / 0 / -1). The base class refuses to run
 an oracle without `labels`.
@@ -17,7 +17,7 @@ class FullBCE(Loss):
 
     name = "bce"
     description = "Binary cross-entropy on the full labels (all positives and all negatives); an upper bound."
-    reference = "seed 002 (Cole et al.), Eq. 5; Table 1 row L_BCE"
+    reference = "Cole et al., CVPR 2021, Eq. 5; Table 1 row L_BCE"
     oracle = True
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -30,7 +30,7 @@ class FullBCELabelSmoothing(Loss):
 
     name = "bce_ls"
     description = "BCE on the full labels with label smoothing (targets 1-ls / ls); an upper bound."
-    reference = "seed 002 (Cole et al.), Eq. 5 with the smoothing of Eq. 9; Table 1 row L_BCE-LS"
+    reference = "Cole et al., CVPR 2021, Eq. 5 with the smoothing of Eq. 9; Table 1 row L_BCE-LS"
     defaults = {"ls": 0.1}
     oracle = True
 
@@ -49,7 +49,7 @@ class IgnoreUnobservedNegatives(Loss):
 
     name = "iun"
     description = "The observed positive(s) plus all true negatives (1 pos. & all neg.); an upper bound."
-    reference = "seed 002 (Cole et al.), Eq. 7; Table 1 row L_IUN"
+    reference = "Cole et al., CVPR 2021, Eq. 7; Table 1 row L_IUN"
     oracle = True
 
     def forward(self, logits, observed, *, labels=None, index=None):

@@ -1,7 +1,7 @@
-"""One pair at a time: ZLPR, OPML, OPML-SP (spec/losses.md, "One pair at a time (seed 004)").
+"""One pair at a time: ZLPR, OPML, OPML-SP (docs/losses.md, "One pair at a time").
 
 ZLPR is exact (Su et al. 2022). OPML and OPML-SP are the **spec's reconstruction**: the OPML paper's formulas
-did not survive in the project's copy and no public code exists, so these follow spec/losses.md, not a
+did not survive in the project's copy and no public code exists, so these follow docs/losses.md, not a
 verified original. Per image, log-sum-exp is a smooth maximum: the gradient concentrates on the
 highest-scoring assumed negative against the weakest positive, one pair at a time. Each image gives one value;
 the batch sum is divided by B*C like every other loss. Observed negatives (`z = -1`) join the negative set.
@@ -41,7 +41,7 @@ class ZLPR(Loss):
 
     name = "zlpr"
     description = "zero-bounded log-sum-exp & pairwise rank-based loss; OPML at alpha = beta = 1"
-    reference = "Su et al. 2022 (ZLPR); the alpha = beta = 1 case of seed 004 (Li et al.), Sec. III-B, Table III"
+    reference = "Su et al. 2022 (ZLPR); the alpha = beta = 1 case of Li, Wang and Chen, Sec. III-B, Table III"
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return per_image_mean(soft_pair_loss(logits, observed == 1, 0.0, 0.0), self.num_classes)
@@ -54,7 +54,7 @@ class OPML(Loss):
 
     name = "opml"
     description = "one pair at a time (spec's reconstruction): log(alpha + sum_N e^x) + log(beta + sum_P e^-x), shifted"
-    reference = "seed 004 (Li, Wang, Chen), Sec. III-B, eqs. 3 and 6; reconstructed in spec/losses.md"
+    reference = "Li, Wang and Chen, arXiv 2302.14695, Sec. III-B, eqs. 3 and 6; reconstructed in docs/losses.md"
     defaults = {"log_alpha": 0.0, "log_beta": 0.0}
     reconstructed = True
 
@@ -80,7 +80,7 @@ class OPMLSoft(Loss):
     name = "opml_sp"
     description = ("OPML + AP-adaptive soft targets, -log det high-rank regulariser, AP-based label correction"
                    " (spec's reconstruction)")
-    reference = "seed 004 (Li, Wang, Chen), Sec. III-D eq. 10, III-E eq. 11 and Algorithm 1; reconstructed in spec/losses.md"
+    reference = "Li, Wang and Chen, arXiv 2302.14695, Sec. III-D eq. 10, III-E eq. 11 and Algorithm 1; reconstructed in docs/losses.md"
     defaults = {
         "log_alpha": 0.0, "log_beta": 0.0, "eps": 0.1, "r": 1.0,
         "lambda": 1e-3, "delta": 1e-3, "rho": 0.1, "warmup": 5.0,

@@ -1,4 +1,4 @@
-"""Robust losses on assumed negatives: focal, ASL, Hill, SPLC (spec/losses.md, "Robust-loss family").
+"""Robust losses on assumed negatives: focal, ASL, Hill, SPLC (docs/losses.md, "Robust-loss family").
 
 Each is a weighted form of `an`: a focusing weight that shrinks the term of an entry the model already gets
 right (focal, ASL), a margin on positives (Hill, SPLC), a bounded hill-shaped negative term (Hill), or online
@@ -32,7 +32,7 @@ class Focal(Loss):
 
     name = "focal"
     description = "focal loss on AN targets: (1-p)^g nl(p) on positives, p^g nl(1-p) on the rest"
-    reference = "Lin et al., ICCV 2017; baseline of seed 003 (Zhou et al.), Sec. 4.1 and Table 1; seed 001 Table 2"
+    reference = "Lin et al., ICCV 2017; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1; Chen et al., Table 2"
     defaults = {"g": 2.0}
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -47,7 +47,7 @@ class AsymmetricLoss(Loss):
 
     name = "asl"
     description = "asymmetric loss: focusing gp on positives, gn and probability shift clip on negatives"
-    reference = "Ridnik et al., ICCV 2021; baseline of seed 003 (Zhou et al.), Sec. 4.1 and Table 1"
+    reference = "Ridnik et al., ICCV 2021; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1"
     defaults = {"gp": 0.0, "gn": 4.0, "clip": 0.05}
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -73,7 +73,7 @@ class Hill(Loss):
 
     name = "hill"
     description = "Hill loss: focal margin on positives, (lam - p) p^2 on assumed negatives"
-    reference = "Zhang et al. 2021, as restated in seed 001 (Chen et al.), appendix B eq. 24, C.3; Table 2"
+    reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B eq. 24, C.3; Table 2"
     defaults = {"lam": 1.5, "m": 1.0, "g": 2.0}
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -94,7 +94,7 @@ class SPLC(Loss):
 
     name = "splc"
     description = "focal margin + self-paced correction: unobserved entries with p > tau count as positives from epoch 2"
-    reference = "Zhang et al. 2021, as restated in seed 001 (Chen et al.), appendix B (SPLC, focal margin); Table 2"
+    reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B (SPLC, focal margin); Table 2"
     defaults = {"tau": 0.6, "m": 1.0, "g": 2.0}
     switch_epoch = 2
 

@@ -1,99 +1,17 @@
-"""The HDF5 feature cache (spec/design.md, "The HDF5 cache"): write it, validate it, read it back.
-
-One file per dataset x backbone x resolution. Every write goes to `<name>.h5.partial` and is renamed to
-`<name>.h5` only once complete, so a file under the final name is never half-written. Extraction fills the
-partial file batch by batch (`PartialCache`) and can resume from it; `write` is the one-shot writer.
-
-Inside a partial file the arrays are allocated when the file is created, so writing rows later touches no
-HDF5 metadata: a process killed between batches leaves a file that opens and resumes. A partial file also
-holds `/{split}/bad` (rows whose image could not be decoded), which finalisation turns into dropped rows.
+"""Writing caches: the one-shot `write` and stage one's `PartialCache`, both atomic (see the package docstring).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from spml_cache.cache.schema import COPY_BLOCK_ROWS, OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, SplitRows, partial_path, plain
 from spml_cache.errors import SpmlError
-
-SCHEMA_VERSION = 1
-SPLITS = ("train", "val", "test")
-OBSERVED_SPLITS = ("train", "val")
-COPY_BLOCK_ROWS = 8192
-
-
-@dataclass(frozen=True)
-class SplitRows:
-    """Everything of one split but the features: what a cache is built for, and what resuming must match."""
-
-    ids: list[str]
-    labels: np.ndarray  # uint8 [N, C]
-    observed: np.ndarray | None  # int8 [N, C] for train and val, None for test
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-@dataclass(frozen=True)
-class CachedSplit:
-    features: np.ndarray  # float32 [N, D]
-    labels: np.ndarray  # uint8 [N, C]
-    ids: list[str]
-    observed: np.ndarray | None  # int8 [N, C] (train, val); None for test
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-@dataclass(frozen=True)
-class FeatureSet:
-    train: CachedSplit
-    val: CachedSplit
-    test: CachedSplit
-    classes: list[str]
-    attrs: dict
-    dataset: str
-    path: Path
-
-
-def default_path(
-    dataset: str, resolution: int = 448, folder: Path | str | None = None, backbone: str = "resnet50"
-) -> Path:
-    """`<folder or $SPML_CACHE or ./cache>/<dataset>-<backbone>-<resolution>.h5`."""
-    folder = Path(folder) if folder is not None else Path(os.environ.get("SPML_CACHE", "cache"))
-    return folder / f"{dataset}-{backbone}-{resolution}.h5"
-
-
-def partial_path(path: Path | str) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + ".partial")
-
-
-def plain(value):
-    """An HDF5 attribute value as plain Python (numpy scalars and arrays become ints, floats, lists)."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, np.ndarray):
-        return [plain(v) for v in value.tolist()]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def cache_id(attrs: dict) -> str:
-    """Short stable id of one cache: a hash of all its attrs (`created` included, so rebuilds differ)."""
-    text = json.dumps({key: plain(value) for key, value in attrs.items()}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-
-
-# --- writing ---------------------------------------------------------------------------------------------
-
 
 def _check_rows(name: str, rows: SplitRows, num_classes: int) -> None:
     if rows.labels.shape != (len(rows), num_classes):
@@ -308,86 +226,3 @@ def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [len(rows)]])
     return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
-
-
-# --- reading ---------------------------------------------------------------------------------------------
-
-
-def _open(path: Path) -> h5py.File:
-    if not path.exists():
-        hint = (
-            f"; {partial_path(path).name} holds an interrupted extraction: re-run spml-cache extract to resume it"
-            if partial_path(path).exists()
-            else ": run spml-cache extract (or import-features) first"
-        )
-        raise SpmlError(f"no cache at {path}{hint}")
-    try:
-        return h5py.File(path, "r")
-    except OSError as err:
-        if "unable to lock file" in str(err):
-            raise SpmlError(
-                f"{path} is open in another process (an extraction still running?); wait for it or stop it"
-            ) from None
-        raise SpmlError(f"{path} is not a readable HDF5 cache ({err}); re-extract it with --force") from None
-
-
-def read_header(path: Path | str) -> tuple[dict, dict[str, SplitRows]]:
-    """Root attrs and every split's ids, labels and observed, without features (to compare settings)."""
-    path = Path(path)
-    with _open(path) as file:
-        attrs = {key: plain(value) for key, value in file.attrs.items()}
-        splits = {}
-        for name in SPLITS:
-            if name not in file:
-                raise SpmlError(f"{path}: no /{name} group; re-extract it with --force")
-            group = file[name]
-            observed = group["observed"][...] if "observed" in group else None
-            splits[name] = SplitRows(list(group["ids"].asstr()[...]), group["labels"][...], observed)
-    return attrs, splits
-
-
-def _validate(path: Path, file: h5py.File) -> None:
-    version = plain(file.attrs.get("schema_version"))
-    if version != SCHEMA_VERSION:
-        raise SpmlError(
-            f"{path} has schema_version {version}; this spml-cache reads version {SCHEMA_VERSION}: re-extract it"
-        )
-    if not plain(file.attrs.get("complete", False)):
-        raise SpmlError(f"{path} is incomplete (complete=false): re-run spml-cache extract to finish it")
-    num_classes = plain(file.attrs.get("num_classes"))
-    for name in SPLITS:
-        needed = ("features", "labels", "ids", "done") + (("observed",) if name in OBSERVED_SPLITS else ())
-        for array in needed:
-            if name not in file or array not in file[name]:
-                raise SpmlError(f"{path}: /{name}/{array} is missing; re-extract the cache")
-        group = file[name]
-        lengths = {array: group[array].shape[0] for array in needed}
-        if len(set(lengths.values())) != 1:
-            described = ", ".join(f"{array} {length}" for array, length in lengths.items())
-            raise SpmlError(f"{path}: the /{name} arrays disagree in length ({described}); re-extract the cache")
-        for array in ("labels",) + (("observed",) if name in OBSERVED_SPLITS else ()):
-            if group[array].shape[1] != num_classes:
-                raise SpmlError(
-                    f"{path}: /{name}/{array} has {group[array].shape[1]} columns, num_classes is {num_classes}"
-                )
-        if not group["done"][...].all():
-            raise SpmlError(f"{path}: /{name} has rows never written (done=false); re-extract the cache")
-
-
-def load(path: Path | str) -> FeatureSet:
-    """Read and validate a complete cache into memory."""
-    path = Path(path)
-    with _open(path) as file:
-        _validate(path, file)
-        attrs = {key: plain(value) for key, value in file.attrs.items()}
-        splits = {}
-        for name in SPLITS:
-            group = file[name]
-            splits[name] = CachedSplit(
-                features=group["features"][...].astype(np.float32, copy=False),
-                labels=group["labels"][...].astype(np.uint8, copy=False),
-                ids=list(group["ids"].asstr()[...]),
-                observed=group["observed"][...].astype(np.int8, copy=False) if "observed" in group else None,
-            )
-    classes = json.loads(attrs["classes"]) if isinstance(attrs.get("classes"), str) else list(attrs["classes"])
-    return FeatureSet(splits["train"], splits["val"], splits["test"], classes, attrs, str(attrs["dataset"]), path)

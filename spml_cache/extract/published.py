@@ -1,4 +1,4 @@
-"""`import-features`: the authors' published feature files (Cole et al., seed 002) as a project cache.
+"""`import-features`: the authors' published feature files (Cole et al., CVPR 2021) as a project cache.
 
 Their layout, one folder per dataset:
 
@@ -25,7 +25,7 @@ from spml_cache import cache, protocol
 from spml_cache.backbone import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.datasets import voc
 from spml_cache.errors import SpmlError
-from spml_cache.extract import run_attrs
+from spml_cache.extract.pipeline import run_attrs
 
 FILES = {
     "images": "formatted_{split}_images.npy",

@@ -14,10 +14,14 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from spml_cache import report
+from spml_cache.backbone import checkpoint_path
+from spml_cache.demo.data import make_demo_data
 from spml_cache.devices import resolve_device
 from spml_cache.errors import SpmlError
-from spml_cache.linear import DEFAULT_BATCH_SIZES, DEFAULT_EPOCHS, DEFAULT_LRS, resolve_settings, run_linear
-from spml_cache.selection import summary_table
+from spml_cache.extract import extract
+from spml_cache.linear import LinearSettings, run_linear, summary_table
+from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS
 
 # Sized by measurement (docs/benchmarks.md): a few minutes on 2 CPU cores. With a random trunk the linear
 # probes score the same at 64 px as at 128 px, and extraction is 2.7x faster.
@@ -40,8 +44,6 @@ class DemoResult:
 
 def demo_weights() -> str:
     """`IMAGENET1K_V1` when torch has it cached (no download), else `none`."""
-    from spml_cache.backbone import checkpoint_path
-
     return "IMAGENET1K_V1" if checkpoint_path("IMAGENET1K_V1").is_file() else "none"
 
 
@@ -56,15 +58,12 @@ def _check_data_folder(data_root: Path) -> None:
 
 def run_demo(
     out: Path | str = "demo", *, num_train: int = DEMO_TRAIN, num_test: int = DEMO_TEST, size: int = DEMO_SIZE,
-    resolution: int = DEMO_RESOLUTION, epochs: int = DEFAULT_EPOCHS, lrs=DEFAULT_LRS,
-    batch_sizes=DEFAULT_BATCH_SIZES, device: str = "auto", console: Console | None = None,
+    resolution: int = DEMO_RESOLUTION, epochs: int = LINEAR_EPOCHS, lrs=GRID_LRS,
+    batch_sizes=GRID_BATCH_SIZES, device: str = "auto", console: Console | None = None,
 ) -> DemoResult:
     """Generate the data, extract features, train every loss, print the tables, write the plots."""
-    from spml_cache.demo_data import make_demo_data
-    from spml_cache.extract import extract
-
     console = console or Console()
-    resolve_settings("all", lrs, batch_sizes, epochs, 1, [], "clean")  # refuse bad flags before any work
+    LinearSettings.check("all", lrs, batch_sizes, epochs, 1, {}, "clean")  # refuse bad flags before any work
     resolve_device(device)
     out = Path(out)
     data_root = out / "data"
@@ -91,7 +90,5 @@ def run_demo(
 
 
 def _report(run_dir: Path, plots_dir: Path, console: Console) -> list[Path]:
-    from spml_cache import report
-
     report.print_report([run_dir], console=console)
     return report.write_plots([run_dir], plots_dir, console=console)

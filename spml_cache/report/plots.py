@@ -1,12 +1,12 @@
 """The figures of `spml-cache report --plots`: four PNGs per dataset x stage x cache column of the table.
 
 1. `*-val_curves.png`: validation mAP per epoch of each loss's selected config (metrics.jsonl, mean over seeds);
-2. `*-per_class_ap.png`: test AP per class of two losses side by side, and their sorted difference (seed 003
+2. `*-per_class_ap.png`: test AP per class of two losses side by side, and their sorted difference (Zhou et al.
    Fig. 4c);
 3. `*-train_histograms.png`: predicted probabilities on the training set for unobserved true positives versus
-   unobserved true negatives (seed 002 Fig. 2, seed 003 Fig. 4a-b): a loss that recovers missing labels
+   unobserved true negatives (Cole et al. Fig. 2, Zhou et al. Fig. 4a-b): a loss that recovers missing labels
    pushes the first towards 1;
-4. `*-label_recovery.png`: training-set mAP against the full labels next to test mAP (seed 002 Table 2).
+4. `*-label_recovery.png`: training-set mAP against the full labels next to test mAP (Cole et al. Table 2).
 
 Figures are drawn on `matplotlib.figure.Figure` objects (Agg canvas, no pyplot state) and written through a
 temporary file, so an interrupted run leaves no half-written PNG.
@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.text import Text
 
 from spml_cache.errors import SpmlError
-from spml_cache.report import Run, collect_runs, in_spec_order, oracle_losses, select_newest
-from spml_cache.runs import replace_atomically
-from spml_cache.runs import read_metrics
+from spml_cache.metrics import mean_average_precision
+from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
+from spml_cache.runs import read_metrics, replace_atomically
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
 WHY_SKIPPED = {
@@ -200,8 +200,6 @@ def _train_summary(run: Run, loss: str) -> dict:
         density, _ = np.histogram(values, bins=BINS, density=values.size > 0)
         summary[name] = (density, float(values.mean()) if values.size else float("nan"))
     if summary["train_map"] is None:
-        from spml_cache.protocol import mean_average_precision
-
         summary["train_map"] = mean_average_precision(train, full)
     return summary
 

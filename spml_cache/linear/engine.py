@@ -1,10 +1,10 @@
 """The engine of stage two: every (lr, batch size) head of one loss and one seed, trained as stacks.
 
-One `StackedHeads` + loss (+ `StackedAdam` for the loss's own parameters) per batch size (a "stack", one head
+One `HeadMatrix` + loss (+ `StackedAdam` for the loss's own parameters) per batch size (a "stack", one head
 per lr), every stack cutting the same per-(seed, epoch) permutation into consecutive batches of its size, the
 last one partial. A batch-16 head thus sees exactly two consecutive batch-8 batches: the schedule of a
 batch-16 head trained alone, for any loss, batch-coupled or stateful. Each epoch ends with one batched scoring of every head on val and test
-(`protocol.average_precision` on [K, N, C]).
+(`metrics.average_precision` on [K, N, C]).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 
 from spml_cache import losses as loss_registry
 from spml_cache.cache import FeatureSet
-from spml_cache.heads import StackedAdam, StackedHeads
-from spml_cache.protocol import average_precision
+from spml_cache.linear.adam import StackedAdam
+from spml_cache.linear.head_matrix import HeadMatrix
+from spml_cache.metrics import average_precision
 from spml_cache.selection import HeadRecord
 
 
@@ -66,14 +67,14 @@ class HeadStack:
 
     A step: the batch's logits for every head (one matmul), the loss and its gradient with respect to the
     logits (and the loss's own parameters) by autograd, then the heads' gradient and Adam update in
-    `StackedHeads.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
+    `HeadMatrix.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
     """
 
     def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_size: int, data: LinearData,
                  start: dict | None = None) -> None:
         device = data.train_features.device
         self.batch_size, self.num_heads = batch_size, len(lrs)
-        self.heads = StackedHeads(data.train_features.shape[1], data.num_classes, [seed] * len(lrs), lrs, device=device,
+        self.heads = HeadMatrix(data.train_features.shape[1], data.num_classes, [seed] * len(lrs), lrs, device=device,
                                   start=(start["weight"], start["bias"]) if start else None)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
@@ -179,15 +180,13 @@ class HeadStack:
         for k, record in enumerate(self.records):
             if record.diverged_epoch is not None:
                 continue
-            line = {"loss": record.loss, "lr": record.lr, "batch_size": record.batch_size, "seed": record.seed, "epoch": epoch}
             if diverged[k]:
                 record.diverged_epoch = epoch
-                lines.append({**line, "train_loss": None, "val_map": None, "test_map": None, "diverged": True})
-                continue
-            val_map, test_map = 100 * float(val_ap[k].mean()), 100 * float(test_ap[k].mean())
-            if record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
-                record.best_state = self.head_state(k)
-            lines.append({**line, "train_loss": train_loss[k], "val_map": val_map, "test_map": test_map})
+            else:
+                val_map, test_map = 100 * float(val_ap[k].mean()), 100 * float(test_ap[k].mean())
+                if record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
+                    record.best_state = self.head_state(k)
+            lines += record.metric_lines(epoch)
         return lines
 
     def head_state(self, k: int) -> dict:

@@ -38,8 +38,8 @@ from spml_cache.backbone import (
     resize,
     weights_provenance,
 )
-from spml_cache.cache_plan import estimated_size, plan_rows, refuse_other_settings, settings_attrs
-from spml_cache.devices import resolve_device
+from spml_cache.extract.plan import estimated_size, plan_rows, refuse_other_settings, settings_attrs
+from spml_cache.devices import default_workers, resolve_device
 from spml_cache.errors import SpmlError
 from spml_cache.progress import progress_bar
 
@@ -254,12 +254,6 @@ def _require_writable(folder: Path) -> None:
         raise SpmlError(f"cannot create the output folder {folder} ({problem}); pick another --out") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SpmlError(f"the output folder {folder} is not writable; pick another --out")
-
-
-def default_workers(device: torch.device) -> int:
-    """GPU: enough readers to keep nvjpeg fed. CPU: the trunk needs the cores more than decoding does."""
-    cores = os.cpu_count() or 1
-    return min(8, cores) if device.type == "cuda" else min(4, cores // 4)
 
 
 def extract(

@@ -1,0 +1,22 @@
+"""The HDF5 feature cache (docs/internals.md, "cache"): find it, write it, validate it, read it back.
+
+One file per dataset x backbone x resolution. Every write goes to `<name>.h5.partial` and is renamed to
+`<name>.h5` only once complete, so a file under the final name is never half-written. Extraction fills the
+partial file batch by batch (`PartialCache`) and can resume from it; `write` is the one-shot writer.
+
+Inside a partial file the arrays are allocated when the file is created, so writing rows later touches no
+HDF5 metadata: a process killed between batches leaves a file that opens and resumes. A partial file also
+holds `/{split}/bad` (rows whose image could not be decoded), which finalisation turns into dropped rows.
+"""
+
+from spml_cache.cache.reading import load, read_header
+from spml_cache.cache.schema import (
+    OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet, SplitRows, cache_id, default_cache_dir,
+    default_path, find_cache, partial_path, plain,
+)
+from spml_cache.cache.writing import PartialCache, write
+
+__all__ = [
+    "OBSERVED_SPLITS", "SCHEMA_VERSION", "SPLITS", "CachedSplit", "FeatureSet", "PartialCache", "SplitRows", "cache_id",
+    "default_cache_dir", "default_path", "find_cache", "load", "partial_path", "plain", "read_header", "write",
+]

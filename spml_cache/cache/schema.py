@@ -1,0 +1,113 @@
+"""The cache's schema (docs/internals.md, "cache"): its constants, what a split holds, where files live, its id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spml_cache.errors import SpmlError
+
+SCHEMA_VERSION = 1
+SPLITS = ("train", "val", "test")
+OBSERVED_SPLITS = ("train", "val")
+COPY_BLOCK_ROWS = 8192
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """Everything of one split but the features: what a cache is built for, and what resuming must match."""
+
+    ids: list[str]
+    labels: np.ndarray  # uint8 [N, C]
+    observed: np.ndarray | None  # int8 [N, C] for train and val, None for test
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class CachedSplit:
+    features: np.ndarray  # float32 [N, D]
+    labels: np.ndarray  # uint8 [N, C]
+    ids: list[str]
+    observed: np.ndarray | None  # int8 [N, C] (train, val); None for test
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    train: CachedSplit
+    val: CachedSplit
+    test: CachedSplit
+    classes: list[str]
+    attrs: dict
+    dataset: str
+    path: Path
+
+
+def default_cache_dir() -> Path:
+    """`$SPML_CACHE`, else `./cache`: where caches are written and looked for."""
+    return Path(os.environ.get("SPML_CACHE") or "cache")
+
+
+def default_path(
+    dataset: str, resolution: int = 448, folder: Path | str | None = None, backbone: str = "resnet50"
+) -> Path:
+    """`<folder or $SPML_CACHE or ./cache>/<dataset>-<backbone>-<resolution>.h5`."""
+    folder = Path(folder) if folder is not None else default_cache_dir()
+    return folder / f"{dataset}-{backbone}-{resolution}.h5"
+
+
+def find_cache(cache: Path | str | None, dataset: str | None, folder: Path | str | None = None) -> Path:
+    """`--cache PATH`, or the one cache of `--dataset NAME` in `folder` (default `default_cache_dir()`)."""
+    if cache is not None and dataset is not None:
+        raise SpmlError("pass either --cache PATH or --dataset NAME, not both")
+    if cache is not None:
+        return Path(cache)
+    if dataset is None:
+        raise SpmlError("say which features to train on: --cache PATH or --dataset NAME")
+    folder = Path(folder) if folder is not None else default_cache_dir()
+    pattern = re.compile(rf"{re.escape(dataset)}-[^-]+-\d+\.h5")
+    found = sorted(p for p in folder.glob(f"{dataset}-*.h5") if pattern.fullmatch(p.name))
+    if len(found) == 1:
+        return found[0]
+    if found:
+        names = ", ".join(p.name for p in found)
+        raise SpmlError(f"several caches for '{dataset}' in {folder}/ ({names}): pick one with --cache PATH")
+    partial = sorted(p.name for p in folder.glob(f"{dataset}-*.h5.partial"))
+    if partial:
+        raise SpmlError(f"{folder / partial[0]} is an unfinished extraction: resume it with "
+                        f"`spml-cache extract {dataset} --root DIR`")
+    raise SpmlError(f"no cache for dataset '{dataset}' in {folder}/ (set SPML_CACHE or pass --cache PATH); "
+                    f"create one with `spml-cache extract {dataset} --root DIR`")
+
+
+def partial_path(path: Path | str) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
+def plain(value):
+    """An HDF5 attribute value as plain Python (numpy scalars and arrays become ints, floats, lists)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def cache_id(attrs: dict) -> str:
+    """Short stable id of one cache: a hash of all its attrs (`created` included, so rebuilds differ)."""
+    text = json.dumps({key: plain(value) for key, value in attrs.items()}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]

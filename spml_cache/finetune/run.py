@@ -1,0 +1,269 @@
+"""Stage three: fine-tune ResNet-50 end to end, from the best linear head (LinearInit, Cole et al. 2021) or a fresh head.
+
+The images, splits and observed labels are the cache's rows (`root / id`), so fine-tuning sees exactly what the
+linear stage saw. The recipe is the papers': R x R resize ignoring aspect ratio, random horizontal flip in
+training, ImageNet normalisation, Adam without weight decay, BatchNorm in train mode. Selection is stage
+two's (selection.py): per config the first epoch of best val mAP, the test mAP there, the config of best mean
+val mAP over seeds. Every epoch leaves a checkpoint (model, optimiser, loss state, RNG, metric history) under
+`checkpoints/`, so `--resume RUN` goes on where a killed run stopped. Under torchrun the processes share each
+global batch (parallel.py); only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from spml_cache import backbone, losses, metrics, runs
+from spml_cache.devices import default_workers
+from spml_cache.errors import SpmlError
+from spml_cache.finetune import checkpoints, parallel
+from spml_cache.finetune import images as data
+from spml_cache.finetune.settings import FineTuneModel, Setup, resolve
+from spml_cache.progress import progress_bar
+from spml_cache.protocol import initial_head
+from spml_cache.selection import HeadRecord, loss_results, select_config
+
+
+def finetune(
+    *, init: str | None = None, from_run: Path | None = None, cache_path: Path | None = None,
+    dataset: str | None = None, cache_dir: Path | str | None = None, root: Path | None = None, loss: str | None = None,
+    weights: str | None = None, epochs: int | None = None, lrs: Sequence[float] | None = None,
+    batch_sizes: Sequence[int] | None = None, resolution: int | None = None, seeds: int | None = None,
+    hparams: dict[str, float] | None = None, head_lr_mult: float | None = None, skip_missing: bool | None = None,
+    device: str = "auto", out: Path | str = "runs", resume: Path | None = None, workers: int | None = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> dict:
+    """Fine-tune and write `out/<dataset>/finetune-<loss>-<stamp>/`; returns its results plus `run_dir`.
+
+    `seeds` is a count (seeds 0..N-1), `hparams` loss hyperparameter overrides `{key: value}`. Options left as
+    None take their defaults or, with `resume`, the interrupted run's values (options given must match those).
+    The first line logged names the linear run and head the model starts from.
+    """
+    if seeds is not None and seeds < 1:
+        raise SpmlError(f"--seeds {seeds}: must be at least 1 (seeds 0..N-1 are run)")
+    given = {"init": init, "from_run": from_run and str(from_run), "cache": cache_path and str(cache_path),
+             "dataset": dataset, "loss": loss, "weights": weights, "epochs": epochs, "resolution": resolution,
+             "head_lr_mult": head_lr_mult, "skip_missing": skip_missing,
+             "lrs": None if lrs is None else list(lrs), "batch_sizes": None if batch_sizes is None else list(batch_sizes),
+             "seeds": None if seeds is None else list(range(seeds))}
+    given = {key: value for key, value in given.items() if value is not None}
+    processes = parallel.start_processes(device)
+    say = log if processes.main else (lambda line: None)
+    if processes.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # one input shape for training, one for scoring
+    try:
+        stored = checkpoints.resumable(Path(resume)) if resume is not None else None
+        workers = default_workers(processes.device) if workers is None else workers
+        setup = resolve(given, hparams or {}, stored, root, Path(out), cache_dir, processes, workers)
+        for note in setup.notes + ([f"resuming {resume}"] if resume is not None else []):
+            say(note)
+        run_dir = Path(resume) if resume is not None else checkpoints.create_run_dir(Path(out), setup)
+        try:
+            return _run_grid(setup, run_dir, resumed=resume is not None, say=say)
+        except torch.cuda.OutOfMemoryError:
+            if resume is None and processes.main and not any(run_dir.glob("checkpoints/*.pt")):
+                shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable in it yet
+            raise SpmlError(
+                f"CUDA out of memory on {processes.device} (resolution {setup.settings.resolution}, --batch-size"
+                f" {setup.settings.batch_sizes}): pass a smaller --batch-size, or share each batch over more GPUs"
+                " with torchrun --nproc-per-node N"
+            ) from None
+    finally:
+        parallel.stop_processes(processes)
+
+
+def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
+    features, settings = setup.features, setup.settings
+    built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
+                         train_observed=torch.from_numpy(features.train.observed), seed=seed, **settings.hparams)
+    return built.to(device)
+
+
+# --- training --------------------------------------------------------------------------------------------
+
+
+def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
+    settings, records, began = setup.settings, [], time.perf_counter()
+    if setup.processes.main:
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        if resumed:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rebuilt from the checkpoints' histories
+    for lr in settings.lrs:  # grid order as stage two's: lr, then batch size
+        for batch_size in settings.batch_sizes:
+            for seed in settings.seeds:
+                records.append(_train_config(setup, run_dir, HeadRecord(settings.loss, lr, batch_size, seed), say))
+    if setup.processes.world > 1:
+        dist.barrier()  # rank 0 has written every best model
+    selection = select_config(records)
+    model = copy.deepcopy(setup.initial).to(setup.processes.device, memory_format=torch.channels_last)
+    train_maps, saved, scores = [], {}, {}
+    for record in selection.records if selection else []:
+        state = runs.load_checkpoint(checkpoints.checkpoint(run_dir, record, best=True))
+        model.load_state_dict(state["model"])
+        train = torch.sigmoid(_score(model, setup, "train"))
+        train_maps.append(metrics.mean_average_precision(train, _labels(setup, "train")))
+        if record is selection.representative:
+            saved = {"model": state["model"], "loss_state": state["loss_state"], "lr": record.lr,
+                     "batch_size": record.batch_size, "seed": record.seed, "epoch": record.best_epoch,
+                     "hparams": settings.hparams}
+            scores = {"train": train, **{s: torch.sigmoid(_score(model, setup, s)) for s in ("val", "test")}}
+    if not setup.processes.main:
+        return {}
+    entry = loss_results(records, selection, settings.hparams, train_maps, time.perf_counter() - began)
+    if scores:
+        runs.write_scores(run_dir, settings.loss, **scores)
+    features, rows = setup.features, setup.rows
+    runs.write_labels(run_dir, train_labels=features.train.labels[rows["train"]],
+                      train_observed=features.train.observed[rows["train"]], val_labels=features.val.labels[rows["val"]],
+                      test_labels=features.test.labels[rows["test"]])
+    results = runs.finish_run(run_dir, stage="finetune", features=features, losses={settings.loss: entry},
+                              checkpoints={settings.loss: saved} if saved else {}, init=checkpoints.init_summary(setup))
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return {**results, "run_dir": str(run_dir)}
+
+
+def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadRecord:
+    processes, settings, features = setup.processes, setup.settings, setup.features
+    device, path = processes.device, checkpoints.checkpoint(run_dir, record)
+    if processes.world > 1:
+        dist.barrier()  # every process has looked at this config's checkpoint before rank 0 writes its next one
+    checkpoint = runs.load_checkpoint(path) if path.exists() else None
+    if checkpoint is not None:
+        record = HeadRecord.from_state(checkpoint["record"])
+        if processes.main:
+            runs.append_metrics(run_dir, record.metric_lines())
+        if checkpoint["done"]:
+            return record
+    model = copy.deepcopy(setup.initial)
+    if setup.start is None:
+        model.head.weight.data, model.head.bias.data = initial_head(backbone.FEATURE_DIM, len(features.classes),
+                                                                    record.seed)
+    # channels_last as the inputs (and the extraction) are: also what keeps DDP's gradient buckets aligned.
+    model = parallel.synchronise_batchnorm(model.to(device, memory_format=torch.channels_last), processes)
+    loss_fn = _build_loss(setup, record.seed, device)
+    if setup.start is not None and "theta" in setup.start.loss_state:
+        loss_fn.theta.data.copy_(checkpoints.role_theta_handover(setup.start.loss_state["theta"]))
+    lr = record.lr
+    optimizer = make_optimizer(model, loss_fn, lr, settings.head_lr_mult)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        loss_fn.load_state_dict(checkpoint["loss_state"])
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        if checkpoint["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+    trainer = model if processes.world == 1 else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+    batches = data.EpochBatches(setup.rows["train"], len(features.train), record.batch_size, record.seed,
+                                processes.rank, processes.world)
+    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=device.type == "cpu"), batches,
+                               setup.workers)
+    observed = torch.from_numpy(features.train.observed).to(device)
+    labels = torch.from_numpy(features.train.labels).to(device)
+    for epoch in range(len(record.train_loss) + 1, settings.epochs + 1):
+        train_logits = None
+        if loss_fn.needs_train_logits:
+            train_logits = torch.zeros(1, len(features.train), len(features.classes), device=device)
+            train_logits[0, torch.as_tensor(setup.rows["train"], device=device)] = _score(model, setup, "train")
+        loss_fn.start_epoch(epoch, settings.epochs, train_logits)
+        batches.set_epoch(epoch)
+        label = f"lr {lr:g} batch {record.batch_size} seed {record.seed} epoch {epoch}/{settings.epochs}"
+        train_loss = _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, observed, labels, setup,
+                                  label)
+        if math.isfinite(train_loss):
+            val_ap, test_ap = (metrics.average_precision(torch.sigmoid(_score(model, setup, split)),
+                                                          _labels(setup, split)) for split in ("val", "test"))
+            val_map, test_map = 100 * val_ap.mean().item(), 100 * test_ap.mean().item()
+            if record.add_epoch(epoch, train_loss, val_map, test_map, test_ap.cpu().numpy()) and processes.main:
+                runs.save_checkpoint(checkpoints.checkpoint(run_dir, record, best=True),
+                                     {"model": model.state_dict(), "loss_state": loss_fn.state_dict()})
+            say(f"{label}: train loss {train_loss:.4f}, val mAP {val_map:.2f}, test mAP {test_map:.2f}"
+                + (" (best so far)" if record.best_epoch == epoch else ""))
+        else:
+            record.diverged_epoch = epoch
+            say(f"{label}: the loss is {train_loss}: diverged, stopped")
+        done = epoch == settings.epochs or record.diverged_epoch is not None
+        if processes.main:
+            state = {"record": record.to_state(), "done": done}
+            if not done:  # a finished config keeps only its record (and its best model)
+                state.update(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                             loss_state=loss_fn.state_dict(), rng={"torch": torch.get_rng_state(),
+                                  "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []})
+            runs.save_checkpoint(path, state)
+            for stale in path.parent.glob(f"{path.stem}.best-*.pt"):
+                if stale != checkpoints.checkpoint(run_dir, record, best=True):
+                    stale.unlink()
+            runs.append_metrics(run_dir, record.metric_lines(epoch))
+        if done:
+            break
+    return record
+
+
+def _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, observed, labels, setup, label) -> float:
+    processes = setup.processes
+    trainer.train()
+    total, steps = torch.zeros((), device=processes.device), 0
+    with progress_bar(label, total=len(batches) * batches.batch_size, unit="img") as bar:
+        for step, (rows, images) in enumerate(train_loader):
+            index = batches.order[step * batches.batch_size : (step + 1) * batches.batch_size].to(processes.device)
+            total += train_step(trainer, model, loss_fn, optimizer, images, batches.flips[rows], observed[index],
+                                labels[index], index, setup.settings.resolution, processes)
+            steps += 1
+            if processes.main:
+                bar.advance(batches.batch_size)
+    return total.item() / max(steps, 1)
+
+
+def make_optimizer(model: FineTuneModel, loss_fn: losses.Loss, lr: float, head_lr_mult: float = 1.0):
+    """Adam without weight decay: the trunk at lr, the head at head_lr_mult x lr, the loss's own parameters
+    (ROLE's theta) at their lr_mult x lr."""
+    groups = [{"params": list(model.trunk.parameters()), "lr": lr},
+              {"params": list(model.head.parameters()), "lr": lr * head_lr_mult}]
+    groups += [{"params": [p], "lr": lr * getattr(p, "lr_mult", 1.0)} for p in loss_fn.parameters()]
+    return torch.optim.Adam(groups, lr=lr, weight_decay=0.0)
+
+
+def train_step(trainer: nn.Module, model: FineTuneModel, loss_fn: losses.Loss, optimizer, images: list, flips,
+               observed: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, resolution: int,
+               processes: parallel.Processes) -> torch.Tensor:
+    """One optimiser step on a global batch (`observed`, `labels`, `index` are the global batch's; `images` and
+    `flips` this process's share): device-side preprocessing, bf16 autocast on GPU, the loss on the gathered
+    logits, the head-only penalty. Returns the loss (detached)."""
+    x = data.model_input(images, resolution, processes.device, flips)
+    with torch.autocast(processes.device.type, dtype=torch.bfloat16, enabled=processes.device.type == "cuda"):
+        local_logits = trainer(x)
+    logits = parallel.global_batch(local_logits.float(), processes)
+    value = loss_fn(logits, observed, labels=labels, index=index)
+    value = value + loss_fn.penalty(model.head.weight.t())  # L1R/L2R: on the head only
+    optimizer.zero_grad(set_to_none=True)
+    value.backward()
+    optimizer.step()
+    return value.detach()
+
+
+@torch.no_grad()
+def _score(model: FineTuneModel, setup: Setup, split: str) -> torch.Tensor:
+    """Logits `[N_used, C]` of the split's used rows (eval mode, no flip), gathered from every process."""
+    processes, device = setup.processes, setup.processes.device
+    shards = data.ShardBatches(setup.rows[split], processes.rank, processes.world)
+    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=device.type == "cpu")
+    model.eval()
+    outputs = [torch.zeros(0, model.head.out_features, device=device)]
+    for _, images in data.loader(files, shards, setup.workers):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            outputs.append(model(data.model_input(images, setup.settings.resolution, device)).float())
+    return parallel.gather_rows(torch.cat(outputs), shards.counts, processes)
+
+
+def _labels(setup: Setup, split: str) -> torch.Tensor:
+    return torch.from_numpy(getattr(setup.features, split).labels[setup.rows[split]]).to(setup.processes.device)

@@ -1,0 +1,104 @@
+"""K linear heads in one matrix, each trained by Adam at its own learning rate, each as if alone.
+
+`HeadMatrix` holds K linear heads side by side in one `[D, K*C]` matrix and trains them with Adam in one fused
+update (see the class). Head k starts as `protocol.initial_head(D, C, seed_k)` (up to the rounding of storing it
+divided by its lr), so a head inside a stack is the same model as the head trained on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from spml_cache.linear.adam import adam_update, fused_adam_available
+from spml_cache.protocol import initial_head
+
+class HeadMatrix:
+    """K linear heads `D -> C` side by side in one matrix, each trained by Adam at its own learning rate.
+
+    Layout: `scaled_weight [D, K*C]` and `scaled_bias [K*C]`, head k in columns `k*C .. (k+1)*C - 1`, so one
+    `addmm` gives every head's logits on a batch and one `mm` every head's weight gradient.
+
+    Adam moves a parameter by lr times a quantity of the gradients alone, so head k's parameters are stored
+    divided by its lr (`scaled_*`): Adam updates them at lr 1 for all heads in one fused call, from the
+    gradient of the real parameters, and the forward pass multiplies the logits back by lr_k. Head k's real
+    weight is `lr_k * scaled_weight[:, k]`: `torch.optim.Adam` on that head alone, up to float rounding.
+    Gradients are not taken by autograd through the heads (that would give the scaled parameters' gradient):
+    the trainer hands `step` the gradient of the loss with respect to the logits. (An lr below ~1e-37 would
+    overflow the scaled parameters in float32: such a head shows up as diverged.)
+
+    A plain class, not an `nn.Module`: a step reads a dozen of its tensors, and module attribute lookups
+    would cost more than some of the ops.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, seeds: Sequence[int], lrs: Sequence[float], *,
+                 device: torch.device | str = "cpu", fused: bool | None = None,
+                 start: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`start`: one head's `nn.Linear` weight `[C, D]` and bias `[C]` for every head to start from,
+        instead of each seed's initialisation."""
+        if len(seeds) != len(lrs):
+            raise ValueError(f"got {len(seeds)} seeds for {len(lrs)} learning rates: give one of each per head")
+        device = torch.device(device)
+        self.num_heads, self.num_classes = len(lrs), num_classes
+        self.fused = fused_adam_available(device) if fused is None else fused
+        if start is None:
+            inits = {seed: initial_head(in_features, num_classes, seed) for seed in set(seeds)}
+        else:
+            inits = {seed: tuple(t.detach().cpu().float() for t in start) for seed in set(seeds)}
+        lr_columns = torch.tensor(lrs, dtype=torch.float64).repeat_interleave(num_classes)
+        weight = torch.cat([inits[seed][0].t() for seed in seeds], dim=1).double() / lr_columns
+        bias = torch.cat([inits[seed][1] for seed in seeds]).double() / lr_columns
+        self.lr_columns = lr_columns.float().to(device)
+        self.scaled_weight, self.scaled_bias = weight.float().to(device), bias.float().to(device)
+        params = [self.scaled_weight, self.scaled_bias]
+        self.grads, self.exp_avgs, self.exp_avg_sqs = ([torch.zeros_like(p) for p in params] for _ in range(3))
+        self.params = params
+        self.steps = 0
+        self.step_tensor = torch.zeros((), device=device)  # where the fused kernel reads the step count
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits `[K, B, C]` of every head on the same rows `[B, D]` (no autograd through the heads)."""
+        flat = torch.addmm(self.scaled_bias, features, self.scaled_weight).mul_(self.lr_columns)
+        return flat.view(len(features), self.num_heads, self.num_classes).transpose(0, 1)
+
+    def logits(self, features: torch.Tensor, chunk_rows: int = 16384) -> torch.Tensor:
+        """Evaluation logits `[K, N, C]` for many rows, in row chunks to bound the memory of one matmul."""
+        return torch.cat([self(features[i : i + chunk_rows]) for i in range(0, len(features), chunk_rows)], dim=1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Every head's real weight, `[K, D, C]` (a copy)."""
+        weight = self.scaled_weight * self.lr_columns
+        return weight.view(-1, self.num_heads, self.num_classes).permute(1, 0, 2)
+
+    def linear_state(self, k: int) -> dict[str, torch.Tensor]:
+        """Head k in `nn.Linear` layout: `{"weight": [C, D], "bias": [C]}` (detached copies)."""
+        columns = slice(k * self.num_classes, (k + 1) * self.num_classes)
+        lr = self.lr_columns[columns]
+        return {"weight": (self.scaled_weight[:, columns] * lr).t().contiguous(),
+                "bias": self.scaled_bias[columns] * lr}
+
+    @torch.no_grad()
+    def step(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
+             active: torch.Tensor | None = None) -> None:
+        """One Adam step of every head from the batch `features [B, D]` and the loss's gradient with respect
+        to the logits `[K, B, C]`; `weight_grad [K, D, C]`: a penalty's gradient on the weights, added.
+        `active [K]` (None: all): a stopped head keeps its parameters and moments."""
+        grad = grad_logits.transpose(0, 1).reshape(len(features), -1)  # [B, K*C], the layout of the logits
+        grad_weight, grad_bias = self.grads
+        torch.mm(features.t(), grad, out=grad_weight)
+        torch.sum(grad, dim=0, out=grad_bias)
+        if weight_grad is not None:
+            grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
+        if active is not None:
+            state = self.params + self.exp_avgs + self.exp_avg_sqs
+            stopped = (~active).repeat_interleave(self.num_classes)
+            kept = [t[..., stopped].clone() for t in state]
+        self.steps += 1
+        self.step_tensor += 1
+        adam_update(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.steps, 1.0, fused=self.fused,
+                    step_tensor=self.step_tensor)
+        if active is not None:
+            for t, saved in zip(state, kept):
+                t[..., stopped] = saved

@@ -1,0 +1,106 @@
+"""Stage two's jobs: every lr of one (loss, seed) and one or all of its batch sizes, trained in this process or in
+worker processes (one per core), with the same results either way (tested).
+
+Workers are forked on Linux's CPU (they inherit the features already in memory) and spawned elsewhere: CUDA
+cannot be forked, and macOS's system libraries are not fork-safe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+import torch
+
+from spml_cache import cache as cache_file
+from spml_cache.errors import SpmlError
+from spml_cache.linear.engine import LinearData, SeedRun
+from spml_cache.selection import best_so_far
+
+# Below this much work (training rows x epochs x (loss, seed) pairs) starting worker processes costs more than it
+# saves; above it, each core trains its own jobs.
+PARALLEL_MIN_WORK = 50_000
+
+
+def resolve_workers(workers: int, device: torch.device, num_jobs: int, work: int) -> int:
+    """`--workers`: a count, or 0 for auto (one per usable core on the CPU when there is enough work)."""
+    if workers < 0:
+        raise SpmlError(f"--workers {workers}: use a positive count, or 0 for automatic")
+    if workers == 0:
+        if device.type != "cpu" or work < PARALLEL_MIN_WORK:
+            return 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = cores
+    return max(1, min(workers, num_jobs))
+
+
+def merged_progress(parts) -> tuple[int, dict | None]:
+    """(epoch, best so far) of one (loss, seed) from its jobs' latest `(epoch, best_so_far)`."""
+    parts = list(parts)
+    bests = [best for _, best in parts if best is not None]
+    return min(epoch for epoch, _ in parts), max(bests, key=lambda best: best["val_map"], default=None)
+
+
+def train_jobs(jobs, used, settings, data, features, workers, starts):
+    """Train every job `(loss, seed index, seed, batch sizes)`; yields `((loss, seed index, batch sizes),
+    progress, metrics lines, job)` events: `progress = (epoch, best_so_far)` after each epoch of a job,
+    `job = (records, seconds)` when it is done. In-process the metrics lines come with each epoch; from worker
+    processes, with the finished job."""
+    if workers == 1:
+        for name, index, seed, sizes in jobs:
+            start = time.perf_counter()
+            run = SeedRun(name, used[name], seed, settings.lrs, list(sizes), settings.epochs, data, starts.get(name))
+            for epoch in range(1, settings.epochs + 1):
+                lines = run.run_epoch(epoch)
+                done = (run.records, time.perf_counter() - start) if epoch == settings.epochs else None
+                yield (name, index, sizes), (epoch, best_so_far(run.records)), lines, done
+        return
+    forking = data.train_features.device.type == "cpu" and sys.platform.startswith("linux")
+    context = multiprocessing.get_context("fork" if forking else "spawn")
+    progress = context.Queue()
+    source = data if forking else str(features.path)
+    sys.stdout.flush()  # a forked worker flushes what it inherited when it exits
+    sys.stderr.flush()
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                               initargs=(source, str(data.train_features.device), settings.val_labels, progress))
+    try:
+        pending = {
+            pool.submit(_run_job, (name, index, sizes), name, used[name], seed, settings.lrs, list(sizes),
+                        settings.epochs, starts.get(name)): (name, index, sizes)
+            for name, index, seed, sizes in jobs
+        }
+        while pending:
+            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            while not progress.empty():
+                key, epoch_progress = progress.get()
+                yield key, epoch_progress, [], None
+            for future in done:
+                records, lines, seconds = future.result()
+                yield pending.pop(future), None, lines, (records, seconds)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+_worker: dict = {}  # in a worker process: the training data and the progress queue
+
+
+def _start_worker(source, device: str, val_labels: str, progress) -> None:
+    """The training data: inherited (fork), or read from the cache file (spawn)."""
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool
+    if not isinstance(source, LinearData):
+        source = LinearData.from_features(cache_file.load(source), torch.device(device), val_labels)
+    _worker.update(data=source, progress=progress)
+
+
+def _run_job(key, name, hparams, seed, lrs, batch_sizes, epochs, start):
+    """One job in a worker process: the same training as in-process, progress through the queue."""
+    begin = time.perf_counter()
+    run = SeedRun(name, hparams, seed, lrs, batch_sizes, epochs, _worker["data"], start)
+    lines = []
+    for epoch in range(1, epochs + 1):
+        lines += run.run_epoch(epoch)
+        _worker["progress"].put((key, (epoch, best_so_far(run.records))))
+    return run.records, lines, time.perf_counter() - begin

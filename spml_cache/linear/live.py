@@ -1,0 +1,92 @@
+"""What `spml-cache linear` shows: the live table while heads train, and the summary table of a finished run."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+def _mean_std(result: dict, key: str) -> str:
+    if result.get(key) is None:
+        return "-"
+    std = result.get(f"{key}_std")
+    seeds = len(result.get("per_seed") or [])
+    return f"{result[key]:.2f}" + (f" ± {std:.2f}" if seeds > 1 and std is not None else "")
+
+
+def summary_table(results: dict, title: str = "linear heads: best config per loss") -> Table:
+    """One row per loss: val and test mAP of the selected config, the config, its best epoch, time."""
+    table = Table(title=title)
+    for column in ("loss", "val mAP", "test mAP", "lr", "batch", "best epoch", "time"):
+        table.add_column(column, justify="left" if column == "loss" else "right")
+    for name, result in results["losses"].items():
+        selected = result.get("selected")
+        if selected is None:
+            table.add_row(name, "-", "-", "-", "-", "diverged", f"{result['seconds']:.1f} s")
+            continue
+        table.add_row(
+            name, _mean_std(result, "val_map"), _mean_std(result, "test_map"), f"{selected['lr']:g}",
+            str(selected["batch_size"]), ",".join(str(e) for e in result["best_epoch"]), f"{result['seconds']:.1f} s",
+        )
+    return table
+
+
+class LiveTable:
+    """The best val/test mAP per loss while training: a live rich table on a terminal, plain lines elsewhere."""
+
+    def __init__(self, losses: list[str], num_seeds: int, epochs: int, console: Console, every_s: float = 10.0) -> None:
+        self.console, self.num_seeds, self.epochs, self.every_s = console, num_seeds, epochs, every_s
+        self.rows = {name: ["waiting", "", "", ""] for name in losses}
+        self.live = Live(self._table(), console=console, refresh_per_second=4) if console.is_terminal else None
+        self.last_line = time.perf_counter()
+
+    def __enter__(self) -> "LiveTable":
+        return self  # the live display starts with the first update: worker processes are forked before it
+
+    def __exit__(self, *exc) -> None:
+        if self.live and self.live.is_started:
+            self.live.stop()
+
+    def _table(self) -> Table:
+        table = Table(title="training linear heads")
+        for column in ("loss", "progress", "best val mAP", "its test mAP", "config"):
+            table.add_column(column, justify="left" if column in ("loss", "progress", "config") else "right")
+        for name, row in self.rows.items():
+            table.add_row(name, *row)
+        return table
+
+    def epoch(self, loss: str, seed_index: int, epoch: int, best: dict | None) -> None:
+        """After each epoch of one (loss, seed): `best_so_far` of that seed's heads."""
+        progress = f"seed {seed_index + 1}/{self.num_seeds}, epoch {epoch}/{self.epochs}"
+        if best is None:
+            self.rows[loss] = [progress, "-", "-", ""]
+        else:
+            config = f"lr {best['lr']:g}, batch {best['batch_size']}, epoch {best['epoch']}"
+            self.rows[loss] = [progress, f"{best['val_map']:.2f}", f"{best['test_map']:.2f}", config]
+        self._show(f"{loss}: {progress}, best val mAP {self.rows[loss][1]} (test {self.rows[loss][2]})")
+
+    def loss_done(self, loss: str, result: dict) -> None:
+        selected = result.get("selected")
+        if selected is None:
+            self.rows[loss] = [f"done, {result['seconds']:.1f} s", "-", "-", "every head diverged"]
+        else:
+            epochs = ",".join(str(epoch) for epoch in result["best_epoch"])
+            config = f"lr {selected['lr']:g}, batch {selected['batch_size']}, epoch {epochs}"
+            val, test = _mean_std(result, "val_map"), _mean_std(result, "test_map")
+            self.rows[loss] = [f"done, {result['seconds']:.1f} s", val, test, config]
+        self._show(f"{loss}: done in {result['seconds']:.1f} s, val mAP {self.rows[loss][1]}, "
+                   f"test mAP {self.rows[loss][2]} ({self.rows[loss][3]})", force=True)
+
+    def _show(self, line: str, force: bool = False) -> None:
+        if self.live:
+            if not self.live.is_started:
+                self.live.start()
+            self.live.update(self._table())
+            return
+        now = time.perf_counter()
+        if force or now - self.last_line >= self.every_s:
+            self.last_line = now
+            self.console.print(line, highlight=False, soft_wrap=True)

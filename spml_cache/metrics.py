@@ -1,0 +1,114 @@
+"""The metric of the SPML papers: per-class average precision and mAP, with scikit-learn's semantics.
+
+`average_precision` is `sklearn.metrics.average_precision_score` for every class and every leading (head)
+index at once, on the scores' device; `mean_average_precision` is the papers' mAP (0-100, the mean over all
+classes, a class without positives counting 0). docs/protocol.md, "The metric".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from spml_cache.errors import SpmlError
+
+
+def _as_tensor(values: Any) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values
+    array = np.ascontiguousarray(values)
+    if not array.flags.writeable:  # torch warns on read-only buffers (np.load mmap, h5py)
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+def _order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Integers with the same order and the same ties as `scores` (any layout), small enough to double."""
+    if scores.element_size() >= 8:
+        # 64-bit scores leave no room for the label bit: their dense ranks have the same order and ties.
+        return torch.unique(scores, return_inverse=True)[1]
+    if scores.is_floating_point():
+        # IEEE floats are sign-magnitude: magnitude times sign of the int32 bits orders like the floats,
+        # and -0.0 meets +0.0 at 0 (sklearn ties them).
+        bits = scores.float().view(torch.int32)
+        return (bits & 0x7FFFFFFF).mul_(bits.sign())
+    return scores  # bool and integers up to 32 bits are their own keys
+
+
+def _sorted_keys(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """int64 `[..., C, N]`, each row sorted ascending: `2 * (-order key of the score) + label`.
+
+    Ascending keys are descending scores, tied scores stay adjacent, and the label rides along in the low
+    bit: one sort of plain integers replaces an argsort and two gathers.
+    """
+    *heads, num_rows, num_classes = scores.shape
+    keys = torch.empty((*heads, num_classes, num_rows), dtype=torch.int64, device=scores.device)
+    keys.copy_(_order_keys(scores).transpose(-1, -2))
+    keys.mul_(-2).add_(positive.to(torch.int64))
+    if keys.device.type == "cpu":
+        # numpy's vectorised sort is several times faster than torch.sort on the CPU (same result: the keys are
+        # plain integers), and sorts in place.
+        keys.numpy().sort(axis=-1)
+        return keys
+    return torch.sort(keys, dim=-1).values
+
+
+def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Per-class average precision (0..1) of `scores [..., N, C]` against 0/1 `labels [N, C]`: `[..., C]`.
+
+    sklearn's `average_precision_score` for every class and every leading (head) index at once:
+    AP = sum over distinct score thresholds t (descending) of (R(t) - R(t_prev)) * P(t), with P and R the
+    precision and recall of "score >= t"; tied scores enter together. A class without positives has AP 0.
+    A column with a NaN score has AP NaN (a diverged head stays visible). Labels > 0 count as positive.
+    Computed on the scores' device; float64 result.
+    """
+    scores = _as_tensor(scores).detach()
+    labels = _as_tensor(labels).to(scores.device)
+    if scores.ndim < 2 or tuple(scores.shape[-2:]) != tuple(labels.shape):
+        raise SpmlError(f"scores {tuple(scores.shape)} do not match labels {tuple(labels.shape)}: expected [..., N, C]")
+    device = scores.device
+    positive = (labels > 0).T  # [C, N]
+    if scores.shape[-2] == 0:  # no images: no positives
+        return torch.zeros(scores.shape[:-2] + scores.shape[-1:], dtype=torch.float64, device=device)
+
+    # The [heads, C, N] buffers are large: they are reused in place, as allocating them is a good part of the
+    # cost on the CPU.
+    keys = _sorted_keys(scores, positive)
+    true_pos = torch.bitwise_and(keys, 1, out=torch.empty(keys.shape, dtype=torch.int32, device=device))
+    true_pos.cumsum_(-1)  # true positives among the top n scores, n = 1..N
+    keys >>= 1  # drop the labels: equal keys are now tied scores
+    # sklearn evaluates precision at distinct thresholds only: at a cut after the last of a run of tied scores.
+    is_cut = torch.ones(keys.shape, dtype=torch.bool, device=device)
+    torch.ne(keys[..., 1:], keys[..., :-1], out=is_cut[..., :-1])
+    gained = torch.mul(true_pos, is_cut)
+    del is_cut
+    at_last_cut = torch.empty_like(true_pos)
+    torch.cummax(gained, dim=-1, out=(at_last_cut, keys))  # keys' buffer takes the unused argmax indices
+    # Positives gained at a cut: the step of the true positives at the last cut (zero between cuts).
+    torch.sub(at_last_cut[..., 1:], at_last_cut[..., :-1], out=gained[..., 1:])
+    gained[..., 0] = at_last_cut[..., 0]
+    del at_last_cut
+    # AP * positives = sum over cuts of (positives gained) * precision; float64 products in keys' buffer.
+    weighted = keys.view(torch.float64)
+    del keys
+    weighted.copy_(gained).mul_(true_pos)
+    del gained, true_pos
+    inverse_ranks = 1.0 / torch.arange(1, scores.shape[-2] + 1, device=device, dtype=torch.float64)
+    recall_weighted = weighted @ inverse_ranks
+
+    num_positives = positive.sum(-1, dtype=torch.float64)
+    ap = torch.where(num_positives > 0, recall_weighted / num_positives.clamp(min=1), 0.0)
+    if scores.is_floating_point():
+        ap = torch.where(torch.isnan(scores.amax(dim=-2)), torch.nan, ap)  # amax propagates NaN
+    return ap
+
+
+def mean_average_precision(scores: torch.Tensor | np.ndarray, labels: torch.Tensor | np.ndarray) -> float:
+    """mAP on the 0..100 scale: the mean over ALL classes of `average_precision` (classes without positives
+    count as 0) of one `[N, C]` score matrix; numpy or torch inputs."""
+    scores = _as_tensor(scores)
+    if scores.ndim != 2 or scores.shape[-1] == 0:
+        raise SpmlError(f"mean_average_precision wants scores [N, C] with C >= 1, got {tuple(scores.shape)}")
+    return 100.0 * float(average_precision(scores, labels).mean())

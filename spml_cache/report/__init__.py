@@ -1,0 +1,15 @@
+"""The report: Table-1 style tables beside the published numbers, and figures, from run directories.
+
+Its door is `report_command` (`spml-cache report`); `print_report` and `write_plots` serve the demo and scripts.
+Reads only the files the stages write, never their objects.
+"""
+
+from spml_cache.report.collect import Run, collect_runs, read_run, select_newest
+from spml_cache.report.command import print_report, report_command
+from spml_cache.report.plots import write_plots
+from spml_cache.report.tables import build_table, cell_text, print_table
+
+__all__ = [
+    "Run", "build_table", "cell_text", "collect_runs", "print_report", "print_table", "read_run", "report_command",
+    "select_newest", "write_plots",
+]

@@ -1,0 +1,148 @@
+"""Which runs there are: every run directory under the given paths, read without trusting that it finished, and
+the newest complete run per (dataset x stage x cache column, loss).
+
+Reads only the files the stages write (`config.json`, `results.json`, whose absence marks an interrupted run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from spml_cache import losses
+from spml_cache.errors import SpmlError
+from spml_cache.runs import RESULTS, is_complete, read_json, run_stamp
+
+RUN_FILES = ("config.json", RESULTS, "metrics.jsonl")
+# Fine-tuning from a fresh ImageNet model is another experiment than from the best linear head (LinearInit).
+STAGE_LABELS = {"linear": "linear", "finetune": "fine-tuned", "finetune-imagenet": "fine-tuned from ImageNet"}
+DATASET_LABELS = {"voc": "VOC", "coco": "COCO", "nus": "NUS", "cub": "CUB"}
+
+
+@dataclass
+class Run:
+    """One run directory; `results` is None for an incomplete (interrupted or unreadable) run."""
+
+    path: Path
+    stage: str
+    dataset: str
+    cache_id: str
+    stamp: tuple[str, int]  # (YYYYmmdd-HHMMSS, same-second counter): orders runs, newest last
+    config: dict
+    results: dict | None
+    problem: str = ""
+
+    @property
+    def losses(self) -> dict:
+        return self.results["losses"] if self.results else {}
+
+
+def read_run(path: Path) -> Run:
+    """Read one run directory without trusting that the run finished."""
+    config = results = None
+    problem = f"no {RESULTS}: interrupted or still running"
+    try:
+        config = read_json(path / "config.json") if (path / "config.json").exists() else None
+        results = read_json(path / RESULTS) if is_complete(path) else None
+    except SpmlError as err:  # half-written by hand or by a crash: report it, do not stop the table
+        problem = str(err)
+    if results is not None and not (results.get("complete") and isinstance(results.get("losses"), dict)):
+        results, problem = None, f"{RESULTS} not marked complete"
+    known = {**(config or {}), **(results or {})}
+    init = known.get("init") if isinstance(known.get("init"), dict) else {}
+    return Run(
+        path=path,
+        stage=(known.get("stage") or path.name.split("-")[0]) + ("-imagenet" if init.get("mode") == "imagenet" else ""),
+        dataset=known.get("dataset") or path.parent.name,
+        cache_id=str(known.get("cache_id") or "unknown"),
+        stamp=run_stamp(path),
+        config=config or {},
+        results=results,
+        problem=problem if results is None else "",
+    )
+
+
+def collect_runs(paths: list[Path] | None = None, *, runs_root: Path = Path("runs")) -> list[Run]:
+    """Every run directory named in `paths` or found below them (default: below `runs_root`)."""
+    looked = [Path(p) for p in paths] if paths else [Path(runs_root)]
+    found: dict[Path, Path] = {}  # resolved -> as the user named it, so notes show familiar paths
+    for path in looked:
+        if not path.exists():
+            raise SpmlError(f"no runs found: {path} does not exist; pass run directories or --runs DIR")
+        if any((path / name).exists() for name in RUN_FILES):
+            found.setdefault(path.resolve(), path)
+            continue
+        for name in RUN_FILES:
+            for file in path.rglob(name):
+                found.setdefault(file.parent.resolve(), file.parent)
+    if not found:
+        where = ", ".join(str(p) for p in looked)
+        raise SpmlError(
+            f"no run directories found under {where} (looked for {', '.join(RUN_FILES)}); "
+            "train some with `spml-cache linear` or pass --runs DIR"
+        )
+    return [read_run(found[key]) for key in sorted(found)]
+
+
+@dataclass
+class Column:
+    dataset: str
+    stage: str
+    cache_id: str
+    label: str
+    weights: str | None = None  # the backbone weights that made the cache's features
+
+
+def in_spec_order(names) -> list[str]:
+    """`names` in the registry's order (docs/losses.md), names it does not know last."""
+    order = losses.names()
+    return [name for name in order if name in names] + sorted(set(names) - set(order))
+
+
+def oracle_losses() -> set[str]:
+    """The losses that read the full labels: upper bounds, not single-positive methods."""
+    return {name for name in losses.names() if losses.get(name).oracle}
+
+
+def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool) -> str:
+    label = f"{DATASET_LABELS.get(dataset, dataset)} {STAGE_LABELS.get(stage, stage)}"
+    return f"{label} (cache {cache_id[:8]})" if several_caches else label
+
+
+def select_newest(runs: list[Run]) -> tuple[list[Column], dict[tuple[str, str], Run], list[str]]:
+    """Columns, the newest complete run per (column label, loss), and notes on what was set aside."""
+    complete = [run for run in runs if run.results is not None]
+    caches: dict[str, set[str]] = {}
+    for run in complete:
+        caches.setdefault(run.dataset, set()).add(run.cache_id)
+    notes = [
+        f"{ds}: runs from {len(ids)} different caches ({', '.join(sorted(i[:8] for i in ids))}): reported apart"
+        for ds, ids in sorted(caches.items())
+        if len(ids) > 1
+    ]
+    columns: dict[str, Column] = {}
+    history: dict[tuple[str, str], list[Run]] = {}
+    for run in sorted(complete, key=lambda r: (r.stamp, r.path.name)):
+        label = _column_label(run.dataset, run.stage, run.cache_id, len(caches[run.dataset]) > 1)
+        weights = run.config.get("cache_attrs", {}).get("weights")
+        columns.setdefault(label, Column(run.dataset, run.stage, run.cache_id, label, weights))
+        for loss, result in run.losses.items():
+            if "test_map" in result:
+                history.setdefault((label, loss), []).append(run)
+            else:  # the stage records a loss whose every head diverged, with no numbers
+                notes.append(f"{loss} ({label}): no result in {run.path} ({result.get('error', 'no test_map')})")
+    chosen = {key: runs_of_key[-1] for key, runs_of_key in history.items()}
+    for (label, loss), runs_of_key in sorted(history.items()):
+        if len(runs_of_key) > 1:
+            older = ", ".join(str(r.path) for r in runs_of_key[:-1])
+            notes.append(f"{loss} ({label}): newest of {len(runs_of_key)} runs used, {runs_of_key[-1].path}; older: {older}")
+    stage_order = list(STAGE_LABELS)
+    ordered = sorted(
+        columns.values(),
+        key=lambda c: (
+            stage_order.index(c.stage) if c.stage in stage_order else len(stage_order),
+            list(DATASET_LABELS).index(c.dataset) if c.dataset in DATASET_LABELS else len(DATASET_LABELS),
+            c.label,
+        ),
+    )
+    return ordered, chosen, notes

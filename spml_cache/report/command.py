@@ -1,0 +1,49 @@
+"""`spml-cache report`: the table (terminal or file) and the figures of the runs asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from spml_cache.errors import SpmlError
+from spml_cache.report.collect import collect_runs
+from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
+from spml_cache.report.tables import build_table, formatter, print_notes, print_table
+from spml_cache.runs import replace_atomically
+
+
+def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console | None = None) -> None:
+    """The table of every run in `run_dirs` (run directories or folders of them; [] means ./runs)."""
+    print_table(build_table(collect_runs(run_dirs), paper=paper), console or Console())
+
+
+def report_command(
+    paths: list[Path], *, runs_root: Path, paper: bool, fmt: str | None, output: Path | None,
+    plots_dir: Path | None, compare: str | None, console: Console,
+) -> None:
+    """`spml-cache report`: check every flag first, then the table (terminal or file), then the figures."""
+    if output is not None and fmt is None:
+        fmt = {".csv": "csv", ".md": "md", ".json": "json"}.get(output.suffix.lower())
+        if fmt is None:
+            raise SpmlError(f"--output {output}: cannot tell the format from the suffix; add --format csv|md|json")
+    render = formatter(fmt) if fmt is not None else None
+    if compare is not None and plots_dir is None:
+        raise SpmlError("--compare chooses the losses of the per-class figure: add --plots DIR")
+    if plots_dir is not None:
+        require_matplotlib()
+        pair = parse_compare(compare)
+    runs = collect_runs(paths, runs_root=runs_root)
+    table = build_table(runs, paper=paper)
+    if render is None:
+        print_table(table, console)
+    elif output is None:
+        console.out(render(table), highlight=False, end="")
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(output, lambda partial: partial.write_text(render(table), encoding="utf-8"))
+        console.print(f"wrote {output} ({len(table.rows)} losses x {len(table.columns)} columns)")
+        print_notes(table, console)
+    if plots_dir is not None:
+        for path in plot_runs(runs, plots_dir, compare=pair, console=console):
+            console.print(f"wrote {path}")
