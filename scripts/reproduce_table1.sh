@@ -42,5 +42,5 @@ for dataset in "${datasets[@]}"; do
 done
 if [[ $stages == *" report "* ]]; then
   run $spml report --paper
-  run $spml report --paper --format md --output table1.md --plots figures
+  run $spml report --paper --format md --out table1.md --plots figures
 fi

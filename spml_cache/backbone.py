@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import re
 import socket
 import warnings
@@ -123,7 +124,8 @@ def _fetch_enum_weights(name: str) -> Path:
             torchvision.models.ResNet50_Weights[name].url, str(path), hash_prefix and hash_prefix.group(1)
         )
     except (OSError, RuntimeError, ValueError) as err:
-        raise SpmlError(f"{way_out} and could not be downloaded ({err}): {fix}") from None
+        reason = getattr(err, "reason", None) or err  # urllib's "<urlopen error ...>" wraps the reason
+        raise SpmlError(f"{way_out} and could not be downloaded ({reason}): {fix}") from None
     finally:
         socket.setdefaulttimeout(previous)
     return path
@@ -133,8 +135,14 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle errors, zip errors, disallowed globals: all mean "not a weights file"
-        problem = f"{type(err).__name__}: {err}"
-        raise SpmlError(f"--weights {path}: not a loadable PyTorch weights file ({problem})") from None
+        text = str(err).strip()
+        if "weights_only" in text or isinstance(err, pickle.UnpicklingError):
+            # torch's own message advises weights_only=False, which would run whatever code the file holds
+            problem = "it holds Python objects besides tensors, which are not loaded from a file"
+        else:
+            problem = f"{type(err).__name__}: {text.splitlines()[0][:160]}" if text else type(err).__name__
+        raise SpmlError(f"--weights {path}: not a loadable PyTorch weights file ({problem}); save the ResNet-50's"
+                        " weights with torch.save(model.state_dict(), PATH)") from None
     # Training checkpoints often wrap the weights one level down.
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):

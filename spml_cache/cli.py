@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
@@ -17,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from spml_cache.errors import SpmlError
+from spml_cache.errors import Interrupted, SpmlError
 
 app = typer.Typer(
     name="spml-cache",
@@ -185,18 +187,13 @@ def extract_command(
 
     Example: spml-cache extract voc --root ~/data --batch-size 128
     """
-    import warnings
-
     from spml_cache.extract import extract
 
-    with warnings.catch_warnings():
-        # `--weights none` and ignored checkpoint keys warn: say so in one yellow line, when it happens.
-        warnings.showwarning = lambda message, *_: err_console.print(f"[yellow]warning: {message}[/yellow]")
-        report = extract(
-            dataset, require_root(root), out=out, weights=weights, resolution=resolution,
-            batch_size=batch_size, workers=workers, device=device, precision=precision, limit=limit,
-            dry_run=dry_run, force=force, on_bad_image=on_bad_image, skip_missing=skip_missing,
-        )
+    report = extract(
+        dataset, require_root(root), out=out, weights=weights, resolution=resolution, batch_size=batch_size,
+        workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
+        on_bad_image=on_bad_image, skip_missing=skip_missing,
+    )
     _print_extract_report(report)
 
 
@@ -228,7 +225,7 @@ def import_features_command(
 
 @app.command("losses")
 def losses_command(
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per loss instead of a table."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON array (one object per loss) instead of a table."),
 ) -> None:
     """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags.
 
@@ -252,7 +249,7 @@ def losses_command(
 
 @app.command("linear")
 def linear_command(
-    loss: str = typer.Option(..., "--loss", help="A loss, a comma list (an,role), or all; see `spml-cache losses`."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="A loss, a comma list (an,role), or all; see `spml-cache losses`."),
     cache: Optional[Path] = typer.Option(None, "--cache", help="The feature cache (.h5) to train on."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Train on the one cache of this dataset in $SPML_CACHE or ./cache."),
     lr: str = typer.Option("1e-2,1e-3,1e-4,1e-5", "--lr", help="Learning rates, a comma list (the papers' grid)."),
@@ -265,18 +262,23 @@ def linear_command(
     val_labels: str = typer.Option("clean", "--val-labels", help="Select on clean (full) val labels, or on the observed ones."),
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept (its settings are used)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
+
+    Every finished (loss, seed, batch size) is kept as it finishes: after Ctrl-C, --resume RUN goes on.
 
     Example: spml-cache linear --dataset voc --loss an,role --seeds 3
     """
     from spml_cache.linear import run_linear, summary_table
 
+    if loss is None and resume is None:
+        raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN)", param_hint="--loss")
     run = run_linear(
-        cache=cache, dataset=dataset, losses=parse_names(loss), lrs=parse_list(lr, "--lr", float),
+        cache=cache, dataset=dataset, losses=parse_names(loss or ""), lrs=parse_list(lr, "--lr", float),
         batch_sizes=parse_list(batch_size, "--batch-size", int), epochs=epochs, seeds=seeds,
         hparams=parse_hparams(hp or []), device=device, out=out, val_labels=val_labels, workers=workers,
-        from_run=from_run,
+        from_run=from_run, resume=resume,
     )
     console.print(summary_table(run.results))
     console.print(f"run directory: {run.run_dir}")
@@ -380,7 +382,7 @@ def report_command(
     runs: Path = typer.Option(Path("runs"), "--runs", help="Where to look for runs when none are named."),
     paper: bool = typer.Option(False, "--paper", help="Add the papers' published numbers and our difference."),
     fmt: Optional[str] = typer.Option(None, "--format", help="csv, md or json instead of the terminal table."),
-    output: Optional[Path] = typer.Option(None, "--output", help="Write the table to FILE (format from --format or the suffix)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG figures into DIR (needs matplotlib)."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Two losses for the per-class AP figure, e.g. an,role (default: the best two)."),
 ) -> None:
@@ -388,20 +390,51 @@ def report_command(
 
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
 
-    Example: spml-cache report --paper --plots figures --format md --output table1.md
+    Example: spml-cache report --paper --plots figures --format md --out table1.md
     """
     from spml_cache import report
 
     report.report_command(
-        run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=output, plots_dir=plots,
+        run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots,
         compare=compare, console=console,
     )
 
 
-def main() -> None:
-    """Console-script entry point: run the app, turning user errors into one red line."""
+def _one_line_warning(message, category, *_) -> None:
+    """Python's warnings (e.g. `--weights none`) as one yellow line, without the source line they point at."""
+    err_console.print(Text(f"warning: {message}", style="yellow"))
+
+
+def _no_type_for_flags() -> None:
+    """Recent typer shows a type column for every option, `<bool>` for a flag, which reads as if the flag took a
+    value: show none for flags (a no-op where typer has no such column)."""
     try:
-        app()
+        from typer.core import TyperOption
+    except ImportError:
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is not None:
+        TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else shown(self, ctx)
+
+
+def main() -> None:
+    """Console-script entry point: run the app; a user error, Ctrl-C and a warning each become one line."""
+    before_separator = sys.argv[: sys.argv.index("--")] if "--" in sys.argv else sys.argv
+    if "--debug" in before_separator[1:]:  # anywhere, not only before the command
+        _debug["on"] = True
+        sys.argv[:] = [arg for i, arg in enumerate(sys.argv) if not (arg == "--debug" and i < len(before_separator))]
+    _no_type_for_flags()
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            app()
+    except Interrupted as stop:
+        command = stop.command or shlex.join(["spml-cache", *sys.argv[1:]])
+        err_console.print(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"))
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err_console.print(Text("interrupted", style="yellow"))
+        sys.exit(130)
     except SpmlError as err:
         if _debug["on"]:
             raise

@@ -96,7 +96,10 @@ def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray) -
     weighted.copy_(gained).mul_(true_pos)
     del gained, true_pos
     inverse_ranks = 1.0 / torch.arange(1, scores.shape[-2] + 1, device=device, dtype=torch.float64)
-    recall_weighted = weighted @ inverse_ranks
+    # A product and a sum along each row rather than a matrix-vector product: BLAS may block a matvec by the
+    # number of rows, so a head's AP would depend on how many heads were scored with it (in-process or in worker
+    # processes, resumed or not); a row reduction does not.
+    recall_weighted = weighted.mul_(inverse_ranks).sum(dim=-1)
 
     num_positives = positive.sum(-1, dtype=torch.float64)
     ap = torch.where(num_positives > 0, recall_weighted / num_positives.clamp(min=1), 0.0)

@@ -72,7 +72,11 @@ def test_random_init_warns_and_is_the_same_network_every_time():
         assert first.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 2048)
 
 
-@pytest.mark.parametrize("case", ["resnet18", "not_a_state_dict", "text", "missing"])
+class Pickled:
+    """Not a tensor: torch.load(weights_only=True) must refuse it, and the message must not advise otherwise."""
+
+
+@pytest.mark.parametrize("case", ["resnet18", "not_a_state_dict", "text", "random_bytes", "pickled_object", "missing"])
 def test_a_file_that_is_not_a_resnet50_state_dict_is_a_clear_error(tmp_path, case):
     path = tmp_path / f"{case}.pth"
     if case == "resnet18":
@@ -81,11 +85,16 @@ def test_a_file_that_is_not_a_resnet50_state_dict_is_a_clear_error(tmp_path, cas
         torch.save({"weights": [1, 2, 3]}, path)
     elif case == "text":
         path.write_text("hello")
+    elif case == "random_bytes":
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    elif case == "pickled_object":
+        torch.save({"conv1.weight": Pickled()}, path)
     with pytest.raises(SpmlError, match=str(path)) as error:
         backbone.build_trunk(str(path))
-    assert "\n" not in str(error.value)
+    assert "\n" not in str(error.value) and "weights_only" not in str(error.value)
     expected = {"resnet18": "not a ResNet-50 state dict", "not_a_state_dict": "not a state dict",
-                "text": "not a loadable", "missing": "no such file"}[case]  # fmt: skip
+                "text": "not a loadable", "random_bytes": "not a loadable", "pickled_object": "Python objects besides",
+                "missing": "no such file"}[case]  # fmt: skip
     assert expected in str(error.value)
 
 
@@ -146,3 +155,21 @@ def test_preprocess_is_the_papers_resize_and_normalisation(tmp_path):
         difference = np.abs(batch[k].numpy() - expected)
         assert difference.max() <= 1.01 / 255 / STD.min()  # at most one uint8 level apart from PIL
         assert difference.mean() < 0.1 / 255 / STD.min()
+
+
+def test_weights_that_cannot_be_downloaded_are_one_short_line(tmp_path, monkeypatch):
+    """Without SPML_OFFLINE the weights are fetched when missing; offline, urllib's error becomes its reason."""
+    import socket
+    import urllib.error
+
+    def unreachable(*args, **kwargs):
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.delenv("SPML_OFFLINE", raising=False)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", unreachable)
+    with pytest.raises(SpmlError) as error:
+        backbone.build_trunk("IMAGENET1K_V1")
+    message = str(error.value)
+    assert "could not be downloaded ([Errno -2] Name or service not known)" in message
+    assert "urlopen" not in message and "\n" not in message and "--weights PATH" in message

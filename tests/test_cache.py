@@ -164,3 +164,16 @@ def test_finalise_refuses_rows_not_yet_done(tmp_path):
         partial.finalise({})
     partial.close()
     assert not (tmp_path / "voc.h5").exists()
+
+
+@pytest.mark.parametrize("damage", ["no classes", "classes not a list", "too few classes"])
+def test_a_cache_without_its_classes_is_refused_in_one_line(tmp_path, damage):
+    path = cache.write(tmp_path / "c.h5", attrs=attrs(), **splits())
+    with h5py.File(path, "r+") as file:
+        if damage == "no classes":
+            del file.attrs["classes"]
+        else:
+            file.attrs["classes"] = "voc" if damage == "classes not a list" else json.dumps(CLASSES[:2])
+    with pytest.raises(SpmlError, match=str(path)) as error:
+        cache.load(path)
+    assert "\n" not in str(error.value) and "classes" in str(error.value)

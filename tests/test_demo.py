@@ -20,12 +20,21 @@ def test_demo_end_to_end(tmp_path):
     assert "no ImageNet ResNet-50 weights" in done.stdout  # TORCH_HOME is empty: random trunk, said out loud
     assert (out / "data" / "VOCdevkit" / "VOC2012" / "JPEGImages").is_dir()
     assert (out / "cache" / "voc-resnet50-32.h5").is_file()
-    (run_dir,) = (out / "runs" / "voc").iterdir()
+    (run_dir,) = (out / "runs" / "voc").glob("linear-*")
     results = json.loads((run_dir / "results.json").read_text())
     assert list(results["losses"]) == losses.names()
     assert json.loads((run_dir / "config.json").read_text())["cache_attrs"]["weights"] == "none"
+    # stage three too, from the best single-positive head (never an oracle's)
+    (tuned,) = (out / "runs" / "voc").glob("finetune-*")
+    tuned_results = json.loads((tuned / "results.json").read_text())
+    (loss,) = tuned_results["losses"]
+    fair = {name: entry["val_map"] for name, entry in results["losses"].items() if not losses.get(name).oracle}
+    assert loss == max(fair, key=fair.get) and tuned_results["init"]["run"] == str(run_dir.relative_to(tmp_path))
     assert sorted(p.suffix for p in (out / "plots").iterdir()) and all(p.suffix == ".png" for p in (out / "plots").iterdir())
     assert "test mAP" in done.stdout and str(Path("out") / "plots") in done.stdout
+    # each loss's result once in the final table (not also in a summary table), and warnings as one line each
+    assert done.stdout.count("linear heads: best config per loss") == 0
+    assert "RandomWeightsWarning" not in done.stderr and "build_trunk" not in done.stderr
 
 
 def test_demo_never_replaces_a_real_dataset(tmp_path):

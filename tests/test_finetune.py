@@ -30,7 +30,7 @@ from spml_cache.demo import data as demo_data
 from spml_cache.finetune import checkpoints
 from spml_cache.finetune import images as data
 from spml_cache.finetune import parallel
-from spml_cache.errors import SpmlError
+from spml_cache.errors import Interrupted, SpmlError
 
 RESOLUTION = 32
 RUN_ARGS = ["--lr", "1e-4", "--batch-size", "4", "--epochs", "2", "--workers", "0", "--device", "cpu"]
@@ -201,10 +201,11 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(world, cli_run, monkey
 
     monkeypatch.setattr(runs, "append_metrics", killed_after_first_epoch)
     out = world.base / "resumed"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted) as stopped:
         finetune.finetune(init="best", from_run=world.linear, loss="role", **common(world, out=out))
     monkeypatch.setattr(runs, "append_metrics", appended)
     (run_dir,) = (out / "voc").iterdir()
+    assert stopped.value.command == f"spml-cache finetune --resume {run_dir}" and "checkpoints" in stopped.value.kept
     assert not (run_dir / "results.json").exists() and list(run_dir.glob("checkpoints/*.pt"))
     with pytest.raises(SpmlError, match=r"another configuration \(epochs 3 vs 2"):
         finetune.finetune(resume=run_dir, epochs=3, root=world.root, workers=0, device="cpu")

@@ -251,3 +251,16 @@ def test_ap_rejects_mismatched_shapes():
         protocol.average_precision(torch.zeros(2, 10, 3), torch.zeros(10, 4))
     with pytest.raises(SpmlError, match=r"\[N, C\]"):
         protocol.mean_average_precision(torch.zeros(2, 10, 3), torch.zeros(10, 3))
+
+
+def test_a_heads_ap_does_not_depend_on_the_heads_scored_with_it():
+    """Bit for bit: a linear run's results must not depend on its process layout (in-process, worker processes,
+    resumed), which scores different sets of heads together."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.rand(7, 300, 11, generator=generator)
+    labels = (torch.rand(300, 11, generator=generator) < 0.3).to(torch.uint8)
+    together = protocol.average_precision(scores, labels)
+    for k in range(7):
+        assert torch.equal(protocol.average_precision(scores[k : k + 1], labels)[0], together[k])
+    assert torch.equal(torch.cat([protocol.average_precision(scores[:3], labels),
+                                  protocol.average_precision(scores[3:], labels)]), together)

@@ -302,8 +302,19 @@ def test_missing_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch):
 
 
 def test_cli_report_from_a_subprocess(runs):
-    done = run_cli("report", "--paper", "--format", "json", "--output", "t.json", cwd=runs.parent)
+    done = run_cli("report", "--paper", "--format", "json", "--out", "t.json", cwd=runs.parent)
     assert done.returncode == 0, done.stderr
     cell = {r["loss"]: r for r in json.loads((runs.parent / "t.json").read_text())["rows"]}["an"]["cells"]["VOC linear"]
     assert (cell["mean"], cell["paper"]) == (85.0, 84.2)
     assert "wrote t.json" in done.stdout and "Cole et al. 2021: E. Cole" in done.stdout  # the notes on the terminal
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plots"])
+def test_a_place_that_cannot_be_written_is_one_line(runs, flag):
+    blocker = runs.parent / "a-file"
+    blocker.write_text("not a folder")
+    target = blocker / ("table.csv" if flag == "--out" else "figures")
+    done = run_cli("report", flag, str(target), cwd=runs.parent)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {flag} {target}: cannot write") and "pick a writable place" in line

@@ -26,7 +26,7 @@ def test_every_stage_of_one_dataset_in_order():
         "spml-cache finetune --init best --dataset nus --loss an_ls --seeds 2 --skip-missing",
         "spml-cache finetune --init best --dataset nus --loss role --seeds 2 --skip-missing",
         "spml-cache report --paper",
-        "spml-cache report --paper --format md --output table1.md --plots figures",
+        "spml-cache report --paper --format md --out table1.md --plots figures",
     ]
 
 

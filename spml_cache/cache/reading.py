@@ -14,6 +14,8 @@ from spml_cache.cache.schema import (
 )
 from spml_cache.errors import SpmlError
 
+REQUIRED_ATTRS = ("dataset", "classes", "num_classes")
+
 def _open(path: Path) -> h5py.File:
     if not path.exists():
         hint = (
@@ -47,6 +49,16 @@ def read_header(path: Path | str) -> tuple[dict, dict[str, SplitRows]]:
     return attrs, splits
 
 
+def class_names(attrs) -> list[str] | None:
+    """The `classes` attribute (a JSON list; older files may hold a string array), or None if it is neither."""
+    value = plain(attrs["classes"])
+    try:
+        value = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return None
+    return [str(name) for name in value] if isinstance(value, list) else None
+
+
 def _validate(path: Path, file: h5py.File) -> None:
     version = plain(file.attrs.get("schema_version"))
     if version != SCHEMA_VERSION:
@@ -55,7 +67,14 @@ def _validate(path: Path, file: h5py.File) -> None:
         )
     if not plain(file.attrs.get("complete", False)):
         raise SpmlError(f"{path} is incomplete (complete=false): re-run spml-cache extract to finish it")
+    missing = [key for key in REQUIRED_ATTRS if key not in file.attrs]
+    if missing:
+        raise SpmlError(f"{path} lacks the attribute(s) {', '.join(missing)} every cache has: it was not written by"
+                        " spml-cache (or is damaged); re-extract it, or import the features with import-features")
     num_classes = plain(file.attrs.get("num_classes"))
+    classes = class_names(file.attrs)
+    if classes is None or len(classes) != num_classes:
+        raise SpmlError(f"{path}: the classes attribute is not a JSON list of {num_classes} names; re-extract it")
     for name in SPLITS:
         needed = ("features", "labels", "ids", "done") + (("observed",) if name in OBSERVED_SPLITS else ())
         for array in needed:
@@ -90,5 +109,5 @@ def load(path: Path | str) -> FeatureSet:
                 ids=list(group["ids"].asstr()[...]),
                 observed=group["observed"][...].astype(np.int8, copy=False) if "observed" in group else None,
             )
-    classes = json.loads(attrs["classes"]) if isinstance(attrs.get("classes"), str) else list(attrs["classes"])
+    classes = class_names(attrs)
     return FeatureSet(splits["train"], splits["val"], splits["test"], classes, attrs, str(attrs["dataset"]), path)

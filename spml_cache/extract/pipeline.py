@@ -40,7 +40,7 @@ from spml_cache.backbone import (
 )
 from spml_cache.extract.plan import estimated_size, plan_rows, refuse_other_settings, settings_attrs
 from spml_cache.devices import default_workers, resolve_device
-from spml_cache.errors import SpmlError
+from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.progress import progress_bar
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -319,11 +319,15 @@ def extract(
         report.resumed = partial.num_done()
         paths = {name: [images.path(image_id) for image_id in rows[name].ids] for name in cache.SPLITS}
         computing = time.perf_counter()
-        report.extracted = run_batches(
-            partial, paths, trunk, resolution=resolution, batch_size=batch_size, device=torch_device,
-            workers=default_workers(torch_device) if workers is None else workers, precision=precision,
-            skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}",
-        )  # fmt: skip
+        try:
+            report.extracted = run_batches(
+                partial, paths, trunk, resolution=resolution, batch_size=batch_size, device=torch_device,
+                workers=default_workers(torch_device) if workers is None else workers, precision=precision,
+                skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}",
+            )  # fmt: skip
+        except KeyboardInterrupt:
+            total = sum(counts.values())
+            raise Interrupted(f"{partial.num_done()} of {total} images are kept in {partial_file}") from None
         report.seconds = time.perf_counter() - computing
         final, report.skipped = partial.finalise(run_attrs(torch_device))
     finally:

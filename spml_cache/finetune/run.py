@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from spml_cache import backbone, losses, metrics, runs
 from spml_cache.devices import default_workers
-from spml_cache.errors import SpmlError
+from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.finetune import checkpoints, parallel
 from spml_cache.finetune import images as data
 from spml_cache.finetune.settings import FineTuneModel, Setup, resolve
@@ -70,6 +71,11 @@ def finetune(
         run_dir = Path(resume) if resume is not None else checkpoints.create_run_dir(Path(out), setup)
         try:
             return _run_grid(setup, run_dir, resumed=resume is not None, say=say)
+        except KeyboardInterrupt:
+            if not processes.main:
+                raise SystemExit(130) from None  # rank 0 says what was kept
+            raise Interrupted(f"every finished epoch is kept in {run_dir / 'checkpoints'}",
+                              f"spml-cache finetune --resume {shlex.quote(str(run_dir))}") from None
         except torch.cuda.OutOfMemoryError:
             if resume is None and processes.main and not any(run_dir.glob("checkpoints/*.pt")):
                 shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable in it yet

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -80,8 +81,19 @@ def train_jobs(jobs, used, settings, data, features, workers, starts):
             for future in done:
                 records, lines, seconds = future.result()
                 yield pending.pop(future), None, lines, (records, seconds)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:  # Ctrl-C, an error, or the caller stopping early: the running jobs are not waited for
+        _stop_workers(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+    if hasattr(pool, "terminate_workers"):  # Python 3.14
+        pool.terminate_workers()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 _worker: dict = {}  # in a worker process: the training data and the progress queue
@@ -89,6 +101,7 @@ _worker: dict = {}  # in a worker process: the training data and the progress qu
 
 def _start_worker(source, device: str, val_labels: str, progress) -> None:
     """The training data: inherited (fork), or read from the cache file (spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool
     if not isinstance(source, LinearData):
         source = LinearData.from_features(cache_file.load(source), torch.device(device), val_labels)

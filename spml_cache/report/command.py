@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -26,7 +27,7 @@ def report_command(
     if output is not None and fmt is None:
         fmt = {".csv": "csv", ".md": "md", ".json": "json"}.get(output.suffix.lower())
         if fmt is None:
-            raise SpmlError(f"--output {output}: cannot tell the format from the suffix; add --format csv|md|json")
+            raise SpmlError(f"--out {output}: cannot tell the format from the suffix; add --format csv|md|json")
     render = formatter(fmt) if fmt is not None else None
     if compare is not None and plots_dir is None:
         raise SpmlError("--compare chooses the losses of the per-class figure: add --plots DIR")
@@ -40,10 +41,23 @@ def report_command(
     elif output is None:
         console.out(render(table), highlight=False, end="")
     else:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        replace_atomically(output, lambda partial: partial.write_text(render(table), encoding="utf-8"))
+        with _writing("--out", output):
+            output.parent.mkdir(parents=True, exist_ok=True)
+            replace_atomically(output, lambda partial: partial.write_text(render(table), encoding="utf-8"))
         console.print(f"wrote {output} ({len(table.rows)} losses x {len(table.columns)} columns)")
         print_notes(table, console)
     if plots_dir is not None:
-        for path in plot_runs(runs, plots_dir, compare=pair, console=console):
+        with _writing("--plots", plots_dir):
+            written = plot_runs(runs, plots_dir, compare=pair, console=console)
+        for path in written:
             console.print(f"wrote {path}")
+
+
+@contextmanager
+def _writing(flag: str, path: Path):
+    """A file system refusal (read-only folder, a file where a folder should be, a full disk) as one line."""
+    try:
+        yield
+    except OSError as err:
+        where = Path(err.filename) if err.filename else path
+        raise SpmlError(f"{flag} {path}: cannot write {where} ({err.strerror or err}); pick a writable place") from None

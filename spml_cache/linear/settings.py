@@ -1,0 +1,128 @@
+"""Stage two's settings: the grid and the losses asked for, checked before anything is written; the
+hyperparameters each loss trains with; the heads a run starts from (`--from`); and, for `--resume`, the settings
+an interrupted run was started with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from spml_cache import losses as loss_registry
+from spml_cache.cache import FeatureSet, cache_id
+from spml_cache.errors import SpmlError
+from spml_cache.protocol import check_grid
+from spml_cache import runs
+from spml_cache.runs import load_results, read_linear_head
+
+
+@dataclass(frozen=True)
+class LinearSettings:
+    """The checked grid of one `linear` run."""
+
+    losses: list[str]
+    lrs: list[float]
+    batch_sizes: list[int]
+    epochs: int
+    seeds: list[int]
+    overrides: dict  # per loss: the hyperparameters given (`hparams` in config.json holds the resolved values)
+    val_labels: str
+
+    @classmethod
+    def check(cls, losses_: str | Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int], epochs: int,
+              seeds: int, hparams: dict[str, float], val_labels: str) -> "LinearSettings":
+        """`losses_`: "all", or loss names; `hparams`: `{key: value}` or `{"loss.key": value}`."""
+        names = resolve_losses(losses_)
+        lrs, batch_sizes = check_grid(lrs, batch_sizes)
+        if epochs < 1:
+            raise SpmlError(f"--epochs {epochs}: must be at least 1")
+        if seeds < 1:
+            raise SpmlError(f"--seeds {seeds}: must be at least 1 (seeds 0..N-1 are run)")
+        if val_labels not in ("clean", "observed"):
+            raise SpmlError(f"--val-labels {val_labels!r}: use clean (full val labels) or observed")
+        return cls(names, lrs, batch_sizes, epochs, list(range(seeds)), loss_registry.overrides_for(names, dict(hparams)),
+                   val_labels)
+
+
+def resolve_losses(names: str | Sequence[str]) -> list[str]:
+    """"all", or loss names, each checked against the registry."""
+    if isinstance(names, str):
+        names = [names]
+    names = [name for name in names if name]
+    if names == ["all"]:
+        return loss_registry.names()
+    if not names:
+        raise SpmlError(f"--loss is empty: give a loss name, a comma list, or all ({', '.join(loss_registry.names())})")
+    for name in names:
+        loss_registry.get(name)  # raises with the valid names
+    return list(dict.fromkeys(names))
+
+
+def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, dict]:
+    """Per loss, the hyperparameters it trains with (checked by building it once)."""
+    return {
+        name: loss_registry.resolve_hparams(
+            name, settings.overrides[name], num_classes=len(features.classes), dataset=features.dataset,
+            train_observed=torch.from_numpy(features.train.observed),
+            expected_positives=features.attrs.get("expected_positives"),
+        )
+        for name in settings.losses
+    }
+
+
+def start_heads(from_run: Path | str | None, names: list[str], features: FeatureSet) -> dict[str, dict]:
+    """`--from RUN`: per loss, the head its heads start from: RUN's selected head of the same loss, else RUN's
+    best single-positive head (highest val mAP; never an oracle's, which saw the full labels). The loss's own
+    state (ROLE's theta) comes along when it is the same loss on the same cache.
+    `{loss: {"weight", "bias", "loss_state", "from"}}`; empty without `--from`."""
+    if from_run is None:
+        return {}
+    trained = load_results(from_run).get("losses", {})
+    fair = [name for name in trained if trained[name].get("val_map") is not None
+            and name in loss_registry.names() and not loss_registry.get(name).oracle]
+    fallback = max(fair, key=lambda name: trained[name]["val_map"], default=None)
+    sources = {name: name if name in trained else fallback for name in names}
+    if None in sources.values():
+        missing = [name for name, source in sources.items() if source is None]
+        raise SpmlError(f"--from {from_run} has no head for {', '.join(missing)} and no single-positive head to"
+                        " start from: pass a run that trained those losses")
+    read = {source: read_linear_head(Path(from_run), source) for source in dict.fromkeys(sources.values())}
+    num_classes, dim = len(features.classes), features.train.features.shape[1]
+    same_cache = cache_id(features.attrs)
+    starts = {}
+    for name in names:
+        head = read[sources[name]]
+        if tuple(head.weight.shape) != (num_classes, dim) or (head.classes and list(head.classes) != features.classes):
+            theirs = head.classes or [f"{head.weight.shape[0]} classes"]
+            raise SpmlError(
+                f"--from {from_run}: its heads predict {len(theirs)} classes ({', '.join(map(str, theirs[:3]))}, ...)"
+                f" from {head.weight.shape[1]}-d features, but {features.path} has {num_classes} classes"
+                f" ({', '.join(features.classes[:3])}, ...) of {dim}-d features: train on the cache that run used,"
+                " or leave out --from"
+            )
+        keep_state = head.loss == name and head.cache_id == same_cache
+        starts[name] = {"weight": head.weight, "bias": head.bias, "loss_state": head.loss_state if keep_state else {},
+                        "from": {"run": str(head.run), "loss": head.loss, **head.settings}}
+    return starts
+
+
+def stored_settings(run_dir: Path) -> tuple[dict, LinearSettings, Path | None]:
+    """`--resume RUN`: the config of an interrupted linear run, its settings, and the run its heads started from."""
+    config_path = Path(run_dir) / "config.json"
+    if not config_path.exists():
+        raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
+    config = runs.read_json(config_path)
+    if config.get("stage") != "linear":
+        raise SpmlError(f"--resume {run_dir}: a {config.get('stage')} run; resume it with spml-cache {config.get('stage')}")
+    if runs.is_complete(run_dir):
+        raise SpmlError(f"--resume {run_dir}: that run is already complete ({runs.RESULTS})")
+    overrides = {f"{name}.{key}": value for name, values in config["hparams"].items() for key, value in values.items()
+                 if value is not None}
+    settings = LinearSettings.check(config["losses"], config["lrs"], config["batch_sizes"], config["epochs"],
+                                    len(config["seeds"]), overrides, config["val_labels"])
+    starts = config.get("from") or {}
+    from_run = next((Path(start["run"]) for start in starts.values() if start), None)
+    return config, settings, from_run

@@ -1,0 +1,110 @@
+"""An interrupted `linear` keeps every finished (loss, seed, batch size) and `--resume RUN` gives the uninterrupted
+run's results; Ctrl-C says in one line what was kept and the command that goes on."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+from cli_support import REPO, run_cli
+from linear_support import write_synthetic_cache
+from spml_cache.errors import Interrupted, SpmlError
+from spml_cache.linear import run, run_linear
+
+GRID = dict(losses=["an", "role"], lrs=[1e-2, 1e-3], batch_sizes=[4, 8], epochs=2, seeds=2)
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO())
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    return write_synthetic_cache(tmp_path_factory.mktemp("cache") / "voc-resnet50-448.h5", train=40, val=16, test=20)
+
+
+def without_seconds(results: dict) -> dict:
+    return {name: {k: v for k, v in entry.items() if k != "seconds"} for name, entry in results["losses"].items()}
+
+
+def sorted_metrics(run_dir):
+    return sorted((run_dir / "metrics.jsonl").read_text().splitlines())
+
+
+def test_resume_gives_the_uninterrupted_run(tmp_path, tiny_cache, monkeypatch):
+    whole = run_linear(cache=tiny_cache, out=tmp_path / "whole", console=quiet(), **GRID)
+    kept = run.keep_job
+    calls = []
+
+    def stopped_after_three(*args):
+        kept(*args)
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "keep_job", stopped_after_three)
+    with pytest.raises(Interrupted) as stopped:
+        run_linear(cache=tiny_cache, out=tmp_path / "cut", console=quiet(), **GRID)
+    monkeypatch.setattr(run, "keep_job", kept)
+    (run_dir,) = (tmp_path / "cut" / "voc").iterdir()
+    assert stopped.value.kept == f"3 of 8 (loss, seed, batch size) parts are kept in {run_dir}"
+    assert stopped.value.command == f"spml-cache linear --resume {run_dir}"
+    assert not (run_dir / "results.json").exists() and len(list((run_dir / "jobs").glob("*.pt"))) == 3
+
+    # Another process layout on resume (two worker processes): the parts are independent, so nothing changes.
+    resumed = run_linear(resume=run_dir, workers=2, console=quiet(), losses="ignored on resume", lrs=[])
+    assert resumed.run_dir == run_dir and not (run_dir / "jobs").exists()
+    assert without_seconds(resumed.results) == without_seconds(whole.results)
+    first, second = (torch.load(r.run_dir / "best.pt", weights_only=True) for r in (whole, resumed))
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert sorted_metrics(run_dir) == sorted_metrics(whole.run_dir)
+    with pytest.raises(SpmlError, match="already complete"):
+        run_linear(resume=run_dir, console=quiet())
+
+
+def test_resume_refuses_what_is_not_an_interrupted_linear_run(tmp_path):
+    with pytest.raises(SpmlError, match="not a run directory"):
+        run_linear(resume=tmp_path, console=quiet())
+    (tmp_path / "config.json").write_text(json.dumps({"stage": "finetune"}))
+    with pytest.raises(SpmlError, match="resume it with spml-cache finetune"):
+        run_linear(resume=tmp_path, console=quiet())
+
+
+def test_ctrl_c_on_the_command_line_says_what_was_kept_and_goes_on(tmp_path):
+    """SIGINT to the whole process group, as a terminal sends it: the worker processes stay quiet, the command
+    exits 130 with one line, and the command it names finishes the run."""
+    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=1500, val=20, test=20)
+    args = ["--cache", str(cache_path), "--loss", "an,role", "--seeds", "3", "--lr", "1e-2", "--batch-size", "4,8",
+            "--epochs", "3", "--workers", "2"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="400")
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", *args], cwd=tmp_path, env=env,
+                                   stdout=out, stderr=err, start_new_session=True)
+        try:
+            while not list(tmp_path.glob("runs/voc/*/jobs/*.pt")):  # the first of 12 parts, each seconds long
+                assert process.poll() is None, (tmp_path / "err.txt").read_text()
+                time.sleep(0.02)
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    stderr = (tmp_path / "err.txt").read_text()
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert process.returncode == 130, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr and lines[-1].startswith("interrupted: ")
+    assert lines[-1].endswith(f"parts are kept in runs/voc/{run_dir.name}; go on with: spml-cache linear --resume "
+                              f"runs/voc/{run_dir.name}")
+    assert not (run_dir / "results.json").exists()
+    done = run_cli("linear", "--resume", f"runs/voc/{run_dir.name}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads((run_dir / "results.json").read_text())["losses"]) == {"an", "role"}
