@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_support import run_cli
+from matplotlib.colors import to_hex
 from rich.console import Console
 from sklearn.metrics import average_precision_score
 
-from spml_cache import report
-from spml_cache.report import plots
+from spml_cache import losses, report
+from spml_cache.report import collect, plots, val_curves
 from spml_cache.errors import SpmlError
 
 CLASSES = ["cat", "dog", "car", "bus", "sky"]
@@ -229,6 +230,90 @@ def test_compare_pair_default_and_unknown_loss(runs, tmp_path):
     with pytest.raises(SpmlError, match="two different loss names"):
         report.write_plots([runs], tmp_path / "b", compare="an")
     assert not (tmp_path / "b").exists()
+
+
+def drawn_figures(root, label="VOC linear", pair=None):
+    """The four figures of one column, drawn as plot_runs draws them, as Figure objects to inspect."""
+    Figure = plots.require_matplotlib()
+    by_loss = {loss: run for (column, loss), run in report.select_newest(report.collect_runs([root]))[1].items()
+               if column == label}
+    by_loss = {name: by_loss[name] for name in collect.in_spec_order(by_loss)}
+    oracles = collect.oracle_losses()
+    summaries = {loss: plots._train_summary(run, loss) for loss, run in by_loss.items()}
+    return {
+        "val_curves": val_curves.draw(Figure, label, by_loss, oracles),
+        "per_class_ap": plots._per_class_ap(Figure, label, by_loss, plots._pair_for(by_loss, pair, oracles)),
+        "train_histograms": plots._train_histograms(Figure, label, summaries),
+        "label_recovery": plots._label_recovery(Figure, label, by_loss, summaries),
+    }
+
+
+def assert_labelled(axes):
+    assert axes.get_xlabel() and axes.get_ylabel() and axes.get_title(), axes
+    legend = axes.get_legend()
+    assert legend is not None and all(text.get_text() for text in legend.get_texts()), axes.get_title()
+    return [text.get_text() for text in legend.get_texts()]
+
+
+def test_many_losses_val_curves_one_panel_per_family(tmp_path):
+    names = losses.names()[:20]  # bce ... ll_r: oracles, assume negative (8), estimating, acknowledge, robust, ll_r
+    make_run(tmp_path, "voc", "linear", {name: [60.0 + i] for i, name in enumerate(names)}, stamp="20240101-000000")
+    figure = drawn_figures(tmp_path)["val_curves"]
+    panels = figure.get_axes()
+    families = list(dict.fromkeys(collect.loss_family(name) for name in names))
+    assert families == ["oracles", "assume_negative", "estimating", "acknowledge", "robust", "large_loss"]
+    assert len(panels) == 1 + len(families)
+    # the first panel: the best 4 single-positive losses by test mAP (ll_r 79 > splc 78 > hill 77 > asl 76),
+    # best first, and the best oracle (iun 62 > bce_ls 61 > bce 60)
+    legend = assert_labelled(panels[0])
+    assert [text.split(":")[0] for text in legend] == ["#1 ll_r", "#2 splc", "#3 hill", "#4 asl", "iun"]
+    shown, panel_families = [], []
+    for axes in panels:
+        legend = assert_labelled(axes)
+        lines = axes.get_lines()
+        assert len(legend) == len(lines) <= val_curves.MAX_LINES
+        assert len({to_hex(line.get_color()) for line in lines}) == len(lines), axes.get_title()  # distinct colours
+        assert axes.get_ylim() == panels[0].get_ylim() and axes.get_xlim() == panels[0].get_xlim()
+        if axes is not panels[0]:
+            in_panel = [text.split(":")[0].split()[-1] for text in legend]
+            panel_families.append({collect.loss_family(name) for name in in_panel})
+            shown += in_panel
+    assert shown == names  # every loss once, in spec order,
+    assert panel_families == [{family} for family in families]  # in its family's panel
+    # a best loss keeps its colour and is drawn bold in its family panel too
+    by_label = {line.get_label(): line for axes in panels for line in axes.get_lines()}
+    best = [line for label, line in by_label.items() if label.startswith("#1 ")]
+    assert len({to_hex(line.get_color()) for line in panels[0].get_lines()[:1] + best}) == 1
+    thin = [line.get_linewidth() for label, line in by_label.items() if "#" not in label]
+    assert min(line.get_linewidth() for line in best) > max(thin)
+
+
+def test_val_curves_split_a_family_beyond_ten_lines():
+    curves = {f"new{i}": ([1], [50.0], {}) for i in range(12)} | {"bce": ([1], [50.0], {})}
+    panels, best = val_curves.panels_for(curves, {name: float(i) for i, name in enumerate(curves)}, {"bce"})
+    assert best == ["new11", "new10", "new9", "new8"]
+    assert [(title, len(names)) for title, names in panels] == [
+        ("best 4 single-positive losses and best oracle", 5), ("other (12 losses, part 1/2)", 10),
+        ("other (12 losses, part 2/2)", 2), ("oracles (1 loss)", 1)]
+    few = {name: curves[name] for name in ["new0", "new1", "bce"]}
+    assert val_curves.panels_for(few, {"new0": 1.0, "new1": 2.0, "bce": 3.0}, {"bce"}) == (
+        [("all losses", ["new0", "new1", "bce"])], ["new1", "new0"])
+
+
+def test_every_panel_of_the_other_figures_has_labels_and_legend(runs):
+    figures = drawn_figures(runs)
+    histograms = figures["train_histograms"].get_axes()
+    assert len(histograms) == 3
+    for axes in histograms:
+        legend = assert_labelled(axes)
+        assert (axes.get_xlabel(), axes.get_ylabel()) == ("predicted probability", "density (log)")
+        assert [text.split(",")[0] for text in legend] == ["true negatives", "true positives"]
+        assert axes.get_ylim() == histograms[0].get_ylim()
+    top, bottom = figures["per_class_ap"].get_axes()
+    assert [text.split(" (")[0] for text in assert_labelled(top)] == ["an", "role"]
+    assert assert_labelled(bottom) == ["role better", "an better"]
+    (recovery,) = figures["label_recovery"].get_axes()
+    assert assert_labelled(recovery) == ["train mAP vs full labels", "test mAP"]
 
 
 def test_train_summary_computed_from_scores_when_results_lack_train_map(tmp_path):

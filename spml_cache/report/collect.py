@@ -104,6 +104,12 @@ def oracle_losses() -> set[str]:
     return {name for name in losses.names() if losses.get(name).oracle}
 
 
+def loss_family(name: str) -> str:
+    """The family of loss `name`: the module of spml_cache/losses/ that registers it ("oracles", "robust", ...);
+    "other" for a name this version's registry does not know."""
+    return losses.get(name).__module__.rpartition(".")[2] if name in losses.names() else "other"
+
+
 def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool) -> str:
     label = f"{DATASET_LABELS.get(dataset, dataset)} {STAGE_LABELS.get(stage, stage)}"
     return f"{label} (cache {cache_id[:8]})" if several_caches else label

@@ -1,6 +1,7 @@
 """The figures of `spml-cache report --plots`: four PNGs per dataset x stage x cache column of the table.
 
-1. `*-val_curves.png`: validation mAP per epoch of each loss's selected config (metrics.jsonl, mean over seeds);
+1. `*-val_curves.png`: validation mAP per epoch of each loss's selected config (metrics.jsonl, mean over seeds),
+   one panel per loss family after one of the best losses (report/val_curves.py);
 2. `*-per_class_ap.png`: test AP per class of two losses side by side, and their sorted difference (Zhou et al.
    Fig. 4c);
 3. `*-train_histograms.png`: predicted probabilities on the training set for unobserved true positives versus
@@ -24,8 +25,9 @@ from rich.text import Text
 
 from spml_cache.errors import SpmlError
 from spml_cache.metrics import mean_average_precision
+from spml_cache.report import val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
-from spml_cache.runs import read_metrics, replace_atomically
+from spml_cache.runs import replace_atomically
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
 WHY_SKIPPED = {
@@ -81,7 +83,7 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
         stem = re.sub(r"[^A-Za-z0-9]+", "_", column.label).strip("_").lower()
         summaries = {loss: _train_summary(run, loss) for loss, run in by_loss.items()}
         drawn = {
-            "val_curves": _val_curves(Figure, column.label, by_loss),
+            "val_curves": val_curves.draw(Figure, column.label, by_loss, oracles),
             "per_class_ap": _per_class_ap(Figure, column.label, by_loss, _pair_for(by_loss, pair, oracles)),
             "train_histograms": _train_histograms(Figure, column.label, summaries),
             "label_recovery": _label_recovery(Figure, column.label, by_loss, summaries),
@@ -108,46 +110,6 @@ def _pair_for(by_loss: dict[str, Run], pair, oracles: set[str]) -> tuple[str, st
     return (ranked[1], ranked[0]) if len(ranked) >= 2 else None
 
 
-def _colours(count: int):
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab20"]
-    return [cmap(i % 20) for i in range(count)]
-
-
-def _val_curves(Figure, title: str, by_loss: dict[str, Run]):
-    metrics_of: dict[Path, list[dict]] = {}
-    curves = {}
-    for loss, run in by_loss.items():
-        selected = run.losses[loss].get("selected", {})
-        lines = metrics_of.setdefault(run.path, read_metrics(run.path))
-        by_epoch: dict[int, list[float]] = {}
-        for line in lines:
-            same = line.get("loss") == loss and all(line.get(k) == selected.get(k) for k in ("lr", "batch_size"))
-            if line.get("val_map") is None:  # the epoch a head diverged
-                continue
-            if same and ("hparams" not in line or line["hparams"] == selected.get("hparams")):
-                by_epoch.setdefault(int(line["epoch"]), []).append(float(line["val_map"]))
-        if by_epoch:
-            epochs = sorted(by_epoch)
-            curves[loss] = (epochs, [float(np.mean(by_epoch[e])) for e in epochs], selected)
-    if not curves:
-        return None
-    figure = Figure(figsize=(10, 5.5))
-    axes = figure.add_subplot()
-    for index, (loss, (epochs, values, selected)) in enumerate(curves.items()):
-        style = "-" if index < 20 else "--"  # tab20 repeats its colours after 20 losses
-        colour = _colours(len(curves))[index]
-        label = f"{loss} (lr {selected.get('lr')}, batch {selected.get('batch_size')})"
-        axes.plot(epochs, values, style, color=colour, marker="." if len(epochs) < 30 else None, label=label)
-    axes.set(xlabel="epoch", ylabel="validation mAP", title=f"{title}: validation mAP per epoch (selected config, mean over seeds)")
-    axes.xaxis.get_major_locator().set_params(integer=True)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
-    figure.tight_layout()
-    return figure
-
-
 def _per_class_ap(Figure, title: str, by_loss: dict[str, Run], pair):
     if pair is None:
         return None
@@ -156,6 +118,8 @@ def _per_class_ap(Figure, title: str, by_loss: dict[str, Run], pair):
     ap_second = np.asarray(by_loss[second].losses[second].get("per_class_ap") or [], dtype=float)
     if ap_first.size == 0 or ap_first.shape != ap_second.shape:
         return None
+    from matplotlib.patches import Patch
+
     classes = by_loss[first].config.get("classes") or [f"class {i}" for i in range(ap_first.size)]
     count = ap_first.size
     figure = Figure(figsize=(max(8, min(0.35 * count, 24)), 8))
@@ -163,12 +127,15 @@ def _per_class_ap(Figure, title: str, by_loss: dict[str, Run], pair):
     positions = np.arange(count)
     top.bar(positions - 0.2, ap_first, width=0.4, label=f"{first} (mean AP {ap_first.mean():.2f})")
     top.bar(positions + 0.2, ap_second, width=0.4, label=f"{second} (mean AP {ap_second.mean():.2f})")
-    top.set(ylabel="test AP", title=f"{title}: per-class test AP, {first} vs {second}")
-    top.legend(fontsize=8)
+    top.set(xlabel="class", ylabel="test AP", title=f"{title}: per-class test AP, {first} vs {second}")
+    top.set_ylim(0, 1.2 * max(ap_first.max(), ap_second.max(), 1e-9))  # room for the legend above the bars
+    top.legend(fontsize=8, loc="upper center", ncol=2)
     order = np.argsort(ap_second - ap_first)[::-1]
     difference = (ap_second - ap_first)[order]
     better = float((difference > 0).mean() * 100)
     bottom.bar(positions, difference, color=np.where(difference > 0, "tab:green", "tab:red"))
+    bottom.legend(handles=[Patch(color="tab:green", label=f"{second} better"),
+                           Patch(color="tab:red", label=f"{first} better")], fontsize=8, loc="upper right")
     if count <= 60:  # beyond that the names are unreadable; the shape of the curve is the message
         top.set_xticks(positions, classes, rotation=90, fontsize=7)
         bottom.set_xticks(positions, [classes[i] for i in order], rotation=90, fontsize=7)
@@ -210,19 +177,28 @@ def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
         return None
     columns = min(4, len(available))
     rows = math.ceil(len(available) / columns)
-    figure = Figure(figsize=(max(7.0, 3.2 * columns), 2.6 * rows + 0.8))
+    figure = Figure(figsize=(max(7.0, 3.4 * columns), 2.9 * rows + 0.8))
+    densities = np.concatenate([s[k][0] for s in available.values() for k in ("positives", "negatives")])
+    positive = densities[densities > 0]
+    # one y range for every panel, so that heights compare, with room at the top for the legend; log: negatives
+    # pile up near 0 and would hide the rest
+    ylim = (positive.min() / 2, positive.max() * 60) if positive.size else (0.01, 600)
     for i, (loss, summary) in enumerate(available.items()):
         axes = figure.add_subplot(rows, columns, i + 1)
         (negatives, mean_neg), (positives, mean_pos) = summary["negatives"], summary["positives"]
-        axes.stairs(negatives, BINS, fill=True, alpha=0.55, color="tab:blue", label="unobserved negatives")
-        axes.stairs(positives, BINS, fill=True, alpha=0.55, color="tab:orange", label="unobserved positives")
-        axes.set_title(f"{loss}: mean p {mean_pos:.2f} (pos) vs {mean_neg:.2f} (neg)", fontsize=9)
-        axes.set_yscale("log")  # negatives pile up near 0; a linear scale would hide the positives
-        axes.set_xlim(0, 1)
-        if i == 0:
-            axes.legend(fontsize=7)
-    figure.suptitle(f"{title}: predicted probability on the training set, unobserved labels (density, log scale)")
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.45 / figure.get_figheight()))  # room for the suptitle
+        for values, mean, colour, name in ((negatives, mean_neg, "tab:blue", "negatives"),
+                                           (positives, mean_pos, "tab:orange", "positives")):
+            axes.stairs(values, BINS, fill=True, alpha=0.55, color=colour, label=f"true {name}, mean {mean:.2f}")
+        axes.set_yscale("log")
+        axes.set(xlim=(0, 1), ylim=ylim, xlabel="predicted probability", ylabel="density (log)")
+        axes.set_title(loss, fontsize=10)
+        axes.xaxis.label.set_fontsize(8)
+        axes.yaxis.label.set_fontsize(8)
+        axes.tick_params(labelsize=7)
+        axes.legend(fontsize=7, loc="upper right", framealpha=0.85)
+    figure.suptitle(f"{title}: predicted probability on the training set for the unobserved labels (true positives vs "
+                    "true negatives)")
+    figure.tight_layout()  # leaves room for the suptitle (matplotlib >= 3.3)
     return figure
 
 
@@ -242,7 +218,7 @@ def _label_recovery(Figure, title: str, by_loss: dict[str, Run], summaries: dict
         axes.text(value, y, f" {value:.1f}", va="center", fontsize=7)
     axes.set_yticks(positions, names)
     axes.invert_yaxis()
-    axes.set(xlabel="mAP", xlim=(0, 1.1 * max(train + test)),
+    axes.set(xlabel="mAP", ylabel="loss", xlim=(0, 1.1 * max(train + test)),
              title=f"{title}: label recovery (training-set mAP against the full labels)")
     # the legend goes in a strip of fixed height under the axes, whatever the number of losses
     strip = 0.35 / figure.get_figheight()
