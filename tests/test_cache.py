@@ -177,3 +177,58 @@ def test_a_cache_without_its_classes_is_refused_in_one_line(tmp_path, damage):
     with pytest.raises(SpmlError, match=str(path)) as error:
         cache.load(path)
     assert "\n" not in str(error.value) and "classes" in str(error.value)
+
+
+def poison(path, split, array, rows, value):
+    with h5py.File(path, "r+") as file:
+        data = file[split][array][...]
+        data[rows, 0] = value
+        file[split][array][...] = data
+
+
+@pytest.mark.parametrize(
+    "split, array, value, message",
+    [("train", "features", np.nan, r"/train/features is not finite \(NaN or inf\) in 2 rows \(ids train/ü1.jpg,"
+      r" train/ü3.jpg\): re-extract it in full precision \(spml-cache extract voc --precision fp32 --force\)"),
+     ("test", "features", np.inf, r"/test/features is not finite \(NaN or inf\) in 2 rows \(ids test/ü1.jpg, test/"),
+     ("val", "labels", 2, r"/val/labels has values outside \{0, 1\} in 2 rows \(ids val/ü0.jpg, val/ü1.jpg\): fix the"
+      r" labels at their source"),
+     ("train", "observed", -3, r"/train/observed has values outside \{-1, 0, 1\} in 2 rows")],
+)  # fmt: skip
+def test_load_refuses_non_finite_features_and_labels_out_of_range_naming_rows(tmp_path, split, array, value, message):
+    path = cache.write(tmp_path / "voc.h5", attrs=attrs(), **splits())
+    rows = [1, 3] if split == "train" else [0, 1] if split == "val" else [1, 2]
+    poison(path, split, array, rows, value)
+    with pytest.raises(SpmlError, match=message) as error:
+        cache.load(path)
+    assert str(error.value).startswith(f"{path}: ") and "\n" not in str(error.value)
+
+
+def test_load_names_only_the_first_ids_of_many_bad_rows(tmp_path):
+    path = cache.write(tmp_path / "voc.h5", attrs=attrs(), **splits(rows=(20_000, 2, 3)))
+    poison(path, "train", "features", [4, 9_000, 16_500, 19_999], np.nan)  # across the check's blocks
+    with pytest.raises(SpmlError, match=r"4 rows \(ids train/ü4.jpg, train/ü9000.jpg, train/ü16500.jpg, \.\.\.\)"):
+        cache.load(path)
+
+
+@pytest.mark.parametrize("val_bad", [False, True], ids=["sealed in place", "compacted"])
+def test_partial_cache_counts_rows_recomputed_in_fp32_across_a_resume(tmp_path, val_bad):
+    data = splits(rows=(4, 2, 3), dim=4)
+    rows = {name: cache.SplitRows(d["ids"], d["labels"], d.get("observed")) for name, d in data.items()}
+    final = tmp_path / "voc.h5"
+    partial = cache.PartialCache.create(final, attrs(), rows, feature_dim=4)
+    flags = np.array([True, False, True, False])
+    partial.write_rows("train", np.arange(4), data["train"]["features"], np.zeros(4, dtype=bool), flags)
+    partial.close()
+    with h5py.File(cache.partial_path(final), "r+") as file:  # as a partial file from before the fp32 fallback
+        del file["test"]["recomputed"]
+    partial = cache.PartialCache.open(final)
+    partial.write_rows("val", np.arange(2), data["val"]["features"], np.array([False, val_bad]), np.ones(2, bool))
+    partial.write_rows("test", np.arange(3), data["test"]["features"], np.zeros(3, dtype=bool))
+    expected = {"train": 2, "val": 1 if val_bad else 2}  # a recomputed row left out is not counted
+    assert partial.recomputed() == {**expected, "test": 0}
+    path, _ = partial.finalise({})
+    loaded = cache.load(path)
+    assert json.loads(loaded.attrs["recomputed_fp32"]) == expected
+    with h5py.File(path, "r") as file:
+        assert all("recomputed" not in file[name] and "bad" not in file[name] for name in cache.SPLITS)

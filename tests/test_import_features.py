@@ -73,6 +73,9 @@ def test_cli_imports_the_authors_layout(tmp_path):
     ("short", "the train files disagree"),
     ("observed", "observed labels do not fit"),
     ("values", "expected only 0, 1"),
+    ("nan", r"val_features_imagenet_resnet50.npy: not finite \(NaN or inf\) in 2 rows \(ids 2008_val_000001.jpg,"
+            r" 2008_val_000003.jpg\); nothing was written: fetch or export the published features again"),
+    ("float64 beyond float32", r"train_features_imagenet_resnet50.npy: not finite .* in 1 row \(ids 2008_train_000004"),
 ])  # fmt: skip
 def test_bad_files_are_clear_errors_and_write_nothing(tmp_path, damage, message):
     folder = tmp_path / "pascal"
@@ -88,6 +91,14 @@ def test_bad_files_are_clear_errors_and_write_nothing(tmp_path, damage, message)
         np.save(folder / "formatted_train_labels_obs.npy", wrong)
     elif damage == "values":
         np.save(folder / "formatted_train_labels.npy", labels * 2)
+    elif damage == "nan":
+        test_features = written["val"][3].copy()
+        test_features[[1, 3], 2] = np.nan
+        np.save(folder / "val_features_imagenet_resnet50.npy", test_features)
+    elif damage == "float64 beyond float32":
+        wide = features.astype(np.float64)
+        wide[4, 0] = 1e39  # finite in float64, inf once cast to the cache's float32
+        np.save(folder / "train_features_imagenet_resnet50.npy", wide)
     with pytest.raises(SpmlError, match=message):
         import_features(folder, dataset="voc", out=tmp_path / "out" / "voc.h5")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -133,3 +133,18 @@ def test_a_user_error_is_one_red_line(tmp_path, tiny_cache):
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == ["error: --lr is empty: give at least one value, e.g. --lr 1e-3"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_cache_with_non_finite_features_is_one_red_line_naming_the_rows(tmp_path, tiny_cache):
+    bad = tmp_path / "voc-resnet50-448.h5"
+    bad.write_bytes(tiny_cache.read_bytes())
+    with h5py.File(bad, "r+") as file:
+        features = file["val"]["features"][...]
+        features[[2, 5, 6, 9], 1] = float("nan")
+        file["val"]["features"][...] = features
+    done = run_cli("linear", "--cache", str(bad), "--loss", "an", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {bad}: /val/features is not finite (NaN or inf) in 4 rows")
+    assert "(ids val/00002.jpg, val/00005.jpg, val/00006.jpg, ...)" in line and "--precision fp32" in line
+    assert not (tmp_path / "runs").exists()

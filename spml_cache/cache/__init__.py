@@ -6,10 +6,12 @@ partial file batch by batch (`PartialCache`) and can resume from it; `write` is 
 
 Inside a partial file the arrays are allocated when the file is created, so writing rows later touches no
 HDF5 metadata: a process killed between batches leaves a file that opens and resumes. A partial file also
-holds `/{split}/bad` (rows whose image could not be decoded), which finalisation turns into dropped rows.
+holds `/{split}/bad` (rows whose image could not be decoded), which finalisation turns into dropped rows, and
+`/{split}/recomputed` (rows recomputed in fp32 after overflowing in fp16/bf16), counted in `recomputed_fp32`.
+`load` refuses non-finite features and labels outside their value sets, naming the rows.
 """
 
-from spml_cache.cache.reading import load, read_header
+from spml_cache.cache.reading import describe_rows, invalid_rows, load, read_header
 from spml_cache.cache.schema import (
     OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet, SplitRows, cache_id, default_cache_dir,
     default_path, find_cache, partial_path, plain,
@@ -18,5 +20,6 @@ from spml_cache.cache.writing import PartialCache, write
 
 __all__ = [
     "OBSERVED_SPLITS", "SCHEMA_VERSION", "SPLITS", "CachedSplit", "FeatureSet", "PartialCache", "SplitRows", "cache_id",
-    "default_cache_dir", "default_path", "find_cache", "load", "partial_path", "plain", "read_header", "write",
+    "default_cache_dir", "default_path", "describe_rows", "find_cache", "invalid_rows", "load", "partial_path", "plain",
+    "read_header", "write",
 ]

@@ -61,6 +61,7 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
             group.create_dataset("done", data=np.zeros(len(rows), dtype=bool))
             if bad_rows:
                 group.create_dataset("bad", data=np.zeros(len(rows), dtype=bool))
+                group.create_dataset("recomputed", data=np.zeros(len(rows), dtype=bool))
         file.flush()
     except BaseException:
         file.close()
@@ -130,6 +131,9 @@ class PartialCache:
         if "bad" not in file["train"]:
             file.close()
             raise SpmlError(f"{path} was not written by an extraction; delete it or pass --force")
+        for split in SPLITS:  # a partial file from before the fp32 fallback: none of its rows was recomputed
+            if "recomputed" not in file[split]:
+                file[split].create_dataset("recomputed", data=np.zeros(len(file[split]["done"]), dtype=bool))
         return cls(file, final)
 
     def pending(self, split: str) -> np.ndarray:
@@ -139,8 +143,11 @@ class PartialCache:
     def num_done(self) -> int:
         return sum(int(self.file[split]["done"][...].sum()) for split in SPLITS)
 
-    def write_rows(self, split: str, rows: np.ndarray, features: np.ndarray, bad: np.ndarray) -> None:
-        """Store the features of `rows` (ascending) and mark them done; rows flagged `bad` get no features.
+    def write_rows(
+        self, split: str, rows: np.ndarray, features: np.ndarray, bad: np.ndarray, recomputed: np.ndarray | None = None
+    ) -> None:
+        """Store the features of `rows` (ascending) and mark them done; rows flagged `bad` get no features,
+        rows flagged `recomputed` were computed again in fp32 after overflowing in fp16/bf16.
 
         Features go in first and are flushed before `done` is set, so a kill in between redoes the rows.
         """
@@ -150,16 +157,25 @@ class PartialCache:
             group["features"][start:stop] = features[take]
             if bad[take].any():
                 group["bad"][start:stop] = bad[take]
+            if recomputed is not None and recomputed[take].any():
+                group["recomputed"][start:stop] = recomputed[take]
         self.file.flush()
         for start, stop in _runs(rows):
             group["done"][start:stop] = True
         self.file.flush()
 
+    def recomputed(self) -> dict[str, int]:
+        """Rows per split kept with features recomputed in fp32, this run and the runs it resumes."""
+        return {
+            split: int((self.file[split]["recomputed"][...] & ~self.file[split]["bad"][...]).sum()) for split in SPLITS
+        }
+
     def finalise(self, attrs: dict) -> tuple[Path, dict[str, list[str]]]:
         """Seal the cache under its final name, dropping rows whose image was bad; returns (path, dropped ids).
 
-        `attrs` are added to the root attrs (the run's device and versions). Without bad rows the partial
-        file itself is sealed and renamed; with them a compact copy without those rows is written instead.
+        `attrs` are added to the root attrs (the run's device and versions), with `recomputed_fp32`. Without
+        bad rows the partial file itself is sealed and renamed; with them a compact copy without those rows
+        is written instead.
         """
         for split in SPLITS:
             if not self.file[split]["done"][...].all():
@@ -170,11 +186,17 @@ class PartialCache:
             if bad[split].any():
                 ids = self._ids(split)
                 dropped[split] = [ids[i] for i in np.flatnonzero(bad[split])]
-        attrs = {**attrs, "skipped_images": json.dumps({k: v for k, v in dropped.items() if v})}
+        recomputed = {split: count for split, count in self.recomputed().items() if count}
+        attrs = {
+            **attrs,
+            "skipped_images": json.dumps({k: v for k, v in dropped.items() if v}),
+            "recomputed_fp32": json.dumps(recomputed),
+        }
         if not any(bad[split].any() for split in SPLITS):
             _set_attrs(self.file, attrs)
             for split in SPLITS:
                 del self.file[split]["bad"]
+                del self.file[split]["recomputed"]
             return _seal(self.file, partial_path(self.final), self.final), dropped
         return self._compact(attrs, bad), dropped
 

@@ -11,7 +11,9 @@ workers decode and resize (the model is the bottleneck there).
 
 A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"`), or (`"skip"`) is flagged
 in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
-attr: no row ever carries features of an image that was not decoded.
+attr: no row ever carries features of an image that was not decoded. No row carries a non-finite feature
+either (writer.py): rows that overflow in fp16/bf16 are recomputed in fp32 and counted in `recomputed_fp32`;
+a row non-finite even in fp32 is treated as a bad image.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from spml_cache.backbone import (
     resize,
     weights_provenance,
 )
+from spml_cache.extract import writer
 from spml_cache.extract.plan import estimated_size, plan_rows, refuse_other_settings, settings_attrs
 from spml_cache.devices import default_workers, resolve_device
 from spml_cache.errors import Interrupted, SpmlError
@@ -55,6 +58,7 @@ class ExtractReport:
     extracted: int = 0  # rows computed by this run
     resumed: int = 0  # rows found already done in the partial file
     skipped: dict[str, list[str]] = field(default_factory=dict)  # undecodable images dropped, per split
+    recomputed: dict[str, int] = field(default_factory=dict)  # rows recomputed in fp32 after fp16/bf16 overflow
     missing: list[str] = field(default_factory=list)  # image files missing on disk (reader's skip_missing)
     seconds: float = 0.0
     device: str = ""
@@ -141,35 +145,6 @@ def _as_is(item):
     return item
 
 
-class RowWriter:
-    """Writes feature rows into the partial cache; on a GPU one batch behind, through pinned memory."""
-
-    def __init__(self, partial: cache.PartialCache) -> None:
-        self.partial, self.pending = partial, None
-
-    def put(self, split: str, rows: np.ndarray, features: torch.Tensor, bad: np.ndarray) -> int:
-        """Queue one batch; returns how many rows reached the file now."""
-        if features.device.type != "cuda":
-            self.partial.write_rows(split, rows, features.numpy(), bad)
-            return len(rows)
-        host = torch.empty(features.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(features, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(features.device))  # the features' GPU, which may not be cuda:0
-        written = self.flush()
-        self.pending = (split, rows, host, bad, event)
-        return written
-
-    def flush(self) -> int:
-        if self.pending is None:
-            return 0
-        split, rows, host, bad, event = self.pending
-        self.pending = None
-        event.synchronize()
-        self.partial.write_rows(split, rows, host.numpy(), bad)
-        return len(rows)
-
-
 def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype) -> torch.Tensor:
     """float32 [len(bad), 2048]: the trunk's pooled features of the good rows (from their resized uint8
     images), zeros for the bad ones."""
@@ -187,7 +162,8 @@ def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype) -> torch.Tensor:
 
 
 def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, device, precision, skip_bad, label):
-    """Extract every pending row of the partial cache; returns the number of rows computed."""
+    """Extract every pending row of the partial cache; returns the number of rows computed and, per split,
+    the ids left out because their features were not finite even in fp32."""
     batches = []
     for name in cache.SPLITS:
         pending = partial.pending(name)
@@ -202,7 +178,7 @@ def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, devic
         prefetch_factor=(4 if on_gpu else 2) if workers else None,  # bytes are light, decoded batches not
     )
     dtype = PRECISIONS[precision]
-    writer = RowWriter(partial)
+    rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, skip_bad=skip_bad)
     with progress_bar(label, total=total, unit="img") as bar:
         advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
         try:
@@ -215,10 +191,11 @@ def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, devic
                         f"image {paths[split][rows[position]]} {reason}: replace it, or pass --on-bad-image skip"
                         f" to leave it out (progress is kept in {cache.partial_path(partial.final)})"
                     )
-                advance(writer.put(split, rows, pooled_rows(trunk, payload, bad, device, dtype), bad))
+                features = pooled_rows(trunk, payload, bad, device, dtype)
+                advance(rows_out.put(split, rows, features, bad, payload))
         finally:
-            advance(writer.flush())
-    return total
+            advance(rows_out.flush())
+    return total, rows_out.left_out
 
 
 # --- the command -----------------------------------------------------------------------------------------
@@ -320,7 +297,7 @@ def extract(
         paths = {name: [images.path(image_id) for image_id in rows[name].ids] for name in cache.SPLITS}
         computing = time.perf_counter()
         try:
-            report.extracted = run_batches(
+            report.extracted, left_out = run_batches(
                 partial, paths, trunk, resolution=resolution, batch_size=batch_size, device=torch_device,
                 workers=default_workers(torch_device) if workers is None else workers, precision=precision,
                 skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}",
@@ -329,9 +306,11 @@ def extract(
             total = sum(counts.values())
             raise Interrupted(f"{partial.num_done()} of {total} images are kept in {partial_file}") from None
         report.seconds = time.perf_counter() - computing
+        report.recomputed = partial.recomputed()
         final, report.skipped = partial.finalise(run_attrs(torch_device))
     finally:
         partial.close()
     report.status, report.size_bytes = "written", final.stat().st_size
     report.counts = {name: counts[name] - len(report.skipped[name]) for name in cache.SPLITS}
+    report.notes += writer.notes(report.recomputed, left_out, precision)
     return report

@@ -76,11 +76,19 @@ def _read_split(folder: Path, split: str, with_observed: bool) -> dict:
     if len(set(lengths.values())) != 1 or names.ndim != 1 or labels.ndim != 2 or features.ndim != 2:
         shapes = ", ".join(f"{kind} {array.shape}" for kind, array in arrays.items())
         raise SpmlError(f"{folder}: the {split} files disagree ({shapes}); they must have one row per image")
-    result = {
-        "ids": [str(name) for name in names.tolist()],
-        "labels": _binary(labels, str(folder / FILES["labels"].format(split=split)), (0, 1)).astype(np.uint8),
-        "features": features.astype(np.float32),
-    }
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes an inf, refused just below
+        result = {
+            "ids": [str(name) for name in names.tolist()],
+            "labels": _binary(labels, str(folder / FILES["labels"].format(split=split)), (0, 1)).astype(np.uint8),
+            "features": features.astype(np.float32),
+        }
+    wrong = cache.invalid_rows(result["features"])
+    if len(wrong):
+        raise SpmlError(
+            f"{folder / FILES['features'].format(split=split)}: not finite (NaN or inf) in"
+            f" {cache.describe_rows(wrong, result['ids'])}; nothing was written: fetch or export the published"
+            " features again"
+        )
     if with_observed:
         observed = _binary(arrays["observed"], str(folder / FILES["observed"].format(split=split)), (-1, 0, 1))
         if observed.shape != labels.shape or ((observed == 1) & (result["labels"] == 0)).any():

@@ -1,0 +1,125 @@
+"""Stage one never writes a non-finite feature: rows that overflow in fp16/bf16 are recomputed in fp32, rows
+non-finite even in fp32 are bad images (an error naming the file, or left out with --on-bad-image skip)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from extract_support import RESOLUTION, random_weights, truncate, write_csv_dataset
+from PIL import Image
+
+from spml_cache import backbone, cache
+from spml_cache.errors import SpmlError
+from spml_cache.extract import extract, pipeline
+
+# Batches of 4 are train [0, 1, 2, 4] [5], val [3], test [6, 7, 8]: a black image alone in its batch, and one
+# behind an undecodable image, so its place among the batch's decoded images is not its place in the batch.
+BLACK = ["images/5.jpg", "images/7.jpg"]
+UNDECODABLE = "images/6.jpg"
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+REDUCED = {"cpu": "bf16", "cuda": "fp16"}  # what each device's autocast runs fastest
+
+
+class Overflowing(torch.nn.Module):
+    """The real trunk, except that black images give inf features under reduced precision (as a trunk that
+    overflows in fp16 does), or NaN features whatever the precision with `always`.
+
+    A black image is told by its input alone (every normalised value negative), so which rows overflow does
+    not depend on how the images are batched.
+    """
+
+    def __init__(self, trunk: torch.nn.Module, always: bool = False) -> None:
+        super().__init__()
+        self.trunk, self.always = trunk, always
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.trunk(x)
+        reduced = x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(x.device.type)
+        if not (reduced or self.always):
+            return out
+        black = x.float().amax(dim=(1, 2, 3)) < 0
+        return torch.where(black[:, None], float("nan") if self.always else float("inf"), out)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    return random_weights(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finite")
+    rows = [(f"{k}.jpg", ["a", "b"][: 1 + k % 2], "test" if k >= 6 else "train") for k in range(9)]
+    write_csv_dataset(root, rows)
+    for image_id in BLACK:
+        Image.new("RGB", (24, 20)).save(root / image_id, quality=90)
+    truncate(root / UNDECODABLE)
+    return root
+
+
+def options(weights, device="cpu", **overrides):
+    return {"weights": str(weights), "resolution": RESOLUTION, "batch_size": 4, "workers": 0, "device": device,
+            "on_bad_image": "skip", **overrides}  # fmt: skip
+
+
+def patch_trunk(monkeypatch, always=False):
+    build = backbone.build_trunk
+    monkeypatch.setattr(pipeline, "build_trunk", lambda weights: (Overflowing(build(weights)[0], always), "patched"))
+
+
+def rows_of(loaded, image_ids):
+    """{image id: its feature row} for the ids found in any split."""
+    found = {}
+    for name in cache.SPLITS:
+        split = getattr(loaded, name)
+        found |= {image_id: split.features[i] for i, image_id in enumerate(split.ids) if image_id in image_ids}
+    return found
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_overflow_in_reduced_precision_are_recomputed_in_fp32(tmp_path, monkeypatch, weights, data, device):
+    if device == "cuda":  # TF32 convolutions would make fp32 rows of different batch sizes differ by ~1e-3
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    plain_run = extract("csv", data, out=tmp_path / "fp32.h5", **options(weights, device, precision="fp32"))
+    plain = cache.load(plain_run.path)
+    patch_trunk(monkeypatch)
+    precision = REDUCED[device]
+    report = extract("csv", data, out=tmp_path / "reduced.h5", **options(weights, device, precision=precision))
+    loaded = cache.load(report.path)  # refuses a non-finite row: every row is finite
+    expected = {"train": 1, "test": 1}  # images/5.jpg, images/7.jpg
+    assert {name: count for name, count in report.recomputed.items() if count} == expected
+    assert json.loads(loaded.attrs["recomputed_fp32"]) == expected
+    note = f"2 images gave non-finite features in {precision} and were recomputed in fp32"
+    assert any(note in line for line in report.notes)
+    tolerance = 1e-4 if device == "cpu" else 1e-3  # cuDNN may pick another fp32 algorithm per batch size
+    fresh, reference = rows_of(loaded, BLACK), rows_of(plain, BLACK)
+    for image_id in BLACK:
+        np.testing.assert_allclose(fresh[image_id], reference[image_id], rtol=tolerance, atol=tolerance)
+    # The other rows really were computed in reduced precision, so the comparison above means something.
+    others = [image_id for image_id in plain.train.ids if image_id not in BLACK]
+    assert not np.allclose(rows_of(loaded, others)[others[0]], rows_of(plain, others)[others[0]], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_rows_not_finite_even_in_fp32_fail_naming_the_file_then_skip_leaves_them_out(
+    tmp_path, monkeypatch, weights, data, precision
+):
+    patch_trunk(monkeypatch, always=True)
+    out = tmp_path / "out.h5"
+    with pytest.raises(SpmlError, match=r"images/5.jpg: its features are not finite .* even in fp32.*skip") as error:
+        extract("csv", data, out=out, **options(weights, precision=precision, on_bad_image="fail"))
+    assert "\n" not in str(error.value) and str(cache.partial_path(out)) in str(error.value)
+    assert not out.exists() and cache.partial_path(out).exists()  # progress kept, nothing half-final
+
+    report = extract("csv", data, out=out, **options(weights, precision=precision))
+    assert report.resumed == 4  # the batch before the failing one was kept
+    assert sorted(image_id for ids in report.skipped.values() for image_id in ids) == sorted(BLACK + [UNDECODABLE])
+    assert any("2 of the images left out have features that are not finite even in fp32" in n for n in report.notes)
+    loaded = cache.load(out)
+    assert not rows_of(loaded, BLACK) and sum(len(getattr(loaded, name)) for name in cache.SPLITS) == 6
+    assert json.loads(loaded.attrs["recomputed_fp32"]) == {}
+    skipped = {"train": ["images/5.jpg"], "test": [UNDECODABLE, "images/7.jpg"]}
+    assert json.loads(loaded.attrs["skipped_images"]) == skipped
