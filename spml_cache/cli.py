@@ -151,7 +151,8 @@ def _print_extract_report(report) -> None:
     console.print(f"size {size}; device {report.device}")
     if report.status == "written":
         console.print(
-            f"extracted {report.extracted} images in {report.seconds:.1f} s ({report.images_per_s:.1f} img/s)"
+            f"extracted {report.extracted - report.left_out} images in {report.seconds:.1f} s"
+            f" ({report.images_per_s:.1f} img/s)" + (f", {report.left_out} left out" if report.left_out else "")
             + (f"; {report.resumed} were already done (resumed)" if report.resumed else "")
         )
     if report.missing:

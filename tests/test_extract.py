@@ -268,3 +268,13 @@ def test_cli_bad_image_is_one_red_line(tmp_path, weights):
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "images/2.jpg cannot be decoded" in lines[0] and "Traceback" not in result.stderr
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_cli_counts_only_the_images_kept_after_skipping_a_bad_one(tmp_path, weights):
+    write_csv_dataset(tmp_path, [("0.jpg", ["a"], "train"), ("1.jpg", ["b"], "train"), ("2.jpg", ["a"], "test"),
+                                 ("3.jpg", ["b"], "test")])
+    truncate(tmp_path / "images" / "2.jpg")
+    result = run_cli("extract", "csv", "--root", ".", "--out", "o.h5", "--weights", str(weights), "--resolution",
+                     str(RESOLUTION), "--device", "cpu", "--workers", "0", "--on-bad-image", "skip", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "extracted 3 images in" in result.stdout and ", 1 left out" in result.stdout

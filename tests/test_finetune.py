@@ -251,11 +251,12 @@ def _finetune_process(rank: int, world: int, port: int, options: dict) -> None:
 
 
 def test_two_processes_give_the_single_process_run(world, cli_run, tmp_path):
-    """`torchrun --nproc-per-node 2 -m spml_cache finetune ...` on the CPU (gloo), as torchrun would start it;
-    forked rather than launched, which saves each process the imports."""
+    """`torchrun --nproc-per-node 2 -m spml_cache finetune ...` on the CPU (gloo), as torchrun would start it.
+    Spawned, not forked: forking is unsafe once this process has used CUDA or autograd's device threads (on a
+    GPU machine the suite has)."""
     options = dict(init="best", from_run=world.linear, loss="role", **common(world, out=tmp_path))
     torch.multiprocessing.start_processes(_finetune_process, args=(2, free_port(), options), nprocs=2,
-                                          start_method="fork")
+                                          start_method="spawn")
     (run_dir,) = (tmp_path / "voc").iterdir()
     assert runs.read_json(run_dir / "config.json")["processes"] == 2
     assert_same_run(run_dir, cli_run, tolerance=1e-3)
@@ -354,9 +355,9 @@ def test_two_gloo_processes_compute_the_single_process_gradient(tmp_path):
     images = torch.randn(6, 3, 7, 7, generator=torch.Generator().manual_seed(1))
     model = small_model()
     batch_coupled_loss(model(images)).backward()
-    # Forked, not spawned: the children need no fresh imports, and they run single-threaded.
+    # Spawned, not forked: this process has run autograd, and with CUDA about a fork is unsafe.
     torch.multiprocessing.start_processes(_distributed_gradients, args=(2, free_port(), images, tmp_path / "grads.pt"),
-                                          nprocs=2, start_method="fork")
+                                          nprocs=2, start_method="spawn")
     got = torch.load(tmp_path / "grads.pt", weights_only=True)
     for name, param in model.named_parameters():
         torch.testing.assert_close(got[name], param.grad, rtol=1e-5, atol=1e-7)

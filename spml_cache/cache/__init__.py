@@ -7,7 +7,7 @@ partial file batch by batch (`PartialCache`) and can resume from it; `write` is 
 Inside a partial file the arrays are allocated when the file is created, so writing rows later touches no
 HDF5 metadata: a process killed between batches leaves a file that opens and resumes. A partial file also
 holds `/{split}/bad` (rows whose image could not be decoded), which finalisation turns into dropped rows, and
-`/{split}/recomputed` (rows recomputed in fp32 after overflowing in fp16/bf16), counted in `recomputed_fp32`.
+`/{split}/recomputed` (rows recomputed in fp32 after non-finite features in fp16/bf16), counted in `recomputed_fp32`.
 `load` refuses non-finite features and labels outside their value sets, naming the rows.
 """
 

@@ -143,11 +143,15 @@ class PartialCache:
     def num_done(self) -> int:
         return sum(int(self.file[split]["done"][...].sum()) for split in SPLITS)
 
+    def num_bad(self) -> int:
+        """Rows flagged bad so far (left out when the cache is finalised)."""
+        return sum(int(self.file[split]["bad"][...].sum()) for split in SPLITS)
+
     def write_rows(
         self, split: str, rows: np.ndarray, features: np.ndarray, bad: np.ndarray, recomputed: np.ndarray | None = None
     ) -> None:
         """Store the features of `rows` (ascending) and mark them done; rows flagged `bad` get no features,
-        rows flagged `recomputed` were computed again in fp32 after overflowing in fp16/bf16.
+        rows flagged `recomputed` were computed again in fp32 after giving non-finite features in fp16/bf16.
 
         Features go in first and are flushed before `done` is set, so a kill in between redoes the rows.
         """

@@ -12,7 +12,7 @@ workers decode and resize (the model is the bottleneck there).
 A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"`), or (`"skip"`) is flagged
 in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
 attr: no row ever carries features of an image that was not decoded. No row carries a non-finite feature
-either (writer.py): rows that overflow in fp16/bf16 are recomputed in fp32 and counted in `recomputed_fp32`;
+either (writer.py): rows non-finite in fp16/bf16 are recomputed in fp32 and counted in `recomputed_fp32`;
 a row non-finite even in fp32 is treated as a bad image.
 """
 
@@ -56,9 +56,10 @@ class ExtractReport:
     status: str  # "written", "up to date" or "dry run"
     counts: dict[str, int]  # rows per split of the cache (planned, for a dry run)
     extracted: int = 0  # rows computed by this run
+    left_out: int = 0  # of them, rows flagged bad (undecodable, or not finite even in fp32): not in the cache
     resumed: int = 0  # rows found already done in the partial file
     skipped: dict[str, list[str]] = field(default_factory=dict)  # undecodable images dropped, per split
-    recomputed: dict[str, int] = field(default_factory=dict)  # rows recomputed in fp32 after fp16/bf16 overflow
+    recomputed: dict[str, int] = field(default_factory=dict)  # rows recomputed in fp32 after non-finite fp16/bf16 features
     missing: list[str] = field(default_factory=list)  # image files missing on disk (reader's skip_missing)
     seconds: float = 0.0
     device: str = ""
@@ -293,7 +294,7 @@ def extract(
         partial_file.unlink(missing_ok=True)
         partial = cache.PartialCache.create(path, settings, rows, FEATURE_DIM)
     try:
-        report.resumed = partial.num_done()
+        report.resumed, bad_before = partial.num_done(), partial.num_bad()
         paths = {name: [images.path(image_id) for image_id in rows[name].ids] for name in cache.SPLITS}
         computing = time.perf_counter()
         try:
@@ -306,6 +307,7 @@ def extract(
             total = sum(counts.values())
             raise Interrupted(f"{partial.num_done()} of {total} images are kept in {partial_file}") from None
         report.seconds = time.perf_counter() - computing
+        report.left_out = partial.num_bad() - bad_before
         report.recomputed = partial.recomputed()
         final, report.skipped = partial.finalise(run_attrs(torch_device))
     finally:

@@ -2,7 +2,8 @@
 worker processes (one per core), with the same results either way (tested).
 
 Workers are forked on Linux's CPU (they inherit the features already in memory) and spawned elsewhere: CUDA
-cannot be forked, and macOS's system libraries are not fork-safe.
+cannot be forked (nor can autograd once CUDA has run in this process), and macOS's system libraries are not
+fork-safe.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def train_jobs(jobs, used, settings, data, features, workers, starts):
                 done = (run.records, time.perf_counter() - start) if epoch == settings.epochs else None
                 yield (name, index, sizes), (epoch, best_so_far(run.records)), lines, done
         return
-    forking = data.train_features.device.type == "cpu" and sys.platform.startswith("linux")
+    # A fork is unsafe once CUDA is initialised (autograd's device threads, the CUDA context): spawn then.
+    forking = (data.train_features.device.type == "cpu" and sys.platform.startswith("linux")
+               and not torch.cuda.is_initialized())
     context = multiprocessing.get_context("fork" if forking else "spawn")
     progress = context.Queue()
     source = data if forking else str(features.path)

@@ -198,7 +198,7 @@ def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
         axes.legend(fontsize=7, loc="upper right", framealpha=0.85)
     figure.suptitle(f"{title}: predicted probability on the training set for the unobserved labels (true positives vs "
                     "true negatives)")
-    figure.tight_layout()  # leaves room for the suptitle (matplotlib >= 3.3)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.5 / figure.get_figheight()))  # room for the suptitle
     return figure
 
 
