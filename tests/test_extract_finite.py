@@ -1,4 +1,4 @@
-"""Stage one never writes a non-finite feature: rows that overflow in fp16/bf16 are recomputed in fp32, rows
+"""Stage one never writes a non-finite feature: rows non-finite in fp16/bf16 are recomputed in fp32, rows
 non-finite even in fp32 are bad images (an error naming the file, or left out with --on-bad-image skip)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from spml_cache.extract import extract, pipeline
 # behind an undecodable image, so its place among the batch's decoded images is not its place in the batch.
 BLACK = ["images/5.jpg", "images/7.jpg"]
 UNDECODABLE = "images/6.jpg"
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 REDUCED = {"cpu": "bf16", "cuda": "fp16"}  # what each device's autocast runs fastest
 
 

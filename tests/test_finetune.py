@@ -362,3 +362,25 @@ def test_two_gloo_processes_compute_the_single_process_gradient(tmp_path):
     for name, param in model.named_parameters():
         torch.testing.assert_close(got[name], param.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got["running_var"], model[1].running_var, rtol=1e-5, atol=1e-7)
+
+
+def test_non_finite_scores_are_named_as_divergence_never_a_result(world, tmp_path, monkeypatch):
+    real = finetune.run._score
+    scored = []
+
+    def nan_on_test_from_the_second_epoch(model, setup, split):
+        logits = real(model, setup, split)
+        scored.append(split)
+        if split == "test" and scored.count("test") >= 2:
+            logits[0, 0] = float("nan")
+        return logits
+
+    monkeypatch.setattr(finetune.run, "_score", nan_on_test_from_the_second_epoch)
+    lines = []
+    results = finetune.finetune(init="best", from_run=world.linear, loss="role", log=lines.append,
+                                **common(world, out=tmp_path))
+    (config,) = results["losses"]["role"]["configs"]
+    assert config["diverged_epoch"] == 2 and config["best_epoch"] == 1
+    assert any("scores are not finite" in line and "diverged, stopped" in line for line in lines)
+    text = (Path(results["run_dir"]) / "results.json").read_text()
+    assert "NaN" not in text and results["losses"]["role"]["test_map"] == config["test_map"]

@@ -121,3 +121,28 @@ def test_worker_processes_give_the_same_run(tmp_path, tiny_cache):
     first, second = (torch.load(run.run_dir / "best.pt", weights_only=True) for run in (alone, parallel))
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     assert sorted(read_metrics(alone.run_dir), key=json.dumps) == sorted(read_metrics(parallel.run_dir), key=json.dumps)
+
+
+def test_a_head_with_non_finite_scores_is_stopped_as_diverged(tmp_path, tiny_cache, monkeypatch):
+    """Whatever makes a score NaN (a GPU kernel, an overflow), it is named as divergence, never reported."""
+    from spml_cache.linear import engine
+
+    real = engine.average_precision
+    calls = []
+
+    def nan_for_the_first_head_from_the_second_epoch(scores, labels):
+        calls.append(1)
+        ap = real(scores, labels)
+        if len(calls) > 2:  # val and test of epoch 1 are scored untouched
+            ap[0] = float("nan")
+        return ap
+
+    monkeypatch.setattr(engine, "average_precision", nan_for_the_first_head_from_the_second_epoch)
+    run = run_linear(cache=tiny_cache, losses="an", lrs=[1e-2, 1e-3], batch_sizes=[8], epochs=3, out=tmp_path,
+                     console=quiet())
+    configs = {c["lr"]: c for c in run.results["losses"]["an"]["configs"]}
+    assert configs[1e-2]["diverged_epoch"] == 2 and configs[1e-3]["diverged_epoch"] is None
+    lines = [m for m in read_metrics(run.run_dir) if m["lr"] == 1e-2]
+    assert [m["epoch"] for m in lines] == [1, 2] and lines[1].get("diverged") and lines[1]["val_map"] is None
+    text = (run.run_dir / "results.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text

@@ -190,11 +190,16 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
             val_ap, test_ap = (metrics.average_precision(torch.sigmoid(_score(model, setup, split)),
                                                           _labels(setup, split)) for split in ("val", "test"))
             val_map, test_map = 100 * val_ap.mean().item(), 100 * test_ap.mean().item()
-            if record.add_epoch(epoch, train_loss, val_map, test_map, test_ap.cpu().numpy()) and processes.main:
-                runs.save_checkpoint(checkpoints.checkpoint(run_dir, record, best=True),
-                                     {"model": model.state_dict(), "loss_state": loss_fn.state_dict()})
-            say(f"{label}: train loss {train_loss:.4f}, val mAP {val_map:.2f}, test mAP {test_map:.2f}"
-                + (" (best so far)" if record.best_epoch == epoch else ""))
+            if not (math.isfinite(val_map) and math.isfinite(test_map)):  # a NaN score: never a result
+                record.diverged_epoch = epoch
+                say(f"{label}: train loss {train_loss:.4f}, but the model's scores are not finite (val mAP"
+                    f" {val_map}, test mAP {test_map}): diverged, stopped")
+            else:
+                if record.add_epoch(epoch, train_loss, val_map, test_map, test_ap.cpu().numpy()) and processes.main:
+                    runs.save_checkpoint(checkpoints.checkpoint(run_dir, record, best=True),
+                                         {"model": model.state_dict(), "loss_state": loss_fn.state_dict()})
+                say(f"{label}: train loss {train_loss:.4f}, val mAP {val_map:.2f}, test mAP {test_map:.2f}"
+                    + (" (best so far)" if record.best_epoch == epoch else ""))
         else:
             record.diverged_epoch = epoch
             say(f"{label}: the loss is {train_loss}: diverged, stopped")
@@ -266,8 +271,16 @@ def _score(model: FineTuneModel, setup: Setup, split: str) -> torch.Tensor:
     model.eval()
     outputs = [torch.zeros(0, model.head.out_features, device=device)]
     for _, images in data.loader(files, shards, setup.workers):
+        batch = data.model_input(images, setup.settings.resolution, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            outputs.append(model(data.model_input(images, setup.settings.resolution, device)).float())
+            logits = model(batch).float()
+        if device.type == "cuda":
+            # bf16 has given non-finite rows on a GPU (as fp16 extraction has): those rows again in fp32. The
+            # check costs a host sync per scoring batch, never one per training step.
+            bad = ~torch.isfinite(logits).all(dim=1)
+            if bool(bad.any()):
+                logits[bad] = model(batch[bad].float())
+        outputs.append(logits)
     return parallel.gather_rows(torch.cat(outputs), shards.counts, processes)
 
 

@@ -9,6 +9,7 @@ batch-16 head trained alone, for any loss, batch-coupled or stateful. Each epoch
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -180,12 +181,14 @@ class HeadStack:
         for k, record in enumerate(self.records):
             if record.diverged_epoch is not None:
                 continue
-            if diverged[k]:
+            val_map, test_map = 100 * float(val_ap[k].mean()), 100 * float(test_ap[k].mean())
+            if diverged[k] or not (math.isfinite(val_map) and math.isfinite(test_map)):  # never a NaN result
                 record.diverged_epoch = epoch
-            else:
-                val_map, test_map = 100 * float(val_ap[k].mean()), 100 * float(test_ap[k].mean())
-                if record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
-                    record.best_state = self.head_state(k)
+                self.active = self.active.clone()
+                self.active[k] = False  # the optimisers leave it alone from now on, as a head whose loss diverged
+                self.stopped = self.active
+            elif record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
+                record.best_state = self.head_state(k)
             lines += record.metric_lines(epoch)
         return lines
 
