@@ -264,6 +264,7 @@ def linear_command(
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept (its settings are used)."),
+    fidelity: str = typer.Option("exact", "--fidelity", help="exact: the papers' math, computed stably; authors: their code's numerics, dropped last batches and early stopping (docs/fidelity.md)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 
@@ -279,7 +280,7 @@ def linear_command(
         cache=cache, dataset=dataset, losses=parse_names(loss or ""), lrs=parse_list(lr, "--lr", float),
         batch_sizes=parse_list(batch_size, "--batch-size", int), epochs=epochs, seeds=seeds,
         hparams=parse_hparams(hp or []), device=device, out=out, val_labels=val_labels, workers=workers,
-        from_run=from_run, resume=resume,
+        from_run=from_run, resume=resume, fidelity=fidelity,
     )
     console.print(summary_table(run.results))
     console.print(f"run directory: {run.run_dir}")
@@ -339,6 +340,7 @@ def finetune_command(
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the interrupted fine-tuning run RUN from its last checkpoint."),
     skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out rows whose image is missing under --root instead of stopping."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Image reader processes (default: 8 on a GPU, fewer on a CPU)."),
+    fidelity: Optional[str] = typer.Option(None, "--fidelity", help="exact (default): the papers' math, computed stably; authors: their code's numerics, evaluation and early stopping (docs/fidelity.md)."),
 ) -> None:
     """Stage three: fine-tune ResNet-50 end to end from the best linear head (LinearInit) or a fresh head.
 
@@ -357,7 +359,7 @@ def finetune_command(
         epochs=epochs, lrs=lrs, batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int),
         resolution=resolution, seeds=seeds, hparams=parse_hparams(hp or []),
         head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, device=device, out=out, resume=resume,
-        workers=workers, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+        workers=workers, fidelity=fidelity, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
     )
     for name, summary in results.get("losses", {}).items():  # other torchrun processes return nothing
         selected = summary["selected"]

@@ -28,6 +28,7 @@ class HeadRecord:
     val_map: list = field(default_factory=list)
     test_map: list = field(default_factory=list)
     diverged_epoch: int | None = None
+    stopped_epoch: int | None = None  # the epoch a paper's early stopping ended it (--fidelity authors)
     best_epoch: int | None = None
     best_val_map: float = -math.inf
     best_test_ap: np.ndarray | None = None  # per-class test AP (0..1) at the best epoch
@@ -60,10 +61,20 @@ class HeadRecord:
         keys = {"loss": self.loss, "lr": self.lr, "batch_size": self.batch_size, "seed": self.seed}
         lines = [{**keys, "epoch": e + 1, "train_loss": t, "val_map": v, "test_map": m}
                  for e, (t, v, m) in enumerate(zip(self.train_loss, self.val_map, self.test_map))]
+        if self.stopped_epoch is not None:
+            lines[self.stopped_epoch - 1]["early_stop"] = True
         if self.diverged_epoch is not None:
             lines.append({**keys, "epoch": self.diverged_epoch, "train_loss": None, "val_map": None,
                           "test_map": None, "diverged": True})
         return lines[first - 1 :]
+
+
+def stops_early(record: HeadRecord, rule: str, margin: float) -> bool:
+    """A paper's early stopping after the epoch just recorded: `no_gain`, the epoch did not improve on the best;
+    `drop`, its val mAP fell more than `margin` below the best."""
+    if rule == "no_gain":
+        return record.best_epoch != len(record.val_map)
+    return record.best_val_map - record.val_map[-1] > margin
 
 
 def best_so_far(records: list[HeadRecord]) -> dict | None:
@@ -110,6 +121,7 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
             "val_map": r.best_val_map if r.best_epoch else None,
             "test_map": r.test_map[r.best_epoch - 1] if r.best_epoch else None,
             "diverged_epoch": r.diverged_epoch,
+            **({"stopped_epoch": r.stopped_epoch} if r.stopped_epoch is not None else {}),
         }
         for r in records
     ]

@@ -368,8 +368,8 @@ def test_non_finite_scores_are_named_as_divergence_never_a_result(world, tmp_pat
     real = finetune.run._score
     scored = []
 
-    def nan_on_test_from_the_second_epoch(model, setup, split):
-        logits = real(model, setup, split)
+    def nan_on_test_from_the_second_epoch(model, setup, split, *kept):
+        logits = real(model, setup, split, *kept)
         scored.append(split)
         if split == "test" and scored.count("test") >= 2:
             logits[0, 0] = float("nan")
@@ -384,3 +384,13 @@ def test_non_finite_scores_are_named_as_divergence_never_a_result(world, tmp_pat
     assert any("scores are not finite" in line and "diverged, stopped" in line for line in lines)
     text = (Path(results["run_dir"]) / "results.json").read_text()
     assert "NaN" not in text and results["losses"]["role"]["test_map"] == config["test_map"]
+
+
+def test_authors_fidelity_is_recorded_and_takes_coles_linear_init_epochs(world, tmp_path):
+    options = {**common(world, out=tmp_path), "epochs": None}
+    results = finetune.finetune(init="best", from_run=world.linear, loss="role", fidelity="authors", **options)
+    config = runs.read_json(Path(results["run_dir"]) / "config.json")
+    assert results["fidelity"] == config["fidelity"] == config["options"]["fidelity"] == "authors"
+    assert config["epochs"] == 5  # Cole et al.'s "+LinearInit" rows: 5 epochs from the best linear weights
+    with pytest.raises(SpmlError, match="--fidelity 'nearly'"):
+        finetune.finetune(init="best", from_run=world.linear, loss="role", fidelity="nearly", **options)

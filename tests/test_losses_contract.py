@@ -217,6 +217,8 @@ def test_cli_losses_json(tmp_path):
     for row in rows:
         assert set(row) == {
             "name", "description", "reference", "defaults", "dataset_defaults", "state", "oracle",
-            "needs_train_logits", "reconstructed",
+            "needs_train_logits", "reconstructed", "authors",
         }
+    assert by_name["gr"]["authors"] == {"log_eps": 1e-7, "early_stop": ["drop", 2.0], "drop_last": False,
+                                        "defaults": {"wT": 2.0, "bT": -2.0}}
     assert list(os.listdir(tmp_path)) == []  # printing writes nothing

@@ -403,3 +403,15 @@ def test_a_place_that_cannot_be_written_is_one_line(runs, flag):
     assert done.returncode == 1
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"error: {flag} {target}: cannot write") and "pick a writable place" in line
+
+
+def test_runs_with_the_authors_numerics_get_their_own_column(tmp_path):
+    make_run(tmp_path, "voc", "linear", {"an": [84.0]}, stamp="20240101-000000")
+    authors = make_run(tmp_path, "voc", "linear", {"an": [80.0]}, stamp="20240102-000000")
+    config = json.loads((authors / "config.json").read_text())
+    (authors / "config.json").write_text(json.dumps({**config, "fidelity": "authors"}))
+    table = table_of([tmp_path], paper=True)
+    assert [c.label for c in table.columns] == ["VOC linear", "VOC linear (authors' numerics)"]
+    exact, theirs = (cells_by_loss(table, c.label)["an"] for c in table.columns)
+    assert (exact.mean, theirs.mean) == (84.0, 80.0) and exact.paper == theirs.paper == 84.2
+    assert table.notes == []  # not "the newest of two runs": two modes, two columns

@@ -119,7 +119,7 @@ def create_run_dir(out: Path, setup: Setup) -> Path:
         settings, features = setup.settings, setup.features
         grid = {"losses": [settings.loss], "lrs": settings.lrs, "batch_sizes": settings.batch_sizes,
                 "epochs": settings.epochs, "seeds": settings.seeds, "hparams": {settings.loss: settings.hparams},
-                "val_labels": "clean"}
+                "val_labels": "clean", "fidelity": settings.fidelity}
         run_dir[0] = runs.start_run(
             out, stage="finetune", label=settings.loss, features=features, device=setup.processes.device, grid=grid,
             processes=setup.processes.world, options=settings.as_dict(), root=str(setup.root),

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,7 +33,7 @@ from spml_cache.finetune import images as data
 from spml_cache.finetune.settings import FineTuneModel, Setup, resolve
 from spml_cache.progress import progress_bar
 from spml_cache.protocol import initial_head
-from spml_cache.selection import HeadRecord, loss_results, select_config
+from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
 
 def finetune(
@@ -42,7 +43,7 @@ def finetune(
     batch_sizes: Sequence[int] | None = None, resolution: int | None = None, seeds: int | None = None,
     hparams: dict[str, float] | None = None, head_lr_mult: float | None = None, skip_missing: bool | None = None,
     device: str = "auto", out: Path | str = "runs", resume: Path | None = None, workers: int | None = None,
-    log: Callable[[str], None] = lambda line: None,
+    fidelity: str | None = None, log: Callable[[str], None] = lambda line: None,
 ) -> dict:
     """Fine-tune and write `out/<dataset>/finetune-<loss>-<stamp>/`; returns its results plus `run_dir`.
 
@@ -54,7 +55,7 @@ def finetune(
         raise SpmlError(f"--seeds {seeds}: must be at least 1 (seeds 0..N-1 are run)")
     given = {"init": init, "from_run": from_run and str(from_run), "cache": cache_path and str(cache_path),
              "dataset": dataset, "loss": loss, "weights": weights, "epochs": epochs, "resolution": resolution,
-             "head_lr_mult": head_lr_mult, "skip_missing": skip_missing,
+             "head_lr_mult": head_lr_mult, "skip_missing": skip_missing, "fidelity": fidelity,
              "lrs": None if lrs is None else list(lrs), "batch_sizes": None if batch_sizes is None else list(batch_sizes),
              "seeds": None if seeds is None else list(range(seeds))}
     given = {key: value for key, value in given.items() if value is not None}
@@ -91,7 +92,8 @@ def finetune(
 def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
     features, settings = setup.features, setup.settings
     built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
-                         train_observed=torch.from_numpy(features.train.observed), seed=seed, **settings.hparams)
+                         train_observed=torch.from_numpy(features.train.observed), seed=seed,
+                         fidelity=settings.fidelity, **settings.hparams)
     return built.to(device)
 
 
@@ -133,7 +135,8 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
                       train_observed=features.train.observed[rows["train"]], val_labels=features.val.labels[rows["val"]],
                       test_labels=features.test.labels[rows["test"]])
     results = runs.finish_run(run_dir, stage="finetune", features=features, losses={settings.loss: entry},
-                              checkpoints={settings.loss: saved} if saved else {}, init=checkpoints.init_summary(setup))
+                              checkpoints={settings.loss: saved} if saved else {}, init=checkpoints.init_summary(setup),
+                              fidelity=settings.fidelity)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return {**results, "run_dir": str(run_dir)}
 
@@ -187,8 +190,10 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
         train_loss = _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, observed, labels, setup,
                                   label)
         if math.isfinite(train_loss):
-            val_ap, test_ap = (metrics.average_precision(torch.sigmoid(_score(model, setup, split)),
-                                                          _labels(setup, split)) for split in ("val", "test"))
+            # the authors' evaluation loaders of some losses drop the last partial batch
+            kept = record.batch_size if settings.fidelity == "authors" and loss_fn.authors_drop_last else None
+            val_ap, test_ap = (metrics.average_precision(torch.sigmoid(_score(model, setup, split, kept)),
+                                                          _labels(setup, split, kept)) for split in ("val", "test"))
             val_map, test_map = 100 * val_ap.mean().item(), 100 * test_ap.mean().item()
             if not (math.isfinite(val_map) and math.isfinite(test_map)):  # a NaN score: never a result
                 record.diverged_epoch = epoch
@@ -200,10 +205,14 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
                                          {"model": model.state_dict(), "loss_state": loss_fn.state_dict()})
                 say(f"{label}: train loss {train_loss:.4f}, val mAP {val_map:.2f}, test mAP {test_map:.2f}"
                     + (" (best so far)" if record.best_epoch == epoch else ""))
+                rule = type(loss_fn).authors_early_stop if settings.fidelity == "authors" else None
+                if rule and stops_early(record, *rule):
+                    record.stopped_epoch = epoch
+                    say(f"{label}: stopped early, as the paper's code does ({rule[0]} {rule[1]:g})")
         else:
             record.diverged_epoch = epoch
             say(f"{label}: the loss is {train_loss}: diverged, stopped")
-        done = epoch == settings.epochs or record.diverged_epoch is not None
+        done = epoch == settings.epochs or record.diverged_epoch is not None or record.stopped_epoch is not None
         if processes.main:
             state = {"record": record.to_state(), "done": done}
             if not done:  # a finished config keeps only its record (and its best model)
@@ -263,10 +272,11 @@ def train_step(trainer: nn.Module, model: FineTuneModel, loss_fn: losses.Loss, o
 
 
 @torch.no_grad()
-def _score(model: FineTuneModel, setup: Setup, split: str) -> torch.Tensor:
-    """Logits `[N_used, C]` of the split's used rows (eval mode, no flip), gathered from every process."""
+def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | None = None) -> torch.Tensor:
+    """Logits `[N_used, C]` of the split's used rows (eval mode, no flip), gathered from every process; with
+    `batch_size`, all but the last `N_used mod batch_size` rows (what the authors' evaluation loaders score)."""
     processes, device = setup.processes, setup.processes.device
-    shards = data.ShardBatches(setup.rows[split], processes.rank, processes.world)
+    shards = data.ShardBatches(_rows(setup, split, batch_size), processes.rank, processes.world)
     files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=device.type == "cpu")
     model.eval()
     outputs = [torch.zeros(0, model.head.out_features, device=device)]
@@ -284,5 +294,11 @@ def _score(model: FineTuneModel, setup: Setup, split: str) -> torch.Tensor:
     return parallel.gather_rows(torch.cat(outputs), shards.counts, processes)
 
 
-def _labels(setup: Setup, split: str) -> torch.Tensor:
-    return torch.from_numpy(getattr(setup.features, split).labels[setup.rows[split]]).to(setup.processes.device)
+def _rows(setup: Setup, split: str, batch_size: int | None) -> np.ndarray:
+    rows = setup.rows[split]
+    return rows if batch_size is None else rows[: len(rows) - len(rows) % batch_size]
+
+
+def _labels(setup: Setup, split: str, batch_size: int | None = None) -> torch.Tensor:
+    rows = _rows(setup, split, batch_size)
+    return torch.from_numpy(getattr(setup.features, split).labels[rows]).to(setup.processes.device)

@@ -16,6 +16,7 @@ from torch import nn
 
 from spml_cache import backbone, cache, losses, runs
 from spml_cache.errors import SpmlError
+from spml_cache.losses.base import FIDELITIES
 from spml_cache.finetune import checkpoints
 from spml_cache.finetune.images import usable_rows
 from spml_cache.finetune.parallel import Processes, check_batch_split
@@ -26,6 +27,7 @@ DEFAULT_LRS = (1e-5, 1e-4)
 #  gr: Chen et al. (IJCAI 2024) Table 6 (batch, lr, epochs per dataset); its authors' code trains the head at 10x.
 #  ll_*: Kim et al.'s code (the LL losses compared by Chen et al.) trains the head at 10x the lr.
 #  em, em_apl: Zhou et al. (ECCV 2022) train 10 epochs; APL's per-dataset defaults assume T = 10.
+COLE_LINEAR_INIT_EPOCHS = 5
 _GR = {"voc": (8, 1e-5, 8), "coco": (16, 1e-5, 8), "nus": (16, 1e-5, 10), "cub": (8, 5e-5, 10)}
 RECIPES: dict[str, dict[str, dict]] = {
     "gr": {d: {"batch_sizes": [b], "lrs": [lr], "epochs": t, "head_lr_mult": 10.0} for d, (b, lr, t) in _GR.items()},
@@ -52,6 +54,7 @@ class FinetuneSettings:
     head_lr_mult: float
     skip_missing: bool
     hparams: dict  # the loss's hyperparameters, resolved
+    fidelity: str = "exact"  # or "authors": the authors' code's numerics and rules (docs/fidelity.md)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -116,6 +119,8 @@ def resolve(given: dict, overrides: dict, stored: dict | None, root: Path | None
 def _resolve_settings(given: dict, overrides: dict, out: Path, cache_dir: Path | None, processes: Processes):
     """Every option's value (given, else the loss's recipe, else the default), the cache, the starting head."""
     options = {"init": "best", **given}
+    if options.get("fidelity", "exact") not in FIDELITIES:
+        raise SpmlError(f"--fidelity {options['fidelity']!r}: use {' or '.join(FIDELITIES)} (docs/fidelity.md)")
     if options["init"] not in ("best", "imagenet"):
         raise SpmlError(f"--init {options['init']}: use best (LinearInit) or imagenet (a fresh head)")
     if options["init"] == "imagenet" and options.get("from_run") is not None:
@@ -135,6 +140,9 @@ def _resolve_settings(given: dict, overrides: dict, out: Path, cache_dir: Path |
     if start is not None:
         checkpoints.check_head(start, len(features.classes), len(features.train), features.path)
     recipe = RECIPES.get(options["loss"], {})
+    if options.get("fidelity") == "authors" and options["init"] == "best" and losses.get(options["loss"]).authors_drop_last:
+        # Cole et al., Sec. 6.1: their "+LinearInit" rows fine-tune 5 epochs from the best linear weights
+        recipe = {**recipe, "*": {**recipe.get("*", {}), "epochs": COLE_LINEAR_INIT_EPOCHS}}
     defaults = {"lrs": list(DEFAULT_LRS), "batch_sizes": list(GRID_BATCH_SIZES), "epochs": FINETUNE_EPOCHS,
                 "head_lr_mult": 1.0, "seeds": [0], "skip_missing": False, "from_run": None,
                 "resolution": int(features.attrs["resolution"]), "weights": checkpoints.default_weights(features.attrs),

@@ -21,7 +21,7 @@ from spml_cache.cache import FeatureSet
 from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.head_matrix import HeadMatrix
 from spml_cache.metrics import average_precision
-from spml_cache.selection import HeadRecord
+from spml_cache.selection import HeadRecord, stops_early
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,19 @@ class HeadStack:
     """
 
     def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_size: int, data: LinearData,
-                 start: dict | None = None) -> None:
+                 start: dict | None = None, fidelity: str = "exact") -> None:
         device = data.train_features.device
         self.batch_size, self.num_heads = batch_size, len(lrs)
         self.heads = HeadMatrix(data.train_features.shape[1], data.num_classes, [seed] * len(lrs), lrs, device=device,
                                   start=(start["weight"], start["bias"]) if start else None)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
-            num_heads=len(lrs), train_observed=data.train_observed.cpu(), seed=seed, **hparams,
+            num_heads=len(lrs), train_observed=data.train_observed.cpu(), seed=seed, fidelity=fidelity, **hparams,
         ).to(device)
+        # --fidelity authors: some authors' loaders drop each epoch's (and each evaluation's) last partial batch,
+        # and the paper that proposes the loss may stop early (losses/base.py, `authors_*`)
+        self.drop_last = fidelity == "authors" and type(self.loss).authors_drop_last
+        self.early_stop = type(self.loss).authors_early_stop if fidelity == "authors" else None
         if start:
             self.loss.load_head_state(start["loss_state"])
         self.penalised = type(self.loss).penalty is not loss_registry.Loss.penalty
@@ -147,6 +151,8 @@ class HeadStack:
 
     def end_epoch(self) -> None:
         """Stop the heads whose loss was NaN/inf in this epoch (one host sync per epoch, none per step)."""
+        if not self.step_losses:  # fewer training rows than one batch, and the partial batch dropped
+            return
         self.loss_sum = torch.stack(self.step_losses).sum(dim=0)
         self.active = self.active & torch.isfinite(self.loss_sum)
         self.stopped = None if bool(self.active.all()) else self.active
@@ -179,7 +185,7 @@ class HeadStack:
         train_loss = (self.loss_sum / max(len(self.step_losses), 1)).cpu().tolist()
         lines = []
         for k, record in enumerate(self.records):
-            if record.diverged_epoch is not None:
+            if record.diverged_epoch is not None or record.stopped_epoch is not None:
                 continue
             val_map, test_map = 100 * float(val_ap[k].mean()), 100 * float(test_ap[k].mean())
             if diverged[k] or not (math.isfinite(val_map) and math.isfinite(test_map)):  # never a NaN result
@@ -187,8 +193,14 @@ class HeadStack:
                 self.active = self.active.clone()
                 self.active[k] = False  # the optimisers leave it alone from now on, as a head whose loss diverged
                 self.stopped = self.active
-            elif record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
-                record.best_state = self.head_state(k)
+            else:
+                if record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
+                    record.best_state = self.head_state(k)
+                if self.early_stop and stops_early(record, *self.early_stop):
+                    record.stopped_epoch = epoch
+                    self.active = self.active.clone()
+                    self.active[k] = False
+                    self.stopped = self.active
             lines += record.metric_lines(epoch)
         return lines
 
@@ -202,10 +214,10 @@ class SeedRun:
     """Every (lr, batch size) head of one loss and one seed; `run_epoch` trains and scores one epoch."""
 
     def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_sizes: list[int], epochs: int,
-                 data: LinearData, start: dict | None = None) -> None:
+                 data: LinearData, start: dict | None = None, fidelity: str = "exact") -> None:
         """`start`: `{"weight", "bias", "loss_state"}` of one head for every head to start from (`linear --from`)."""
         self.data, self.epochs = data, epochs
-        self.stacks = [HeadStack(name, hparams, seed, lrs, batch_size, data, start) for batch_size in batch_sizes]
+        self.stacks = [HeadStack(name, hparams, seed, lrs, batch_size, data, start, fidelity) for batch_size in batch_sizes]
         self.permutations = epoch_permutations(data.num_train, seed, epochs).to(data.train_features.device)
 
     @property
@@ -225,23 +237,34 @@ class SeedRun:
             for stack in self.stacks:
                 stack.start_epoch(epoch, self.epochs, order, data)
                 if bool(stack.active.any()):
-                    for start in range(0, len(order), stack.batch_size):
+                    end = len(order) - len(order) % stack.batch_size if stack.drop_last else len(order)
+                    for start in range(0, end, stack.batch_size):
                         stack.train_step(order[start : start + stack.batch_size], data)
                     stack.end_epoch()
 
     @torch.no_grad()
     def _score(self, epoch: int) -> list[dict]:
-        """Every head's val and test AP in one batched scoring; the epoch's metrics lines."""
+        """Every head's val and test AP in one batched scoring (per stack when its evaluation drops the last
+        partial batch, whose rows depend on the batch size); the epoch's metrics lines."""
         data = self.data
-        scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in self.stacks]))
-        val_ap = average_precision(scores[:, : data.num_val], data.val_targets).cpu().numpy()
-        test_ap = average_precision(scores[:, data.num_val :], data.test_labels).cpu().numpy()
-        lines, first = [], 0
-        for stack in self.stacks:
-            last = first + stack.num_heads
-            lines += stack.finish_epoch(epoch, val_ap[first:last], test_ap[first:last])
-            first = last
-        return lines
+        if not any(stack.drop_last for stack in self.stacks):
+            scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in self.stacks]))
+            val_ap = average_precision(scores[:, : data.num_val], data.val_targets).cpu().numpy()
+            test_ap = average_precision(scores[:, data.num_val :], data.test_labels).cpu().numpy()
+            parts = np.cumsum([0] + [stack.num_heads for stack in self.stacks])
+            aps = [(val_ap[a:b], test_ap[a:b]) for a, b in zip(parts[:-1], parts[1:])]
+        else:
+            aps = [self._scored_as_the_authors(stack) for stack in self.stacks]
+        return [line for stack, (val, test) in zip(self.stacks, aps) for line in stack.finish_epoch(epoch, val, test)]
+
+    def _scored_as_the_authors(self, stack: HeadStack) -> tuple[np.ndarray, np.ndarray]:
+        """Val and test AP on all but the last `N mod B` rows of each, as the authors' evaluation loaders give."""
+        data, size = self.data, stack.batch_size
+        scores = torch.sigmoid(stack.eval_logits(data))
+        val_rows, test_rows = data.num_val - data.num_val % size, len(data.test_labels) - len(data.test_labels) % size
+        val = average_precision(scores[:, :val_rows], data.val_targets[:val_rows])
+        test = average_precision(scores[:, data.num_val : data.num_val + test_rows], data.test_labels[:test_rows])
+        return val.cpu().numpy(), test.cpu().numpy()
 
 
 @contextmanager

@@ -54,7 +54,8 @@ def train_jobs(jobs, used, settings, data, features, workers, starts):
     if workers == 1:
         for name, index, seed, sizes in jobs:
             start = time.perf_counter()
-            run = SeedRun(name, used[name], seed, settings.lrs, list(sizes), settings.epochs, data, starts.get(name))
+            run = SeedRun(name, used[name], seed, settings.lrs, list(sizes), settings.epochs, data, starts.get(name),
+                          settings.fidelity)
             for epoch in range(1, settings.epochs + 1):
                 lines = run.run_epoch(epoch)
                 done = (run.records, time.perf_counter() - start) if epoch == settings.epochs else None
@@ -73,7 +74,7 @@ def train_jobs(jobs, used, settings, data, features, workers, starts):
     try:
         pending = {
             pool.submit(_run_job, (name, index, sizes), name, used[name], seed, settings.lrs, list(sizes),
-                        settings.epochs, starts.get(name)): (name, index, sizes)
+                        settings.epochs, starts.get(name), settings.fidelity): (name, index, sizes)
             for name, index, seed, sizes in jobs
         }
         while pending:
@@ -111,10 +112,10 @@ def _start_worker(source, device: str, val_labels: str, progress) -> None:
     _worker.update(data=source, progress=progress)
 
 
-def _run_job(key, name, hparams, seed, lrs, batch_sizes, epochs, start):
+def _run_job(key, name, hparams, seed, lrs, batch_sizes, epochs, start, fidelity):
     """One job in a worker process: the same training as in-process, progress through the queue."""
     begin = time.perf_counter()
-    run = SeedRun(name, hparams, seed, lrs, batch_sizes, epochs, _worker["data"], start)
+    run = SeedRun(name, hparams, seed, lrs, batch_sizes, epochs, _worker["data"], start, fidelity)
     lines = []
     for epoch in range(1, epochs + 1):
         lines += run.run_epoch(epoch)

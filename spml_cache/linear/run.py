@@ -46,20 +46,21 @@ def run_linear(
     losses: str | Sequence[str] = "all", lrs: Sequence[float] = GRID_LRS, batch_sizes: Sequence[int] = GRID_BATCH_SIZES,
     epochs: int = LINEAR_EPOCHS, seeds: int = 1, hparams: dict[str, float] | None = None, device: str = "auto",
     out: Path | str = "runs", val_labels: str = "clean", workers: int = 0, from_run: Path | str | None = None,
-    resume: Path | str | None = None, console: Console | None = None,
+    resume: Path | str | None = None, fidelity: str = "exact", console: Console | None = None,
 ) -> LinearRun:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
     A job trains every lr of one (loss, seed) and its batch sizes; with `workers` > 1 each batch size is its
     own job, so that even one loss's grid spreads over the cores (same results either way). `from_run`: every
     head starts from that linear run's head (`start_heads`) instead of its seed's initialisation. `resume`: an
-    interrupted run directory, whose settings are used (the grid arguments are then ignored).
+    interrupted run directory, whose settings are used (the grid arguments are then ignored). `fidelity`:
+    "exact" (the papers' math, stably) or "authors" (their code's numerics and rules, docs/fidelity.md).
     """
     if resume is not None:
         config, settings, from_run = stored_settings(Path(resume))
         cache, dataset = config["cache"], None
     else:
-        settings = LinearSettings.check(losses, lrs, batch_sizes, epochs, seeds, hparams or {}, val_labels)
+        settings = LinearSettings.check(losses, lrs, batch_sizes, epochs, seeds, hparams or {}, val_labels, fidelity)
     target = resolve_device(device)
     features = load(find_cache(cache, dataset, cache_dir))
     used = resolved_hparams(settings, features)
@@ -70,7 +71,8 @@ def run_linear(
     if resume is None:
         label = "all" if settings.losses == loss_registry.names() else "+".join(settings.losses)
         grid = {"losses": settings.losses, "lrs": settings.lrs, "batch_sizes": settings.batch_sizes,
-                "epochs": settings.epochs, "seeds": settings.seeds, "hparams": used, "val_labels": settings.val_labels}
+                "epochs": settings.epochs, "seeds": settings.seeds, "hparams": used, "val_labels": settings.val_labels,
+                "fidelity": settings.fidelity}
         run_dir = runs.start_run(
             out, stage="linear", label=label, features=features, device=target, grid=grid, workers=workers,
             num_train=data.num_train, num_val=data.num_val, num_test=len(features.test),
@@ -141,6 +143,7 @@ def _train_and_select(run_dir, settings, used, starts, features, data, target, w
     return runs.finish_run(
         run_dir, stage="linear", features=features, losses={name: entries[name] for name in settings.losses},
         checkpoints={name: checkpoints[name] for name in settings.losses if name in checkpoints},
+        fidelity=settings.fidelity,
     )
 
 

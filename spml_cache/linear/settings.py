@@ -14,6 +14,7 @@ import torch
 from spml_cache import losses as loss_registry
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.errors import SpmlError
+from spml_cache.losses.base import FIDELITIES
 from spml_cache.protocol import check_grid
 from spml_cache import runs
 from spml_cache.runs import load_results, read_linear_head
@@ -30,10 +31,11 @@ class LinearSettings:
     seeds: list[int]
     overrides: dict  # per loss: the hyperparameters given (`hparams` in config.json holds the resolved values)
     val_labels: str
+    fidelity: str = "exact"  # or "authors": the authors' code's numerics and rules (docs/fidelity.md)
 
     @classmethod
     def check(cls, losses_: str | Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int], epochs: int,
-              seeds: int, hparams: dict[str, float], val_labels: str) -> "LinearSettings":
+              seeds: int, hparams: dict[str, float], val_labels: str, fidelity: str = "exact") -> "LinearSettings":
         """`losses_`: "all", or loss names; `hparams`: `{key: value}` or `{"loss.key": value}`."""
         names = resolve_losses(losses_)
         lrs, batch_sizes = check_grid(lrs, batch_sizes)
@@ -43,8 +45,10 @@ class LinearSettings:
             raise SpmlError(f"--seeds {seeds}: must be at least 1 (seeds 0..N-1 are run)")
         if val_labels not in ("clean", "observed"):
             raise SpmlError(f"--val-labels {val_labels!r}: use clean (full val labels) or observed")
+        if fidelity not in FIDELITIES:
+            raise SpmlError(f"--fidelity {fidelity!r}: use {' or '.join(FIDELITIES)} (docs/fidelity.md)")
         return cls(names, lrs, batch_sizes, epochs, list(range(seeds)), loss_registry.overrides_for(names, dict(hparams)),
-                   val_labels)
+                   val_labels, fidelity)
 
 
 def resolve_losses(names: str | Sequence[str]) -> list[str]:
@@ -122,7 +126,8 @@ def stored_settings(run_dir: Path) -> tuple[dict, LinearSettings, Path | None]:
     overrides = {f"{name}.{key}": value for name, values in config["hparams"].items() for key, value in values.items()
                  if value is not None}
     settings = LinearSettings.check(config["losses"], config["lrs"], config["batch_sizes"], config["epochs"],
-                                    len(config["seeds"]), overrides, config["val_labels"])
+                                    len(config["seeds"]), overrides, config["val_labels"],
+                                    config.get("fidelity", "exact"))
     starts = config.get("from") or {}
     from_run = next((Path(start["run"]) for start in starts.values() if start), None)
     return config, settings, from_run

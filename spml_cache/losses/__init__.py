@@ -111,6 +111,8 @@ def describe() -> list[dict]:
                 "oracle": cls.oracle,
                 "needs_train_logits": cls.needs_train_logits,
                 "reconstructed": cls.reconstructed,
+                "authors": {"log_eps": cls.authors_log_eps, "early_stop": cls.authors_early_stop,
+                            "drop_last": cls.authors_drop_last, "defaults": cls.authors_defaults},
             }
         )
     return rows
@@ -120,13 +122,24 @@ def _format_hparams(values: dict) -> str:
     return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in values.items())
 
 
+def _authors_text(authors: dict) -> str:
+    parts = [f"-log(q + {authors['log_eps']:g})"] if authors["log_eps"] else []
+    parts += ["drops the last partial batch"] if authors["drop_last"] else []
+    parts += [f"defaults {_format_hparams(authors['defaults'])}"] if authors["defaults"] else []
+    if authors["early_stop"]:
+        rule, margin = authors["early_stop"]
+        parts.append("stops at the first epoch without gain" if rule == "no_gain" else f"stops {margin:g} below best")
+    return "--fidelity authors: " + ", ".join(parts)
+
+
 def describe_table(rows: list[dict] | None = None) -> Table:
     """`describe()` rows (default: every loss) as the rich Table `spml-cache losses` prints."""
     from rich.table import Table
     from rich.text import Text
 
     rows = describe() if rows is None else rows
-    table = Table(title=f"{len(rows)} losses", show_lines=True)
+    table = Table(title=f"{len(rows)} losses", show_lines=True, caption="equations: docs/losses.md; what"
+                  " --fidelity authors changes, and every known difference from the authors' code: docs/fidelity.md")
     table.add_column("name", style="bold", no_wrap=True)
     table.add_column("what it does / paper reference", ratio=3)
     table.add_column("defaults", ratio=2)
@@ -136,6 +149,7 @@ def describe_table(rows: list[dict] | None = None) -> Table:
         defaults += [f"{dataset}: {_format_hparams(values)}" for dataset, values in row["dataset_defaults"].items()]
         flags = [row["state"]] if row["state"] else []
         flags += [text for flag, text in _FLAG_TEXTS.items() if row[flag]]
+        flags += [_authors_text(row["authors"])] if any(row["authors"].values()) else []
         what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
         table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
     return table

@@ -24,8 +24,9 @@ from spml_cache.losses.base import (
 EM_ALPHA = {"voc": 0.2, "coco": 0.1, "nus": 0.1, "cub": 0.01}
 
 
-def _em_terms(logits: torch.Tensor, observed: torch.Tensor, unobserved_term: torch.Tensor) -> torch.Tensor:
-    known_term = torch.where(observed == 1, neg_log_p(logits), neg_log_1mp(logits))
+def _em_terms(logits: torch.Tensor, observed: torch.Tensor, unobserved_term: torch.Tensor,
+              eps: float | None) -> torch.Tensor:
+    known_term = torch.where(observed == 1, neg_log_p(logits, eps), neg_log_1mp(logits, eps))
     return torch.where(observed == 0, unobserved_term, known_term)
 
 
@@ -34,13 +35,15 @@ class EntropyMaximization(Loss):
     """EM: `nl(p)` on observed positives, `-alpha * H(p)` on unobserved labels (the total can be negative)."""
 
     name = "em"
+    authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
+    authors_early_stop = ("no_gain", 0.0)  # Zhou et al.: stop at the first epoch without improvement
     description = "Entropy maximisation on unobserved labels: acknowledge them as unknown instead of negative."
     reference = "Zhou et al., ECCV 2022, Eq. 3-4; Table 1 row EM loss"
     defaults = {"alpha": 0.1}
     dataset_defaults = {dataset: {"alpha": alpha} for dataset, alpha in EM_ALPHA.items()}
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        return mean_over_entries(_em_terms(logits, observed, -self.alpha * entropy(logits)))
+        return mean_over_entries(_em_terms(logits, observed, -self.alpha * entropy(logits, self.log_eps), self.log_eps))
 
 
 @register
@@ -57,6 +60,8 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
     """
 
     name = "em_apl"
+    authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
+    authors_early_stop = ("no_gain", 0.0)
     description = "EM plus asymmetric pseudo-labelling: the lowest-scoring unknowns turn into soft negatives."
     reference = "Zhou et al., ECCV 2022, Sec. 3.3, Algorithm 1, Eq. 6-8; Table 1 row EM loss+APL"
     defaults = {"alpha": 0.1, "beta": 0.9, "warmup": 5, "theta": 0.9}
@@ -111,6 +116,6 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
         pseudo_negative = rows_for_heads(self.pseudo_negative, index, logits)
         soft_target = rows_for_heads(self.soft_target, index, logits).to(logits.dtype)
         unobserved_term = torch.where(
-            pseudo_negative, self.beta * bce(logits, soft_target), -self.alpha * entropy(logits)
+            pseudo_negative, self.beta * bce(logits, soft_target, self.log_eps), -self.alpha * entropy(logits, self.log_eps)
         )
-        return mean_over_entries(_em_terms(logits, observed, unobserved_term))
+        return mean_over_entries(_em_terms(logits, observed, unobserved_term, self.log_eps))

@@ -18,17 +18,20 @@ class AssumeNegative(Loss):
     """AN: `nl(p)` on observed positives, `nl(1-p)` on everything else."""
 
     name = "an"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Assume negative: every label that is not the observed positive is a negative."
     reference = "Cole et al., CVPR 2021, Eq. 8; Table 1 row L_AN (Zhou et al., Eq. 1)"
 
     def forward(self, logits, observed, *, labels=None, index=None):
         # nl(p) where z = 1 and nl(1 - p) elsewhere: BCE against the target 1[z = 1], as one fused op
-        return mean_over_entries(bce(logits, (observed == 1).to(logits.dtype)))
+        return mean_over_entries(bce(logits, (observed == 1).to(logits.dtype), self.log_eps))
 
 
-def _smoothed_bce(logits: torch.Tensor, observed: torch.Tensor, positive_target: float, negative_target: float):
+def _smoothed_bce(logits: torch.Tensor, observed: torch.Tensor, positive_target: float, negative_target: float,
+                  eps: float | None):
     target = torch.where(observed == 1, logits.new_tensor(positive_target), logits.new_tensor(negative_target))
-    return mean_over_entries(bce(logits, target))
+    return mean_over_entries(bce(logits, target, eps))
 
 
 @register
@@ -36,12 +39,14 @@ class AssumeNegativeLabelSmoothing(Loss):
     """AN-LS: AN with targets `1 - ls` (positives) and `ls` (assumed negatives)."""
 
     name = "an_ls"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Assume negative with label smoothing on both sides (targets 1-ls / ls)."
     reference = "Cole et al., CVPR 2021, Eq. 9; Table 1 row L_AN-LS (Zhou et al., Table 1 row LS)"
     defaults = {"ls": 0.1}
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        return _smoothed_bce(logits, observed, 1.0 - self.ls, self.ls)
+        return _smoothed_bce(logits, observed, 1.0 - self.ls, self.ls, self.log_eps)
 
 
 @register
@@ -49,12 +54,13 @@ class AssumeNegativeSmoothNegatives(Loss):
     """AN-LS(0, ls): the positive target stays 1, assumed negatives get target `ls`."""
 
     name = "an_ls_neg"
+    authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Assume negative with label smoothing on the assumed negatives only (targets 1 / ls)."
     reference = "Cole et al., CVPR 2021, appendix A, AN-LS(eps_p=0, eps_n) and Table A1 (Zhou et al., Table 1 row N-LS)"
     defaults = {"ls": 0.1}
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        return _smoothed_bce(logits, observed, 1.0, self.ls)
+        return _smoothed_bce(logits, observed, 1.0, self.ls, self.log_eps)
 
 
 @register
@@ -62,6 +68,8 @@ class WeakAssumeNegative(Loss):
     """WAN: assumed negatives weighted by `gamma`, by default `1/(C-1)` (one positive weighs as much as the rest)."""
 
     name = "wan"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Weak assume negative: assumed negatives down-weighted by gamma."
     reference = "Cole et al., CVPR 2021, Sec. 5.1 (L_WAN); Table 1 row L_WAN (Zhou et al., Table 1 row DW)"
     defaults = {"gamma": None}
@@ -75,7 +83,7 @@ class WeakAssumeNegative(Loss):
             self.set_hparam("gamma", 1.0 / (self.num_classes - 1))
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        terms = torch.where(observed == 1, neg_log_p(logits), self.gamma * neg_log_1mp(logits))
+        terms = torch.where(observed == 1, neg_log_p(logits, self.log_eps), self.gamma * neg_log_1mp(logits, self.log_eps))
         return mean_over_entries(terms)
 
 
@@ -84,6 +92,8 @@ class AssumeNegativeL1(AssumeNegative):
     """AN plus `lam * ||W||_1` on the linear head's weight (the trainer adds `penalty`)."""
 
     name = "l1r"
+    authors_drop_last = False  # run with Zhou et al.'s code, whose loaders keep it
+    authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Assume negative plus an L1 penalty lam*||W||_1 on the linear head's weight (not the bias)."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L1R"
     defaults = {"lam": 1e-4}
@@ -97,6 +107,8 @@ class AssumeNegativeL2(AssumeNegative):
     """AN plus `lam / 2 * ||W||_2^2` on the linear head's weight (the trainer adds `penalty`)."""
 
     name = "l2r"
+    authors_drop_last = False  # run with Zhou et al.'s code, whose loaders keep it
+    authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Assume negative plus an L2 penalty lam/2*||W||^2 on the linear head's weight (not the bias)."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L2R"
     defaults = {"lam": 1e-4}
@@ -110,13 +122,14 @@ class EntropyMinimization(Loss):
     """EntMin: `nl(p)` on positives, `+alpha * H(p)` on unobserved labels; collapses to "all positive"."""
 
     name = "entmin"
+    authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Entropy minimisation on unobserved labels (the mirror image of em); a baseline that collapses."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row EntMin"
     defaults = {"alpha": 0.1}
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        unobserved_term = self.alpha * entropy(logits)
-        other_term = torch.where(observed == 1, neg_log_p(logits), neg_log_1mp(logits))
+        unobserved_term = self.alpha * entropy(logits, self.log_eps)
+        other_term = torch.where(observed == 1, neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps))
         return mean_over_entries(torch.where(observed == 0, unobserved_term, other_term))
 
 
@@ -125,6 +138,7 @@ class PairwiseRanking(Loss):
     """PR: for each observed positive i, entry (n, i) = sum over assumed negatives j of max(0, 1 - p_ni + p_nj)."""
 
     name = "pr"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     description = "Pairwise ranking hinge on probabilities: each observed positive above every assumed negative."
     reference = "Cole et al., CVPR 2021, appendix A, L_PR and Table A1"
 

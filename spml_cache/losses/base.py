@@ -17,27 +17,42 @@ import torch.nn.functional as F
 
 from spml_cache.errors import SpmlError
 
+# exact: the papers' math, computed stably (the default); authors: the authors' code's numerics and rules
+FIDELITIES = ("exact", "authors")
 
-def neg_log_p(x: torch.Tensor) -> torch.Tensor:
-    """nl(p) = -log(sigmoid(x)), stable for any logit."""
+
+# `eps` below: None is the exact math (stable from logits, the package's default); a number is the authors' code's
+# numerics, -log(q + eps) on float32 probabilities, which saturates: past |x| of about 17 (eps 1e-7) or 12
+# (1e-5) the term stops changing and its gradient vanishes (docs/fidelity.md, "Saturation").
+
+
+def neg_log_p(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """nl(p) = -log(sigmoid(x)), stable for any logit; with `eps`, the authors' -log(sigmoid(x) + eps)."""
+    if eps is not None:
+        return -torch.log(torch.sigmoid(x) + eps)
     return -F.logsigmoid(x)
 
 
-def neg_log_1mp(x: torch.Tensor) -> torch.Tensor:
-    """nl(1 - p) = -log(1 - sigmoid(x)) = log(1 + e^x), stable for any logit (one op: steps run ~100 of them)."""
+def neg_log_1mp(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """nl(1 - p) = -log(1 - sigmoid(x)) = log(1 + e^x), stable for any logit (one op: steps run ~100 of them);
+    with `eps`, the authors' -log(1 - sigmoid(x) + eps)."""
+    if eps is not None:
+        return -torch.log(1 - torch.sigmoid(x) + eps)
     return F.softplus(x)
 
 
-def bce(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def bce(x: torch.Tensor, target: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """Per-entry binary cross-entropy of logits `x` against a (soft) target in [0, 1] (broadcast to `x`):
     `target * nl(p) + (1 - target) * nl(1 - p)`, as torch's one fused op (differentiable in the target too)."""
+    if eps is not None:
+        return target * neg_log_p(x, eps) + (1 - target) * neg_log_1mp(x, eps)
     x, target = torch.broadcast_tensors(x, target)
     return F.binary_cross_entropy_with_logits(x, target, reduction="none")
 
 
-def entropy(x: torch.Tensor) -> torch.Tensor:
+def entropy(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """H(p) = -p log p - (1 - p) log(1 - p) of p = sigmoid(x), from logits (finite for any logit)."""
-    return bce(x, torch.sigmoid(x))
+    return bce(x, torch.sigmoid(x), eps)
 
 
 def mean_over_entries(terms: torch.Tensor) -> torch.Tensor:
@@ -78,6 +93,13 @@ class Loss(torch.nn.Module):
     oracle: ClassVar[bool] = False  # reads the full labels: an upper bound, not an SPML method
     needs_train_logits: ClassVar[bool] = False  # start_epoch wants the current logits of every training row
     reconstructed: ClassVar[bool] = False  # no public code: implemented from the spec's reconstruction
+    # `--fidelity authors`: the eps the authors' code adds inside its logs (None: their code is stable from logits,
+    # or there is no code), and the early stopping rule of the paper that proposes the loss: ("no_gain", 0) stops
+    # at the first epoch whose val mAP does not improve, ("drop", d) once it falls d below its best.
+    authors_log_eps: ClassVar[float | None] = None
+    authors_early_stop: ClassVar[tuple[str, float] | None] = None
+    authors_drop_last: ClassVar[bool] = False  # the authors' loaders drop each epoch's last partial batch
+    authors_defaults: ClassVar[dict[str, float]] = {}  # defaults of the authors' code where they differ from ours
 
     def __init__(
         self,
@@ -88,9 +110,14 @@ class Loss(torch.nn.Module):
         num_heads: int = 1,
         train_observed: torch.Tensor | None = None,
         seed: int | Sequence[int] = 0,
+        fidelity: str = "exact",
         **hparams: float,
     ) -> None:
         super().__init__()
+        if fidelity not in FIDELITIES:
+            raise SpmlError(f"--fidelity {fidelity}: use {' or '.join(FIDELITIES)}")
+        self.fidelity = fidelity
+        self.log_eps = self.authors_log_eps if fidelity == "authors" else None  # what every log term passes on
         unknown = sorted(set(hparams) - set(self.defaults))
         if unknown:
             valid = ", ".join(sorted(self.defaults)) or "none"
@@ -114,7 +141,8 @@ class Loss(torch.nn.Module):
         self.num_heads = num_heads
         self.seed = seed  # one int for every head, or one per head (ROLE's Theta init draws from it)
         self.train_observed = train_observed  # int8 [N_train, C] as given; stateful losses copy it into buffers
-        self.hparams = {**self.defaults, **self.dataset_defaults.get(dataset or "", {}), **hparams}
+        authors = self.authors_defaults if fidelity == "authors" else {}
+        self.hparams = {**self.defaults, **authors, **self.dataset_defaults.get(dataset or "", {}), **hparams}
         for key, value in self.hparams.items():
             setattr(self, key, value)
 

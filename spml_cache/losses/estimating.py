@@ -27,10 +27,10 @@ def expected_positive_regularizer(p: torch.Tensor, k: float) -> torch.Tensor:
     return ((k_hat - k) / num_classes) ** 2
 
 
-def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """`nl(p)` on observed positives, `nl(1-p)` on observed negatives, 0 on unobserved labels: BCE against
     1[z = 1] where z != 0 (one fused op and a mask, where the two branches would take ten)."""
-    return bce(logits, (observed == 1).to(logits.dtype)) * (observed != 0)
+    return bce(logits, (observed == 1).to(logits.dtype), eps) * (observed != 0)
 
 
 class _ExpectedPositivesLoss(Loss):
@@ -56,6 +56,8 @@ class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
     """EPR: BCE on the observed labels only, plus R_k on the batch's predictions (added unnormalised)."""
 
     name = "epr"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Observed labels only, plus a penalty pulling the batch's mean predicted positive count to k."
     reference = "Cole et al., CVPR 2021, Sec. 5.3, L_EPR with R_k of Eq. 10; Table 1 row L_EPR"
 
@@ -77,6 +79,8 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
     """
 
     name = "role"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Regularised online label estimation: a learnable label matrix trained jointly with the head."
     reference = "Cole et al., CVPR 2021, Sec. 5.4, Eq. 11 and L_ROLE; Sec. 6.1 init of g; Table 1 row L_ROLE"
     defaults = {**_ExpectedPositivesLoss.defaults, "lr_mult": 10.0}
@@ -108,10 +112,10 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
         theta_batch = rows_for_heads(self.theta, index, logits).to(logits.dtype)
         p = torch.sigmoid(logits)
         q = torch.sigmoid(theta_batch)
-        observed_f = observed_label_terms(logits, observed)  # pos_f (+ neg_f)
-        observed_q = observed_label_terms(theta_batch, observed)  # pos_q (+ neg_q)
-        cross_f = bce(logits, q.detach())
-        cross_q = bce(theta_batch, p.detach())
+        observed_f = observed_label_terms(logits, observed, self.log_eps)  # pos_f (+ neg_f)
+        observed_q = observed_label_terms(theta_batch, observed, self.log_eps)  # pos_q (+ neg_q)
+        cross_f = bce(logits, q.detach(), self.log_eps)
+        cross_q = bce(theta_batch, p.detach(), self.log_eps)
         terms = 0.5 * (observed_f + observed_q) + 0.5 * (cross_f + cross_q)
         regularizer = 0.5 * (expected_positive_regularizer(p, self.k) + expected_positive_regularizer(q, self.k))
         return mean_over_entries(terms) + regularizer

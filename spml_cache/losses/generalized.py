@@ -28,6 +28,9 @@ class GeneralizedRobust(Loss):
     `mu(e) = mu0 + (muT - mu0) e/T` (and `sigma`). Before the first `start_epoch` the start values hold."""
 
     name = "gr"
+    authors_log_eps = 1e-7  # Chen et al.'s code: -log(p + 1e-7)
+    authors_early_stop = ("drop", 2.0)  # Chen et al.: stop once val mAP falls 2 below its best
+    authors_defaults = {"wT": 2.0, "bT": -2.0}  # their code's defaults (VOC's); ours without a dataset are COCO's
     description = "generalized robust loss: soft pseudo-label k(p) and weight v(p) on scheduled GCE terms"
     reference = "Chen et al., IJCAI 2024, Sec. 3, eqs. 5-14; appendix E.2, Table 6"
     # Class defaults are the COCO and NUS columns of Table 6 (also a custom dataset's); VOC and CUB differ.
@@ -38,7 +41,9 @@ class GeneralizedRobust(Loss):
     }
     dataset_defaults = {
         "voc": {"wT": 2.0, "bT": -2.0},
-        "cub": {"q3": 1.5},
+        "coco": {"wT": 10.0, "bT": -8.0},
+        "nus": {"wT": 10.0, "bT": -8.0},
+        "cub": {"wT": 10.0, "bT": -8.0, "q3": 1.5},
     }
 
     def __init__(self, **kwargs) -> None:
@@ -60,5 +65,6 @@ class GeneralizedRobust(Loss):
         loss_2 = generalized_ce(F.logsigmoid(logits), self.q2)  # (1 - p^q2)/q2, towards positive
         loss_3 = generalized_ce(F.logsigmoid(-logits), self.q3)  # (1 - (1-p)^q3)/q3, towards negative
         missing = v * (k * loss_2 + (1 - k) * loss_3)
-        terms = torch.where(observed == 1, neg_log_p(logits), torch.where(observed == 0, missing, neg_log_1mp(logits)))
+        nl_p, nl_1mp = neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps)
+        terms = torch.where(observed == 1, nl_p, torch.where(observed == 0, missing, nl_1mp))
         return mean_over_entries(terms)

@@ -34,6 +34,7 @@ class _LargeLoss(Loss):
 
     reference = "Kim et al., CVPR 2022 (Large Loss Matters); compared in Chen et al., IJCAI 2024, Table 2"
     defaults = {"delta": 0.002}
+    authors_early_stop = ("drop", 3.0)  # Kim et al.: stop once val mAP falls 3 below its best
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -46,6 +47,13 @@ class _LargeLoss(Loss):
         """m for a batch of `num_entries = B*C` entries: ceil(B*C*(t-1)*delta), 0 at epoch 1."""
         if self.epoch < 2:
             return 0
+        if self.fidelity == "authors":
+            # Kim et al.'s code: clean_rate -= delta once per epoch, then ceil(B*C*(1 - clean_rate)); the float
+            # subtraction makes it one higher wherever B*C*(t-1)*delta is a whole number (docs/fidelity.md)
+            clean_rate = 1.0
+            for _ in range(self.epoch - 1):
+                clean_rate -= self.delta
+            return math.ceil(num_entries * (1 - clean_rate))
         # round first: B*C*(t-1)*delta is an integer more often than floating point says (100 * 0.07)
         return math.ceil(round(num_entries * (self.epoch - 1) * self.delta, 6))
 
@@ -107,6 +115,8 @@ class LargeLossCorrectPermanent(_LargeLoss):
         self.register_buffer("corrected_observed", self.train_observed.unsqueeze(0).repeat(self.num_heads, 1, 1))
 
     def rejection_count(self, num_entries: int) -> int:
+        if self.fidelity == "authors":  # the authors' code never reaches its LL-Cp branch: LL-Ct's count
+            return super().rejection_count(num_entries)
         if self.epoch < 2:
             return 0
         return math.ceil(round(num_entries * self.delta, 6))
@@ -116,6 +126,8 @@ class LargeLossCorrectPermanent(_LargeLoss):
         return rows == 1, rows == 0
 
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
+        if self.fidelity == "authors":  # ... and corrects nothing for good: LL-Ct, as its code runs
+            return torch.where(large, nl_p, terms)
         permanent = large & (nl_1mp.detach() > threshold)
         with torch.no_grad():
             rows = rows_for_heads(self.corrected_observed, index, nl_1mp)

@@ -16,12 +16,14 @@ class FullBCE(Loss):
     """BCE on every label: `nl(p)` where y=1, `nl(1-p)` where y=0."""
 
     name = "bce"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Binary cross-entropy on the full labels (all positives and all negatives); an upper bound."
     reference = "Cole et al., CVPR 2021, Eq. 5; Table 1 row L_BCE"
     oracle = True
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        return mean_over_entries(bce(logits, labels.to(logits.dtype)))
+        return mean_over_entries(bce(logits, labels.to(logits.dtype), self.log_eps))
 
 
 @register
@@ -29,6 +31,8 @@ class FullBCELabelSmoothing(Loss):
     """BCE on every label with smoothed targets `1 - ls` (y=1) and `ls` (y=0), the reference code's convention."""
 
     name = "bce_ls"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "BCE on the full labels with label smoothing (targets 1-ls / ls); an upper bound."
     reference = "Cole et al., CVPR 2021, Eq. 5 with the smoothing of Eq. 9; Table 1 row L_BCE-LS"
     defaults = {"ls": 0.1}
@@ -36,7 +40,7 @@ class FullBCELabelSmoothing(Loss):
 
     def forward(self, logits, observed, *, labels=None, index=None):
         target = torch.where(labels == 1, logits.new_tensor(1.0 - self.ls), logits.new_tensor(self.ls))
-        return mean_over_entries(bce(logits, target))
+        return mean_over_entries(bce(logits, target, self.log_eps))
 
 
 @register
@@ -48,11 +52,13 @@ class IgnoreUnobservedNegatives(Loss):
     """
 
     name = "iun"
+    authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
+    authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "The observed positive(s) plus all true negatives (1 pos. & all neg.); an upper bound."
     reference = "Cole et al., CVPR 2021, Eq. 7; Table 1 row L_IUN"
     oracle = True
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        positive_term = neg_log_p(logits)
-        negative_term = torch.where(labels == 0, neg_log_1mp(logits), torch.zeros_like(logits))
+        positive_term = neg_log_p(logits, self.log_eps)
+        negative_term = torch.where(labels == 0, neg_log_1mp(logits, self.log_eps), torch.zeros_like(logits))
         return mean_over_entries(torch.where(observed == 1, positive_term, negative_term))

@@ -40,6 +40,9 @@ class Focal(Loss):
         return mean_over_entries(terms)
 
 
+ASL_LOG_FLOOR = 1e-8  # what the ASL authors' code clamps probabilities to before a log
+
+
 @register
 class AsymmetricLoss(Loss):
     """ASL (Ridnik et al. 2021): `(1-p)^gp nl(p)` on observed positives; on the rest the shifted probability
@@ -52,6 +55,9 @@ class AsymmetricLoss(Loss):
 
     def forward(self, logits, observed, *, labels=None, index=None):
         positive = focal_positive(logits, self.gp)
+        if self.fidelity == "authors":  # Ridnik et al.'s code: log(p.clamp(min=1e-8)), flat below p = 1e-8
+            p = torch.sigmoid(logits)
+            positive = (1 - p).pow(self.gp) * -torch.log(p.clamp(min=ASL_LOG_FLOOR))
         if self.clip > 0:
             # 1 - pm = min(1 - p + clip, 1) >= clip: its log needs no logsigmoid
             shifted = (torch.sigmoid(logits) - self.clip).clamp(min=0)

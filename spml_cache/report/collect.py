@@ -31,6 +31,7 @@ class Run:
     config: dict
     results: dict | None
     problem: str = ""
+    fidelity: str = "exact"  # "authors": trained with the authors' numerics, never tabulated with exact runs
 
     @property
     def losses(self) -> dict:
@@ -59,6 +60,7 @@ def read_run(path: Path) -> Run:
         config=config or {},
         results=results,
         problem=problem if results is None else "",
+        fidelity=str(known.get("fidelity") or "exact"),
     )
 
 
@@ -110,8 +112,9 @@ def loss_family(name: str) -> str:
     return losses.get(name).__module__.rpartition(".")[2] if name in losses.names() else "other"
 
 
-def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool) -> str:
+def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool, fidelity: str = "exact") -> str:
     label = f"{DATASET_LABELS.get(dataset, dataset)} {STAGE_LABELS.get(stage, stage)}"
+    label += " (authors' numerics)" if fidelity == "authors" else ""
     return f"{label} (cache {cache_id[:8]})" if several_caches else label
 
 
@@ -129,7 +132,7 @@ def select_newest(runs: list[Run]) -> tuple[list[Column], dict[tuple[str, str], 
     columns: dict[str, Column] = {}
     history: dict[tuple[str, str], list[Run]] = {}
     for run in sorted(complete, key=lambda r: (r.stamp, r.path.name)):
-        label = _column_label(run.dataset, run.stage, run.cache_id, len(caches[run.dataset]) > 1)
+        label = _column_label(run.dataset, run.stage, run.cache_id, len(caches[run.dataset]) > 1, run.fidelity)
         weights = run.config.get("cache_attrs", {}).get("weights")
         columns.setdefault(label, Column(run.dataset, run.stage, run.cache_id, label, weights))
         for loss, result in run.losses.items():
