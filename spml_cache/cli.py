@@ -65,20 +65,26 @@ def parse_names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def parse_hparams(items: List[str]) -> dict[str, float]:
-    """`--hp key=value` or `--hp loss.key=value` (repeatable) as `{key: value}`."""
+def parse_hparams(items: List[str]) -> dict:
+    """`--hp key=value` or `--hp loss.key=value` (repeatable) as `{key: value}`; `key=v1,v2,...` as a list of
+    values to sweep (several swept keys give their product)."""
     given = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise SpmlError(f"--hp {item!r}: expected key=value or loss.key=value, e.g. --hp alpha=0.1")
-        try:
-            value = int(text) if text.strip().lstrip("-").isdigit() else float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise SpmlError(f"--hp {item!r}: the value must be a finite number")
-        given[key.strip()] = value
+        if not text.strip(","  " ").strip():
+            raise SpmlError(f"--hp {item!r}: no value; give one, or a comma list to sweep, e.g. --hp {key.strip()}=0.1,0.2")
+        values = []
+        for part in text.split(","):
+            try:
+                value = int(part) if part.strip().lstrip("-").isdigit() else float(part)
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value):
+                raise SpmlError(f"--hp {item!r}: every value must be a finite number (a comma list sweeps them)")
+            values.append(value)
+        given[key.strip()] = values if "," in text else values[0]
     return given
 
 
@@ -257,7 +263,7 @@ def linear_command(
     batch_size: str = typer.Option("8,16", "--batch-size", help="Batch sizes, a comma list."),
     epochs: int = typer.Option(25, "--epochs", help="Epochs per head; the best val epoch is selected."),
     seeds: int = typer.Option(1, "--seeds", help="Run seeds 0..N-1 (init and batch order); results are mean ± std."),
-    hp: Optional[List[str]] = typer.Option(None, "--hp", help="A hyperparameter key=value (repeatable); loss.key=value for one loss."),
+    hp: Optional[List[str]] = typer.Option(None, "--hp", help="A hyperparameter key=value (repeatable); loss.key=value for one loss; key=v1,v2,... sweeps the values."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/."),
     val_labels: str = typer.Option("clean", "--val-labels", help="Select on clean (full) val labels, or on the observed ones."),
@@ -265,12 +271,14 @@ def linear_command(
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept (its settings are used)."),
     fidelity: str = typer.Option("exact", "--fidelity", help="exact: the papers' math, computed stably; authors: their code's numerics, dropped last batches and early stopping (docs/fidelity.md)."),
+    hp_grid: Optional[str] = typer.Option(None, "--hp-grid", help="paper: sweep each loss's own search space where its paper states one (spml-cache losses lists them); --hp values win."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 
-    Every finished (loss, seed, batch size) is kept as it finishes: after Ctrl-C, --resume RUN goes on.
+    Every finished (loss, seed, batch size) is kept as it finishes: after Ctrl-C, --resume RUN goes on. A
+    hyperparameter given as a comma list is swept, every value beside every lr and batch size.
 
-    Example: spml-cache linear --dataset voc --loss an,role --seeds 3
+    Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3 --hp ll_r.delta=0.001,0.002,0.003
     """
     from spml_cache.linear import run_linear, summary_table
 
@@ -280,7 +288,7 @@ def linear_command(
         cache=cache, dataset=dataset, losses=parse_names(loss or ""), lrs=parse_list(lr, "--lr", float),
         batch_sizes=parse_list(batch_size, "--batch-size", int), epochs=epochs, seeds=seeds,
         hparams=parse_hparams(hp or []), device=device, out=out, val_labels=val_labels, workers=workers,
-        from_run=from_run, resume=resume, fidelity=fidelity,
+        from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid,
     )
     console.print(summary_table(run.results))
     console.print(f"run directory: {run.run_dir}")

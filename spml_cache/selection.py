@@ -24,6 +24,7 @@ class HeadRecord:
     lr: float
     batch_size: int
     seed: int
+    hparams: dict = field(default_factory=dict)  # the head's values of the swept hyperparameters ({} without a sweep)
     train_loss: list = field(default_factory=list)  # per finished epoch
     val_map: list = field(default_factory=list)
     test_map: list = field(default_factory=list)
@@ -58,7 +59,8 @@ class HeadRecord:
 
     def metric_lines(self, first: int = 1) -> list[dict]:
         """The metrics.jsonl lines of this head's epochs from `first` on (the diverged epoch last)."""
-        keys = {"loss": self.loss, "lr": self.lr, "batch_size": self.batch_size, "seed": self.seed}
+        keys = {"loss": self.loss, "lr": self.lr, "batch_size": self.batch_size, "seed": self.seed,
+                **({"hparams": self.hparams} if self.hparams else {})}
         lines = [{**keys, "epoch": e + 1, "train_loss": t, "val_map": v, "test_map": m}
                  for e, (t, v, m) in enumerate(zip(self.train_loss, self.val_map, self.test_map))]
         if self.stopped_epoch is not None:
@@ -83,7 +85,7 @@ def best_so_far(records: list[HeadRecord]) -> dict | None:
     if best.best_epoch is None:
         return None
     return {"val_map": best.best_val_map, "test_map": best.test_map[best.best_epoch - 1], "lr": best.lr,
-            "batch_size": best.batch_size, "epoch": best.best_epoch}
+            "batch_size": best.batch_size, "epoch": best.best_epoch, "hparams": best.hparams}
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Selection:
     batch_size: int
     records: list[HeadRecord]  # the selected config's head of every seed, in seed order
     mean_val_map: float
+    hparams: dict = field(default_factory=dict)  # the selected values of the swept hyperparameters
 
     @property
     def representative(self) -> HeadRecord:
@@ -100,15 +103,17 @@ class Selection:
 
 
 def select_config(records: list[HeadRecord]) -> Selection | None:
-    """The config with the highest mean (over seeds) best-epoch val mAP; None when every head diverged at once."""
-    configs: dict[tuple[float, int], list[HeadRecord]] = {}
-    for record in records:  # grid order: lr, then batch size, as given on the command line
-        configs.setdefault((record.lr, record.batch_size), []).append(record)
+    """The config (lr, batch size and swept hyperparameters) with the highest mean (over seeds) best-epoch val mAP;
+    None when every head diverged at once."""
+    configs: dict[tuple, list[HeadRecord]] = {}
+    for record in records:  # grid order: lr, then batch size (then the swept values), as given
+        configs.setdefault((record.lr, record.batch_size, repr(sorted(record.hparams.items()))), []).append(record)
     chosen, best = None, -math.inf
-    for (lr, batch_size), heads in configs.items():
+    for (lr, batch_size, _), heads in configs.items():
         mean_val = float(np.mean([head.best_val_map for head in heads]))
         if mean_val > best:
-            chosen, best = Selection(lr, batch_size, sorted(heads, key=lambda h: h.seed), mean_val), mean_val
+            heads = sorted(heads, key=lambda h: h.seed)
+            chosen, best = Selection(lr, batch_size, heads, mean_val, dict(heads[0].hparams)), mean_val
     return chosen
 
 
@@ -122,6 +127,7 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
             "test_map": r.test_map[r.best_epoch - 1] if r.best_epoch else None,
             "diverged_epoch": r.diverged_epoch,
             **({"stopped_epoch": r.stopped_epoch} if r.stopped_epoch is not None else {}),
+            **({"hparams": r.hparams} if r.hparams else {}),
         }
         for r in records
     ]
@@ -132,7 +138,8 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
     val = [r.best_val_map for r in chosen]
     test = [r.test_map[r.best_epoch - 1] for r in chosen]
     return {
-        "selected": {"lr": selection.lr, "batch_size": selection.batch_size, "hparams": hparams},
+        "selected": {"lr": selection.lr, "batch_size": selection.batch_size, "hparams": {**hparams, **selection.hparams},
+                     **({"swept": selection.hparams} if selection.hparams else {})},
         "best_epoch": [r.best_epoch for r in chosen],
         "val_map": float(np.mean(val)),
         "val_map_std": float(np.std(val)),

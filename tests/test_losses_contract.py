@@ -217,8 +217,47 @@ def test_cli_losses_json(tmp_path):
     for row in rows:
         assert set(row) == {
             "name", "description", "reference", "defaults", "dataset_defaults", "state", "oracle",
-            "needs_train_logits", "reconstructed", "authors",
+            "needs_train_logits", "reconstructed", "authors", "paper_grid", "per_head",
         }
+    assert by_name["ll_r"]["paper_grid"]["values"] == {"delta": [0.001, 0.002, 0.003, 0.004, 0.005]}
+    assert "issue 8" in by_name["ll_r"]["paper_grid"]["source"] and by_name["an"]["paper_grid"] is None
     assert by_name["gr"]["authors"] == {"log_eps": 1e-7, "early_stop": ["drop", 2.0], "drop_last": False,
                                         "defaults": {"wT": 2.0, "bT": -2.0}}
     assert list(os.listdir(tmp_path)) == []  # printing writes nothing
+
+
+SWEPT = [name for name in ALL if losses.get(name).per_head]
+
+
+def other_valid_value(loss_cls, key, value):
+    """A second value of `key` inside its bounds (and of k inside (0, C])."""
+    low, high, _ = loss_cls.bounds.get(key, (float("-inf"), float("inf"), "()"))
+    candidate = value * 0.5 if value not in (None, 0) else 0.5
+    return min(max(candidate, low + 1e-3 if low > float("-inf") else candidate), high - 1e-3 if high < 1e9 else candidate)
+
+
+@pytest.mark.parametrize("name", SWEPT)
+def test_heads_with_their_own_hyperparameters_equal_separate_losses(name):
+    """A sweep trains heads that differ only in a hyperparameter in one stack: each head of the stacked loss is
+    the loss built with that head's values (every per-head key at once, through the epoch hooks)."""
+    cls = losses.get(name)
+    base = build(name).hparams
+    values = {key: [base[key], other_valid_value(cls, key, base[key]), base[key]] for key in cls.per_head}
+    stacked = build(name, num_heads=K, **values)
+    advance(stacked, list(range(K)))
+    for head in range(K):
+        alone = build(name, **{key: vals[head] for key, vals in values.items()})
+        advance(alone, [head])
+        for index in (INDEX, torch.tensor([0, 2, 3, 5])):
+            got, want = call(stacked, BATCH_LOGITS, index)[head], call(alone, BATCH_LOGITS[head], index)
+            torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-6)
+        weight = torch.randn(K, 3, C, generator=torch.Generator().manual_seed(head))
+        penalty = torch.as_tensor(stacked.penalty(weight)).expand(K)[head]
+        assert float(alone.penalty(weight[head])) == pytest.approx(float(penalty), rel=1e-5)
+
+
+def test_a_value_outside_its_range_or_a_per_head_key_that_is_not_one_is_refused():
+    with pytest.raises(SpmlError, match=r"--hp ll_r.delta=1.5: outside its valid range \(0, 1\)"):
+        build("ll_r", delta=1.5)
+    with pytest.raises(SpmlError, match="warmup cannot take one value per head"):
+        build("em_apl", num_heads=2, warmup=[3, 4])

@@ -64,16 +64,24 @@ class LinearData:
 
 
 class HeadStack:
-    """The heads of one (loss, seed, batch size): one for each lr, trained as one stacked tensor.
+    """The heads of one (loss, seed, batch size): one for each lr (and each combination of swept hyperparameters
+    the loss takes per head), trained as one stacked tensor.
 
     A step: the batch's logits for every head (one matmul), the loss and its gradient with respect to the
     logits (and the loss's own parameters) by autograd, then the heads' gradient and Adam update in
     `HeadMatrix.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
     """
 
-    def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_size: int, data: LinearData,
-                 start: dict | None = None, fidelity: str = "exact") -> None:
+    def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_size: int,
+                 data: LinearData, start: dict | None = None, fidelity: str = "exact",
+                 swept: tuple[str, ...] = ()) -> None:
+        """`hparams`: the loss's, or one dict per head (beside `lrs`, one lr per head): a key whose heads'
+        values differ is handed to the loss as a list (one of its `per_head` keys). `swept`: the keys whose
+        values the records name."""
         device = data.train_features.device
+        per_head = hparams if isinstance(hparams, list) else [hparams] * len(lrs)
+        hparams = {key: [h[key] for h in per_head] if len({repr(h[key]) for h in per_head}) > 1 else per_head[0][key]
+                   for key in per_head[0]}
         self.batch_size, self.num_heads = batch_size, len(lrs)
         self.heads = HeadMatrix(data.train_features.shape[1], data.num_classes, [seed] * len(lrs), lrs, device=device,
                                   start=(start["weight"], start["bias"]) if start else None)
@@ -109,7 +117,8 @@ class HeadStack:
         self.stopped = None  # `active` once a head has stopped: the optimisers then leave that head alone
         self.step_losses: list[torch.Tensor] = []  # this epoch's per-step losses [K], summed at its end
         self.loss_sum = torch.zeros(len(lrs), device=device)
-        self.records = [HeadRecord(name, lr, batch_size, seed) for lr in lrs]
+        self.records = [HeadRecord(name, lr, batch_size, seed, hparams={key: h[key] for key in swept})
+                        for lr, h in zip(lrs, per_head)]
 
     def start_epoch(self, epoch: int, num_epochs: int, order: torch.Tensor, data: LinearData) -> None:
         train_logits = None
@@ -213,17 +222,30 @@ class HeadStack:
 class SeedRun:
     """Every (lr, batch size) head of one loss and one seed; `run_epoch` trains and scores one epoch."""
 
-    def __init__(self, name: str, hparams: dict, seed: int, lrs: list[float], batch_sizes: list[int], epochs: int,
-                 data: LinearData, start: dict | None = None, fidelity: str = "exact") -> None:
-        """`start`: `{"weight", "bias", "loss_state"}` of one head for every head to start from (`linear --from`)."""
+    def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_sizes: list[int],
+                 epochs: int, data: LinearData, start: dict | None = None, fidelity: str = "exact") -> None:
+        """`hparams`: the loss's, or a list of combinations (a sweep: every lr of every combination is a head).
+        Combinations that differ only in hyperparameters the loss takes per head share a stack, the others get
+        stacks of their own. `start`: `{"weight", "bias", "loss_state"}` of one head for every head to start from
+        (`linear --from`)."""
         self.data, self.epochs = data, epochs
-        self.stacks = [HeadStack(name, hparams, seed, lrs, batch_size, data, start, fidelity) for batch_size in batch_sizes]
+        combos = hparams if isinstance(hparams, list) else [hparams]
+        swept = tuple(key for key in combos[0] if len({repr(c[key]) for c in combos}) > 1)
+        per_head = set(loss_registry.get(name).per_head)
+        groups: dict[tuple, list[dict]] = {}
+        for combo in combos:
+            groups.setdefault(tuple(repr(combo[key]) for key in swept if key not in per_head), []).append(combo)
+        self.stacks = [
+            HeadStack(name, [combo for combo in group for _ in lrs], seed, [lr for _ in group for lr in lrs],
+                      batch_size, data, start, fidelity, swept)
+            for group in groups.values() for batch_size in batch_sizes
+        ]
         self.permutations = epoch_permutations(data.num_train, seed, epochs).to(data.train_features.device)
 
     @property
     def records(self) -> list[HeadRecord]:
-        """Every head, in grid order: lr, then batch size."""
-        return [stack.records[k] for k in range(len(self.stacks[0].records)) for stack in self.stacks]
+        """Every head (the caller puts them in grid order)."""
+        return [record for stack in self.stacks for record in stack.records]
 
     def run_epoch(self, epoch: int) -> list[dict]:
         """Train epoch `epoch` (1-indexed) and score every head; returns the metrics lines of the epoch."""

@@ -17,19 +17,27 @@ def _mean_std(result: dict, key: str) -> str:
     return f"{result[key]:.2f}" + (f" ± {std:.2f}" if seeds > 1 and std is not None else "")
 
 
+def hparams_text(values: dict, end: str = "") -> str:
+    """Swept hyperparameters as `delta=0.003 k=1.5` (followed by `end`), or nothing."""
+    return " ".join(f"{key}={value:g}" for key, value in values.items()) + end if values else ""
+
+
 def summary_table(results: dict, title: str = "linear heads: best config per loss") -> Table:
     """One row per loss: val and test mAP of the selected config, the config, its best epoch, time."""
     table = Table(title=title)
-    for column in ("loss", "val mAP", "test mAP", "lr", "batch", "best epoch", "time"):
-        table.add_column(column, justify="left" if column == "loss" else "right")
+    swept = any((result.get("selected") or {}).get("swept") for result in results["losses"].values())
+    columns = ("loss", "val mAP", "test mAP", "lr", "batch") + (("swept values",) if swept else ()) + ("best epoch", "time")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("loss", "swept values") else "right", overflow="fold")
     for name, result in results["losses"].items():
         selected = result.get("selected")
         if selected is None:
-            table.add_row(name, "-", "-", "-", "-", "diverged", f"{result['seconds']:.1f} s")
+            table.add_row(name, "-", "-", "-", "-", *(["-"] if swept else []), "diverged", f"{result['seconds']:.1f} s")
             continue
         table.add_row(
             name, _mean_std(result, "val_map"), _mean_std(result, "test_map"), f"{selected['lr']:g}",
-            str(selected["batch_size"]), ",".join(str(e) for e in result["best_epoch"]), f"{result['seconds']:.1f} s",
+            str(selected["batch_size"]), *([hparams_text(selected.get("swept", {}))] if swept else []),
+            ",".join(str(e) for e in result["best_epoch"]), f"{result['seconds']:.1f} s",
         )
     return table
 
@@ -64,7 +72,7 @@ class LiveTable:
         if best is None:
             self.rows[loss] = [progress, "-", "-", ""]
         else:
-            config = f"lr {best['lr']:g}, batch {best['batch_size']}, epoch {best['epoch']}"
+            config = f"lr {best['lr']:g}, batch {best['batch_size']}, {hparams_text(best['hparams'], ', ')}epoch {best['epoch']}"
             self.rows[loss] = [progress, f"{best['val_map']:.2f}", f"{best['test_map']:.2f}", config]
         self._show(f"{loss}: {progress}, best val mAP {self.rows[loss][1]} (test {self.rows[loss][2]})")
 
@@ -74,7 +82,8 @@ class LiveTable:
             self.rows[loss] = [f"done, {result['seconds']:.1f} s", "-", "-", "every head diverged"]
         else:
             epochs = ",".join(str(epoch) for epoch in result["best_epoch"])
-            config = f"lr {selected['lr']:g}, batch {selected['batch_size']}, epoch {epochs}"
+            swept = hparams_text(selected.get("swept", {}), ", ")
+            config = f"lr {selected['lr']:g}, batch {selected['batch_size']}, {swept}epoch {epochs}"
             val, test = _mean_std(result, "val_map"), _mean_std(result, "test_map")
             self.rows[loss] = [f"done, {result['seconds']:.1f} s", val, test, config]
         self._show(f"{loss}: done in {result['seconds']:.1f} s, val mAP {self.rows[loss][1]}, "

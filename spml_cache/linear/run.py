@@ -26,7 +26,9 @@ from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.linear.engine import LinearData
 from spml_cache.linear.jobs import merged_progress, resolve_workers, train_jobs
 from spml_cache.linear.live import LiveTable
-from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_settings
+from spml_cache.linear.settings import (
+    LinearSettings, merged, resolved_hparams, start_heads, stored_settings, swept_keys,
+)
 from spml_cache.metrics import mean_average_precision
 from spml_cache.progress import console as progress_console
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS
@@ -46,7 +48,8 @@ def run_linear(
     losses: str | Sequence[str] = "all", lrs: Sequence[float] = GRID_LRS, batch_sizes: Sequence[int] = GRID_BATCH_SIZES,
     epochs: int = LINEAR_EPOCHS, seeds: int = 1, hparams: dict[str, float] | None = None, device: str = "auto",
     out: Path | str = "runs", val_labels: str = "clean", workers: int = 0, from_run: Path | str | None = None,
-    resume: Path | str | None = None, fidelity: str = "exact", console: Console | None = None,
+    resume: Path | str | None = None, fidelity: str = "exact", hp_grid: str | None = None,
+    console: Console | None = None,
 ) -> LinearRun:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
@@ -55,12 +58,17 @@ def run_linear(
     head starts from that linear run's head (`start_heads`) instead of its seed's initialisation. `resume`: an
     interrupted run directory, whose settings are used (the grid arguments are then ignored). `fidelity`:
     "exact" (the papers' math, stably) or "authors" (their code's numerics and rules, docs/fidelity.md).
+    A hyperparameter given as a list is swept: every combination of the values is trained beside every (lr,
+    batch size), heads that differ only in a hyperparameter the loss takes per head in the same stack, and
+    selection runs over the whole grid; `hp_grid="paper"` sweeps each loss's own search space where its paper
+    states one.
     """
     if resume is not None:
         config, settings, from_run = stored_settings(Path(resume))
         cache, dataset = config["cache"], None
     else:
-        settings = LinearSettings.check(losses, lrs, batch_sizes, epochs, seeds, hparams or {}, val_labels, fidelity)
+        settings = LinearSettings.check(losses, lrs, batch_sizes, epochs, seeds, hparams or {}, val_labels, fidelity,
+                                        hp_grid)
     target = resolve_device(device)
     features = load(find_cache(cache, dataset, cache_dir))
     used = resolved_hparams(settings, features)
@@ -71,7 +79,8 @@ def run_linear(
     if resume is None:
         label = "all" if settings.losses == loss_registry.names() else "+".join(settings.losses)
         grid = {"losses": settings.losses, "lrs": settings.lrs, "batch_sizes": settings.batch_sizes,
-                "epochs": settings.epochs, "seeds": settings.seeds, "hparams": used, "val_labels": settings.val_labels,
+                "epochs": settings.epochs, "seeds": settings.seeds,
+                "hparams": {name: merged(combos) for name, combos in used.items()}, "val_labels": settings.val_labels,
                 "fidelity": settings.fidelity}
         run_dir = runs.start_run(
             out, stage="linear", label=label, features=features, device=target, grid=grid, workers=workers,
@@ -106,8 +115,11 @@ def _train_and_select(run_dir, settings, used, starts, features, data, target, w
     workers = resolve_workers(workers, target, len(split), work)
     jobs = split if workers > 1 else [(name, index, seed, sizes) for (name, index, seed), sizes in missing.items() if sizes]
 
-    def grid_order(record) -> tuple:  # seed, then lr, then batch size: selection breaks ties in this order
-        return record.seed, settings.lrs.index(record.lr), settings.batch_sizes.index(record.batch_size)
+    swept = {name: [{key: combo[key] for key in swept_keys(combos)} for combo in combos] for name, combos in used.items()}
+
+    def grid_order(record) -> tuple:  # seed, lr, batch size, swept values: selection breaks ties in this order
+        return (record.seed, settings.lrs.index(record.lr), settings.batch_sizes.index(record.batch_size),
+                swept[record.loss].index(record.hparams))
 
     parts = {name: {key: done for key, done in kept.items() if key[0] == name} for name in settings.losses}
     expected = len(settings.seeds) * len(settings.batch_sizes)
@@ -182,7 +194,7 @@ def head_scores(state: dict, features: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(torch.addmm(state["bias"].to(features.device), features, weight.t()))
 
 
-def select_loss(run_dir: Path, name: str, records: list[HeadRecord], hparams: dict, data: LinearData,
+def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: list[dict], data: LinearData,
                 seconds: float) -> tuple[dict, dict | None]:
     """Select one loss's config and write its `scores/<name>.npz`; its `results.json` and `best.pt` entries.
 
@@ -191,7 +203,8 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], hparams: di
     """
     selection = select_config(records)
     if selection is None:
-        return loss_results(records, None, hparams, [], seconds), None
+        return loss_results(records, None, merged(combos), [], seconds), None
+    hparams = next(c for c in combos if all(c[key] == value for key, value in selection.hparams.items()))
     train_maps = [
         mean_average_precision(head_scores(r.best_state["head"], data.train_features), data.train_labels)
         for r in selection.records

@@ -20,6 +20,9 @@ from spml_cache import runs
 from spml_cache.runs import load_results, read_linear_head
 
 
+MAX_HEADS = 10_000  # beyond this a sweep is more likely a typo than a plan
+
+
 @dataclass(frozen=True)
 class LinearSettings:
     """The checked grid of one `linear` run."""
@@ -35,8 +38,10 @@ class LinearSettings:
 
     @classmethod
     def check(cls, losses_: str | Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int], epochs: int,
-              seeds: int, hparams: dict[str, float], val_labels: str, fidelity: str = "exact") -> "LinearSettings":
-        """`losses_`: "all", or loss names; `hparams`: `{key: value}` or `{"loss.key": value}`."""
+              seeds: int, hparams: dict, val_labels: str, fidelity: str = "exact",
+              hp_grid: str | None = None) -> "LinearSettings":
+        """`losses_`: "all", or loss names; `hparams`: `{key: value}` or `{"loss.key": value}`, a value a list to
+        sweep it; `hp_grid="paper"`: every loss's own search space where its paper states one."""
         names = resolve_losses(losses_)
         lrs, batch_sizes = check_grid(lrs, batch_sizes)
         if epochs < 1:
@@ -47,8 +52,18 @@ class LinearSettings:
             raise SpmlError(f"--val-labels {val_labels!r}: use clean (full val labels) or observed")
         if fidelity not in FIDELITIES:
             raise SpmlError(f"--fidelity {fidelity!r}: use {' or '.join(FIDELITIES)} (docs/fidelity.md)")
-        return cls(names, lrs, batch_sizes, epochs, list(range(seeds)), loss_registry.overrides_for(names, dict(hparams)),
-                   val_labels, fidelity)
+        if hp_grid not in (None, "paper"):
+            raise SpmlError(f"--hp-grid {hp_grid!r}: use paper (each loss's own search space, see spml-cache losses)")
+        overrides = loss_registry.overrides_for(names, dict(hparams))
+        for name in names if hp_grid == "paper" else []:
+            for key, values in loss_registry.get(name).paper_grid.items():
+                overrides[name].setdefault(key, list(values))  # what the command line gives wins
+        heads = len(lrs) * len(batch_sizes) * seeds * sum(
+            len(loss_registry.combinations(overrides[name])) for name in names)
+        if heads > MAX_HEADS:
+            raise SpmlError(f"the grid has {heads:,} heads (losses x lrs x batch sizes x seeds x hyperparameter values),"
+                            f" more than {MAX_HEADS:,}: sweep fewer values at a time")
+        return cls(names, lrs, batch_sizes, epochs, list(range(seeds)), overrides, val_labels, fidelity)
 
 
 def resolve_losses(names: str | Sequence[str]) -> list[str]:
@@ -65,16 +80,30 @@ def resolve_losses(names: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, dict]:
-    """Per loss, the hyperparameters it trains with (checked by building it once)."""
+def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[dict]]:
+    """Per loss, every combination of hyperparameters its heads train with (one without a sweep), each checked
+    by building the loss once."""
     return {
-        name: loss_registry.resolve_hparams(
-            name, settings.overrides[name], num_classes=len(features.classes), dataset=features.dataset,
-            train_observed=torch.from_numpy(features.train.observed),
-            expected_positives=features.attrs.get("expected_positives"),
-        )
+        name: [
+            loss_registry.resolve_hparams(
+                name, combo, num_classes=len(features.classes), dataset=features.dataset,
+                train_observed=torch.from_numpy(features.train.observed),
+                expected_positives=features.attrs.get("expected_positives"),
+            )
+            for combo in loss_registry.combinations(settings.overrides[name])
+        ]
         for name in settings.losses
     }
+
+
+def merged(combos: list[dict]) -> dict:
+    """Combinations as one dict (what config.json keeps): a swept key's values as a list, in order."""
+    return {key: list(dict.fromkeys(c[key] for c in combos)) if len({repr(c[key]) for c in combos}) > 1
+            else combos[0][key] for key in combos[0]}
+
+
+def swept_keys(combos: list[dict]) -> list[str]:
+    return [key for key in combos[0] if len({repr(c[key]) for c in combos}) > 1]
 
 
 def start_heads(from_run: Path | str | None, names: list[str], features: FeatureSet) -> dict[str, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,8 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
 )
 
 __all__ = [
-    "Loss", "build", "describe", "describe_table", "get", "names", "overrides_for", "register", "resolve_hparams",
+    "Loss", "build", "combinations", "describe", "describe_table", "get", "names", "overrides_for", "register",
+    "resolve_hparams",
 ]
 
 # The flags of a `describe()` row, as the table words them.
@@ -60,8 +62,12 @@ def overrides_for(losses: list[str], given: dict[str, float]) -> dict[str, dict]
     that loss, which then names an unknown key itself) or `{"loss.key": value}` (that loss only)."""
     overrides: dict[str, dict] = {name: {} for name in losses}
     for key, value in given.items():
-        if not math.isfinite(value):
-            raise SpmlError(f"--hp {key}={value}: the value must be a finite number")
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values:
+            raise SpmlError(f"--hp {key}=: the list is empty; give at least one value, e.g. --hp {key}=0.1")
+        if not all(math.isfinite(one) for one in values):
+            raise SpmlError(f"--hp {key}={','.join(f'{one:g}' for one in values)}: every value must be a finite number")
+        value = list(dict.fromkeys(values)) if isinstance(value, (list, tuple)) else value
         loss, dot, name = key.rpartition(".")
         if dot:
             if loss not in overrides:
@@ -76,6 +82,14 @@ def overrides_for(losses: list[str], given: dict[str, float]) -> dict[str, dict]
         for target in targets:
             overrides[target][name] = value
     return overrides
+
+
+def combinations(overrides: dict) -> list[dict]:
+    """One dict of single values per combination of the values given as lists (their product, in the order
+    given); `[overrides]` when none is a list."""
+    swept = [key for key, value in overrides.items() if isinstance(value, list)]
+    fixed = {key: value for key, value in overrides.items() if key not in swept}
+    return [{**fixed, **dict(zip(swept, values))} for values in itertools.product(*(overrides[k] for k in swept))]
 
 
 def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: str, train_observed: torch.Tensor,
@@ -113,6 +127,9 @@ def describe() -> list[dict]:
                 "reconstructed": cls.reconstructed,
                 "authors": {"log_eps": cls.authors_log_eps, "early_stop": cls.authors_early_stop,
                             "drop_last": cls.authors_drop_last, "defaults": cls.authors_defaults},
+                "paper_grid": {"values": dict(cls.paper_grid), "source": cls.paper_grid_source} if cls.paper_grid
+                else None,
+                "per_head": list(cls.per_head),
             }
         )
     return rows
@@ -150,6 +167,10 @@ def describe_table(rows: list[dict] | None = None) -> Table:
         flags = [row["state"]] if row["state"] else []
         flags += [text for flag, text in _FLAG_TEXTS.items() if row[flag]]
         flags += [_authors_text(row["authors"])] if any(row["authors"].values()) else []
+        if row["paper_grid"]:
+            grid = "; ".join(f"{key} in {{{', '.join(f'{v:g}' for v in values)}}}"
+                             for key, values in row["paper_grid"]["values"].items())
+            flags.append(f"--hp-grid paper: {grid} ({row['paper_grid']['source']})")
         what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
         table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
     return table

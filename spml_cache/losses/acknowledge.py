@@ -41,6 +41,8 @@ class EntropyMaximization(Loss):
     reference = "Zhou et al., ECCV 2022, Eq. 3-4; Table 1 row EM loss"
     defaults = {"alpha": 0.1}
     dataset_defaults = {dataset: {"alpha": alpha} for dataset, alpha in EM_ALPHA.items()}
+    per_head = ("alpha",)
+    bounds = {"alpha": (0.0, float("inf"), "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return mean_over_entries(_em_terms(logits, observed, -self.alpha * entropy(logits, self.log_eps), self.log_eps))
@@ -65,6 +67,8 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
     description = "EM plus asymmetric pseudo-labelling: the lowest-scoring unknowns turn into soft negatives."
     reference = "Zhou et al., ECCV 2022, Sec. 3.3, Algorithm 1, Eq. 6-8; Table 1 row EM loss+APL"
     defaults = {"alpha": 0.1, "beta": 0.9, "warmup": 5, "theta": 0.9}
+    per_head = ("alpha", "beta")
+    bounds = {"alpha": (0.0, float("inf"), "[)"), "beta": (0.0, float("inf"), "[)")}
     dataset_defaults = {
         "voc": {"alpha": 0.2, "beta": 0.02, "warmup": 5},
         "coco": {"alpha": 0.1, "beta": 0.9, "warmup": 5},

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from spml_cache.errors import SpmlError
-from spml_cache.losses.base import Loss, bce, entropy, mean_over_entries, neg_log_1mp, neg_log_p, register
+from spml_cache.losses.base import (
+    Loss, as_tensor_like, bce, entropy, head_vector, mean_over_entries, neg_log_1mp, neg_log_p, register,
+)
 
 
 @register
@@ -30,7 +32,7 @@ class AssumeNegative(Loss):
 
 def _smoothed_bce(logits: torch.Tensor, observed: torch.Tensor, positive_target: float, negative_target: float,
                   eps: float | None):
-    target = torch.where(observed == 1, logits.new_tensor(positive_target), logits.new_tensor(negative_target))
+    target = torch.where(observed == 1, as_tensor_like(positive_target, logits), as_tensor_like(negative_target, logits))
     return mean_over_entries(bce(logits, target, eps))
 
 
@@ -44,6 +46,8 @@ class AssumeNegativeLabelSmoothing(Loss):
     description = "Assume negative with label smoothing on both sides (targets 1-ls / ls)."
     reference = "Cole et al., CVPR 2021, Eq. 9; Table 1 row L_AN-LS (Zhou et al., Table 1 row LS)"
     defaults = {"ls": 0.1}
+    per_head = ("ls",)
+    bounds = {"ls": (0.0, 1.0, "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return _smoothed_bce(logits, observed, 1.0 - self.ls, self.ls, self.log_eps)
@@ -58,6 +62,8 @@ class AssumeNegativeSmoothNegatives(Loss):
     description = "Assume negative with label smoothing on the assumed negatives only (targets 1 / ls)."
     reference = "Cole et al., CVPR 2021, appendix A, AN-LS(eps_p=0, eps_n) and Table A1 (Zhou et al., Table 1 row N-LS)"
     defaults = {"ls": 0.1}
+    per_head = ("ls",)
+    bounds = {"ls": (0.0, 1.0, "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return _smoothed_bce(logits, observed, 1.0, self.ls, self.log_eps)
@@ -74,6 +80,8 @@ class WeakAssumeNegative(Loss):
     reference = "Cole et al., CVPR 2021, Sec. 5.1 (L_WAN); Table 1 row L_WAN (Zhou et al., Table 1 row DW)"
     defaults = {"gamma": None}
     derived = {"gamma": "1/(C-1)"}
+    per_head = ("gamma",)
+    bounds = {"gamma": (0.0, float("inf"), "()")}
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -97,9 +105,11 @@ class AssumeNegativeL1(AssumeNegative):
     description = "Assume negative plus an L1 penalty lam*||W||_1 on the linear head's weight (not the bias)."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L1R"
     defaults = {"lam": 1e-4}
+    per_head = ("lam",)
+    bounds = {"lam": (0.0, float("inf"), "[)")}
 
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
-        return self.lam * weight.abs().sum(dim=(-2, -1))
+        return head_vector(self.lam) * weight.abs().sum(dim=(-2, -1))
 
 
 @register
@@ -112,9 +122,11 @@ class AssumeNegativeL2(AssumeNegative):
     description = "Assume negative plus an L2 penalty lam/2*||W||^2 on the linear head's weight (not the bias)."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L2R"
     defaults = {"lam": 1e-4}
+    per_head = ("lam",)
+    bounds = {"lam": (0.0, float("inf"), "[)")}
 
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
-        return 0.5 * self.lam * weight.square().sum(dim=(-2, -1))
+        return 0.5 * head_vector(self.lam) * weight.square().sum(dim=(-2, -1))
 
 
 @register
@@ -126,6 +138,8 @@ class EntropyMinimization(Loss):
     description = "Entropy minimisation on unobserved labels (the mirror image of em); a baseline that collapses."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row EntMin"
     defaults = {"alpha": 0.1}
+    per_head = ("alpha",)
+    bounds = {"alpha": (0.0, float("inf"), "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
         unobserved_term = self.alpha * entropy(logits, self.log_eps)

@@ -55,6 +55,17 @@ def entropy(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     return bce(x, torch.sigmoid(x), eps)
 
 
+def head_vector(value):
+    """A hyperparameter as one value per head `[K]` where it is a per-head `[K, 1, 1]` tensor (for terms that
+    are one number per head, not per entry); a plain number as it is."""
+    return value.reshape(-1) if isinstance(value, torch.Tensor) else value
+
+
+def as_tensor_like(value, like: torch.Tensor) -> torch.Tensor:
+    """A number or a per-head tensor as a tensor of `like`'s dtype and device (for `torch.where`)."""
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+
+
 def mean_over_entries(terms: torch.Tensor) -> torch.Tensor:
     """The reference reduction: sum of a `[..., B, C]` term matrix over (B, C), divided by B*C."""
     return terms.sum(dim=(-2, -1)) / (terms.shape[-2] * terms.shape[-1])
@@ -100,6 +111,14 @@ class Loss(torch.nn.Module):
     authors_early_stop: ClassVar[tuple[str, float] | None] = None
     authors_drop_last: ClassVar[bool] = False  # the authors' loaders drop each epoch's last partial batch
     authors_defaults: ClassVar[dict[str, float]] = {}  # defaults of the authors' code where they differ from ours
+    # Sweeps (`--hp key=v1,v2`): the hyperparameters whose values may differ between the heads of one stack (the
+    # loss then holds them as `[K, 1, 1]` tensors and broadcasts them in `forward`); each hyperparameter's valid
+    # range as `(low, high, brackets)` with brackets like "[)" for low <= value < high; and the search space the
+    # paper states, if it states one, with where it says so.
+    per_head: ClassVar[tuple[str, ...]] = ()
+    bounds: ClassVar[dict[str, tuple[float, float, str]]] = {}
+    paper_grid: ClassVar[dict[str, tuple[float, ...]]] = {}
+    paper_grid_source: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -144,7 +163,28 @@ class Loss(torch.nn.Module):
         authors = self.authors_defaults if fidelity == "authors" else {}
         self.hparams = {**self.defaults, **authors, **self.dataset_defaults.get(dataset or "", {}), **hparams}
         for key, value in self.hparams.items():
-            setattr(self, key, value)
+            values = list(value) if isinstance(value, (list, tuple)) else [value]
+            for one in values:
+                self.check_bound(key, one)
+            if not isinstance(value, (list, tuple)):
+                setattr(self, key, value)
+            elif key not in self.per_head or len(values) != num_heads:
+                raise SpmlError(f"loss '{self.name}': {key} cannot take one value per head here (it does for"
+                                f" {', '.join(self.per_head) or 'no hyperparameter'}, one value for each of the"
+                                f" {num_heads} heads)")
+            else:  # not saved with the state: a head's values travel in its results and best.pt entry
+                self.register_buffer(key, torch.tensor(values, dtype=torch.float32).view(-1, 1, 1), persistent=False)
+
+    def check_bound(self, key: str, value) -> None:
+        """A value outside the hyperparameter's valid range is a clear error naming the flag."""
+        if value is None or key not in self.bounds:
+            return
+        low, high, brackets = self.bounds[key]
+        above = value >= low if brackets[0] == "[" else value > low
+        below = value <= high if brackets[1] == "]" else value < high
+        if not (above and below):
+            interval = f"{brackets[0]}{low:g}, {high:g}{brackets[1]}"
+            raise SpmlError(f"--hp {self.name}.{key}={value:g}: outside its valid range {interval}")
 
     def set_hparam(self, key: str, value: float) -> None:
         """Fill in (or normalise) a resolved hyperparameter, keeping `hparams` and the attribute in step."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from spml_cache.errors import SpmlError
-from spml_cache.losses.base import Loss, bce, mean_over_entries, register, rows_for_heads
+from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
 from spml_cache.protocol import EXPECTED_POSITIVES
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -39,16 +39,19 @@ class _ExpectedPositivesLoss(Loss):
     defaults = {"k": None}
     derived = {"k": "the dataset's expected positives per image (else pass --hp k=)"}
     dataset_defaults = {dataset: {"k": k} for dataset, k in EXPECTED_POSITIVES.items()}
+    per_head = ("k",)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        if self.k is None:
+        values = self.hparams["k"] if isinstance(self.hparams["k"], list) else [self.hparams["k"]]
+        if None in values:
             raise SpmlError(
                 f"loss '{self.name}' needs k, the expected positives per image, and dataset '{self.dataset}' has no"
                 f" default (known: {', '.join(EXPECTED_POSITIVES)}): pass --hp k=VALUE"
             )
-        if not 0 < self.k <= self.num_classes:
-            raise SpmlError(f"loss '{self.name}': k={self.k} must lie in (0, {self.num_classes}]: fix --hp k=")
+        for k in values:
+            if not 0 < k <= self.num_classes:
+                raise SpmlError(f"loss '{self.name}': k={k} must lie in (0, {self.num_classes}]: fix --hp k=")
 
 
 @register
@@ -62,7 +65,7 @@ class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
     reference = "Cole et al., CVPR 2021, Sec. 5.3, L_EPR with R_k of Eq. 10; Table 1 row L_EPR"
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        regularizer = expected_positive_regularizer(torch.sigmoid(logits), self.k)
+        regularizer = expected_positive_regularizer(torch.sigmoid(logits), head_vector(self.k))
         return mean_over_entries(observed_label_terms(logits, observed)) + regularizer
 
 
@@ -117,5 +120,6 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
         cross_f = bce(logits, q.detach(), self.log_eps)
         cross_q = bce(theta_batch, p.detach(), self.log_eps)
         terms = 0.5 * (observed_f + observed_q) + 0.5 * (cross_f + cross_q)
-        regularizer = 0.5 * (expected_positive_regularizer(p, self.k) + expected_positive_regularizer(q, self.k))
+        k = head_vector(self.k)
+        regularizer = 0.5 * (expected_positive_regularizer(p, k) + expected_positive_regularizer(q, k))
         return mean_over_entries(terms) + regularizer

@@ -39,6 +39,8 @@ class GeneralizedRobust(Loss):
         "wT": 10.0, "bT": -8.0, "muT": 0.8, "sigmaT": 0.5,
         "q2": 0.01, "q3": 1.0,
     }
+    per_head = ("w0", "b0", "mu0", "sigma0", "wT", "bT", "muT", "sigmaT", "q2", "q3")
+    bounds = {"sigma0": (0.0, float("inf"), "()"), "sigmaT": (0.0, float("inf"), "()"), "q2": (0.0, float("inf"), "()"), "q3": (0.0, float("inf"), "()")}
     dataset_defaults = {
         "voc": {"wT": 2.0, "bT": -2.0},
         "coco": {"wT": 10.0, "bT": -8.0},

@@ -16,16 +16,23 @@ import torch
 from spml_cache.losses.base import Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
 
 
-def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, m: int | list[int]):
     """The unobserved entries whose loss is at least the m-th largest of their head, and that threshold.
 
-    `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it. Returns the mask `[..., B, C]` and
-    the threshold `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold is -inf and all
-    of them are selected.
+    `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it; `m` one count for every head, or
+    one per head of `[K, B, C]`. Returns the mask `[..., B, C]` and the threshold `[..., 1, 1]`; when a head has
+    fewer than `m` unobserved entries the threshold is -inf and all of them are selected; a head whose `m` is 0
+    selects nothing.
     """
     candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
-    m = min(m, candidates.shape[-1])
-    threshold = candidates.topk(m, dim=-1).values[..., -1:].unsqueeze(-1)
+    if isinstance(m, int):
+        m = min(m, candidates.shape[-1])
+        threshold = candidates.topk(m, dim=-1).values[..., -1:].unsqueeze(-1)
+        return unobserved & (losses >= threshold), threshold
+    counts = torch.as_tensor(m, device=losses.device).clamp(max=candidates.shape[-1])
+    top = candidates.topk(int(counts.max()), dim=-1).values  # [K, max m]
+    threshold = top.gather(-1, (counts - 1).clamp(min=0).view(-1, 1)).unsqueeze(-1)
+    threshold = torch.where(counts.view(-1, 1, 1) > 0, threshold, float("inf"))
     return unobserved & (losses >= threshold), threshold
 
 
@@ -35,6 +42,11 @@ class _LargeLoss(Loss):
     reference = "Kim et al., CVPR 2022 (Large Loss Matters); compared in Chen et al., IJCAI 2024, Table 2"
     defaults = {"delta": 0.002}
     authors_early_stop = ("drop", 3.0)  # Kim et al.: stop once val mAP falls 3 below its best
+    per_head = ("delta",)
+    bounds = {"delta": (0.0, 1.0, "()")}
+    paper_grid = {"delta": (0.001, 0.002, 0.003, 0.004, 0.005)}
+    paper_grid_source = ("Kim et al.'s answer to their repository's issue 8 (LargeLossMatters): a grid search over"
+                         " delta_rel in {0.1, ..., 0.5} %")
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -43,8 +55,15 @@ class _LargeLoss(Loss):
     def start_epoch(self, epoch, num_epochs, train_logits=None):
         self.epoch = epoch
 
-    def rejection_count(self, num_entries: int) -> int:
-        """m for a batch of `num_entries = B*C` entries: ceil(B*C*(t-1)*delta), 0 at epoch 1."""
+    def rejection_count(self, num_entries: int) -> int | list[int]:
+        """m for a batch of `num_entries = B*C` entries (one per head when the heads' deltas differ)."""
+        deltas = self.hparams["delta"]
+        if isinstance(deltas, list):
+            return [self.count(num_entries, delta) for delta in deltas]
+        return self.count(num_entries, deltas)
+
+    def count(self, num_entries: int, delta: float) -> int:
+        """ceil(B*C*(t-1)*delta), 0 at epoch 1."""
         if self.epoch < 2:
             return 0
         if self.fidelity == "authors":
@@ -52,10 +71,10 @@ class _LargeLoss(Loss):
             # subtraction makes it one higher wherever B*C*(t-1)*delta is a whole number (docs/fidelity.md)
             clean_rate = 1.0
             for _ in range(self.epoch - 1):
-                clean_rate -= self.delta
+                clean_rate -= delta
             return math.ceil(num_entries * (1 - clean_rate))
         # round first: B*C*(t-1)*delta is an integer more often than floating point says (100 * 0.07)
-        return math.ceil(round(num_entries * (self.epoch - 1) * self.delta, 6))
+        return math.ceil(round(num_entries * (self.epoch - 1) * delta, 6))
 
     def targets(self, logits, observed, index):
         """(positive, unobserved) masks of this batch."""
@@ -69,7 +88,7 @@ class _LargeLoss(Loss):
         nl_p, nl_1mp = neg_log_p(logits), neg_log_1mp(logits)
         terms = torch.where(positive, nl_p, nl_1mp)
         m = self.rejection_count(logits.shape[-2] * logits.shape[-1])
-        if m > 0:
+        if (max(m) if isinstance(m, list) else m) > 0:
             large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, m)
             terms = self.modify(terms, large, threshold, nl_p, nl_1mp, index)
         return mean_over_entries(terms)
@@ -114,12 +133,12 @@ class LargeLossCorrectPermanent(_LargeLoss):
         super().__init__(**kwargs)
         self.register_buffer("corrected_observed", self.train_observed.unsqueeze(0).repeat(self.num_heads, 1, 1))
 
-    def rejection_count(self, num_entries: int) -> int:
+    def count(self, num_entries: int, delta: float) -> int:
         if self.fidelity == "authors":  # the authors' code never reaches its LL-Cp branch: LL-Ct's count
-            return super().rejection_count(num_entries)
+            return super().count(num_entries, delta)
         if self.epoch < 2:
             return 0
-        return math.ceil(round(num_entries * self.delta, 6))
+        return math.ceil(round(num_entries * delta, 6))
 
     def targets(self, logits, observed, index):
         rows = rows_for_heads(self.corrected_observed, index, logits)

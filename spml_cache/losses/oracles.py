@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from spml_cache.losses.base import Loss, bce, mean_over_entries, neg_log_1mp, neg_log_p, register
+from spml_cache.losses.base import Loss, as_tensor_like, bce, mean_over_entries, neg_log_1mp, neg_log_p, register
 
 
 @register
@@ -36,10 +36,12 @@ class FullBCELabelSmoothing(Loss):
     description = "BCE on the full labels with label smoothing (targets 1-ls / ls); an upper bound."
     reference = "Cole et al., CVPR 2021, Eq. 5 with the smoothing of Eq. 9; Table 1 row L_BCE-LS"
     defaults = {"ls": 0.1}
+    per_head = ("ls",)
+    bounds = {"ls": (0.0, 1.0, "[)")}
     oracle = True
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        target = torch.where(labels == 1, logits.new_tensor(1.0 - self.ls), logits.new_tensor(self.ls))
+        target = torch.where(labels == 1, as_tensor_like(1.0 - self.ls, logits), as_tensor_like(self.ls, logits))
         return mean_over_entries(bce(logits, target, self.log_eps))
 
 

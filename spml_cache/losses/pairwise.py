@@ -27,7 +27,9 @@ def soft_pair_loss(logits: torch.Tensor, targets: torch.Tensor, log_alpha: float
     column = logits.new_full((*logits.shape[:-1], 1), 0.0)
     negatives = torch.cat([column + log_alpha, logits + torch.log1p(-targets)], dim=-1)
     positives = torch.cat([column + log_beta, -logits + torch.log(targets)], dim=-1)
-    return torch.logsumexp(negatives, dim=-1) - log_alpha + torch.logsumexp(positives, dim=-1) - log_beta
+    # per-head constants are [K, 1, 1]: [K, 1] against the per-image values [K, B]
+    shift = sum(c.squeeze(-1) if isinstance(c, torch.Tensor) else c for c in (log_alpha, log_beta))
+    return torch.logsumexp(negatives, dim=-1) + torch.logsumexp(positives, dim=-1) - shift
 
 
 def per_image_mean(values: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -56,6 +58,10 @@ class OPML(Loss):
     description = "one pair at a time (spec's reconstruction): log(alpha + sum_N e^x) + log(beta + sum_P e^-x), shifted"
     reference = "Li, Wang and Chen, arXiv 2302.14695, Sec. III-B, eqs. 3 and 6; reconstructed in docs/losses.md"
     defaults = {"log_alpha": 0.0, "log_beta": 0.0}
+    per_head = ("log_alpha", "log_beta")
+    paper_grid = {"log_alpha": (-2.0, 0.0, 2.0), "log_beta": (-2.0, 0.0, 2.0)}
+    paper_grid_source = ("the project's reconstruction (docs/losses.md): the paper tunes both constants, but none of"
+                         " its values survive")
     reconstructed = True
 
     def forward(self, logits, observed, *, labels=None, index=None):

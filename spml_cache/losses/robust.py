@@ -34,6 +34,8 @@ class Focal(Loss):
     description = "focal loss on AN targets: (1-p)^g nl(p) on positives, p^g nl(1-p) on the rest"
     reference = "Lin et al., ICCV 2017; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1; Chen et al., Table 2"
     defaults = {"g": 2.0}
+    per_head = ("g",)
+    bounds = {"g": (0.0, float("inf"), "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
         terms = torch.where(observed == 1, focal_positive(logits, self.g), focal_negative(logits, self.g))
@@ -52,6 +54,8 @@ class AsymmetricLoss(Loss):
     description = "asymmetric loss: focusing gp on positives, gn and probability shift clip on negatives"
     reference = "Ridnik et al., ICCV 2021; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1"
     defaults = {"gp": 0.0, "gn": 4.0, "clip": 0.05}
+    per_head = ("gp", "gn")
+    bounds = {"gp": (0.0, float("inf"), "[)"), "gn": (0.0, float("inf"), "[)"), "clip": (0.0, 1.0, "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
         positive = focal_positive(logits, self.gp)
@@ -81,6 +85,8 @@ class Hill(Loss):
     description = "Hill loss: focal margin on positives, (lam - p) p^2 on assumed negatives"
     reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B eq. 24, C.3; Table 2"
     defaults = {"lam": 1.5, "m": 1.0, "g": 2.0}
+    per_head = ("lam", "m", "g")
+    bounds = {"g": (0.0, float("inf"), "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
         p = torch.sigmoid(logits)
@@ -102,6 +108,8 @@ class SPLC(Loss):
     description = "focal margin + self-paced correction: unobserved entries with p > tau count as positives from epoch 2"
     reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B (SPLC, focal margin); Table 2"
     defaults = {"tau": 0.6, "m": 1.0, "g": 2.0}
+    per_head = ("tau", "m", "g")
+    bounds = {"tau": (0.0, 1.0, "()"), "g": (0.0, float("inf"), "[)")}
     switch_epoch = 2
 
     def __init__(self, **kwargs) -> None:

@@ -15,6 +15,7 @@ temporary file, so an interrupted run leaves no half-written PNG.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -35,6 +36,7 @@ WHY_SKIPPED = {
     "per_class_ap": "needs two losses with per_class_ap in results.json",
     "train_histograms": "no scores/<loss>.npz with labels.npz in the runs",
     "label_recovery": "no train_map in results.json and no training scores",
+    "sweeps": "no swept hyperparameters (linear --hp key=v1,v2 or --hp-grid paper)",
 }
 
 
@@ -87,6 +89,7 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
             "per_class_ap": _per_class_ap(Figure, column.label, by_loss, _pair_for(by_loss, pair, oracles)),
             "train_histograms": _train_histograms(Figure, column.label, summaries),
             "label_recovery": _label_recovery(Figure, column.label, by_loss, summaries),
+            "sweeps": _sweeps(Figure, column.label, by_loss),
         }
         for kind, figure in drawn.items():
             if figure is None:
@@ -226,4 +229,50 @@ def _label_recovery(Figure, title: str, by_loss: dict[str, Run], summaries: dict
                          ncol=2)
     legend.set_in_layout(False)
     figure.tight_layout(rect=(0, strip, 1, 1))
+    return figure
+
+
+def sweep_curves(by_loss: dict[str, Run]) -> dict[tuple[str, str], tuple[list[float], list[float], float]]:
+    """Per (loss, swept key): its values, the best val mAP at each (over lrs, batch sizes and the other swept
+    values; mean over seeds), and the selected value."""
+    curves = {}
+    for loss, run in by_loss.items():
+        result = run.losses[loss]
+        chosen = (result.get("selected") or {}).get("swept") or {}
+        by_config: dict[tuple, list[float]] = {}
+        for config in result.get("configs", []):
+            if config.get("hparams") and config.get("val_map") is not None:
+                key = (config["lr"], config["batch_size"], json.dumps(config["hparams"], sort_keys=True))
+                by_config.setdefault(key, []).append(config["val_map"])
+        for key in chosen:
+            best: dict[float, float] = {}
+            for (_, _, hparams), maps in by_config.items():
+                value = json.loads(hparams)[key]
+                best[value] = max(best.get(value, -math.inf), float(np.mean(maps)))
+            if len(best) > 1:
+                values = sorted(best)
+                curves[(loss, key)] = (values, [best[v] for v in values], chosen[key])
+    return curves
+
+
+def _sweeps(Figure, title: str, by_loss: dict[str, Run]):
+    curves = sweep_curves(by_loss)
+    if not curves:
+        return None
+    columns = min(3, len(curves))
+    rows = math.ceil(len(curves) / columns)
+    figure = Figure(figsize=(4.2 * columns, 3.2 * rows + 0.6))
+    for i, ((loss, key), (values, maps, chosen)) in enumerate(curves.items()):
+        axes = figure.add_subplot(rows, columns, i + 1)
+        axes.plot(values, maps, marker="o", color="tab:blue", label="best val mAP at this value")
+        axes.plot([chosen], [maps[values.index(chosen)]], marker="*", markersize=14, linestyle="none",
+                  color="tab:red", label=f"selected: {key}={chosen:g}")
+        axes.set(xlabel=key, ylabel="validation mAP", title=f"{loss}: {key}")
+        if all(v > 0 for v in values) and max(values) / min(values) >= 20:
+            axes.set_xscale("log")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.suptitle(f"{title}: validation mAP against each swept hyperparameter (best over lr, batch size and the"
+                    " other swept values)", fontsize=10)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.4 / figure.get_figheight()))
     return figure

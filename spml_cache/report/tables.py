@@ -32,6 +32,7 @@ class Cell:
     best: bool = False
     paper: float | None = None
     source: str | None = None
+    swept: dict | None = None  # the selected values of the hyperparameters the run swept
 
     @property
     def diff(self) -> float | None:
@@ -52,7 +53,8 @@ def _cell(run: Run, loss: str) -> Cell:
     result = run.losses[loss]
     seeds = len(result.get("per_seed") or []) or 1
     std = result.get("test_map_std") if seeds > 1 else None
-    return Cell(mean=float(result["test_map"]), std=None if std is None else float(std), seeds=seeds, run=run.path)
+    return Cell(mean=float(result["test_map"]), std=None if std is None else float(std), seeds=seeds, run=run.path,
+                swept=(result.get("selected") or {}).get("swept") or None)
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:
@@ -84,7 +86,8 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
 def cell_text(cell: Cell | None) -> str:
     if cell is None:
         return "-"
-    return f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    return text + (" (" + " ".join(f"{key}={value:g}" for key, value in cell.swept.items()) + ")" if cell.swept else "")
 
 
 def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
@@ -120,6 +123,7 @@ def footnotes(table: Table) -> list[str]:
 def to_csv(table: Table) -> str:
     """Wide CSV for spreadsheets: per column `mean`, `std`, `seeds`, `best` (and `paper`, `diff`, `source`)."""
     fields = ["mean", "std", "seeds", "best"] + (["paper", "diff", "source"] if table.paper else [])
+    fields += ["swept"] if any(cell.swept for _, cells in table.rows for cell in cells.values()) else []
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["loss"] + [f"{column.label} {name}" for column in table.columns for name in fields])
@@ -127,7 +131,8 @@ def to_csv(table: Table) -> str:
         row = [loss]
         for column in table.columns:
             cell = cells.get(column.label)
-            values = {} if cell is None else {**vars(cell), "best": int(cell.best), "diff": cell.diff}
+            values = {} if cell is None else {**vars(cell), "best": int(cell.best), "diff": cell.diff,
+                                              "swept": json.dumps(cell.swept) if cell.swept else None}
             row += ["" if values.get(name) is None else values[name] for name in fields]
         writer.writerow(row)
     return buffer.getvalue()

@@ -28,14 +28,14 @@ def read_curves(by_loss: dict[str, Run]) -> dict[str, tuple[list[int], list[floa
     metrics_of: dict[Path, list[dict]] = {}
     curves = {}
     for loss, run in by_loss.items():
-        selected = run.losses[loss].get("selected", {})
+        selected = run.losses[loss].get("selected") or {}
         lines = metrics_of.setdefault(run.path, read_metrics(run.path))
         by_epoch: dict[int, list[float]] = {}
         for line in lines:
             same = line.get("loss") == loss and all(line.get(k) == selected.get(k) for k in ("lr", "batch_size"))
             if line.get("val_map") is None:  # the epoch a head diverged
                 continue
-            if same and ("hparams" not in line or line["hparams"] == selected.get("hparams")):
+            if same and line.get("hparams", {}) == selected.get("swept", {}):  # the selected values of a sweep
                 by_epoch.setdefault(int(line["epoch"]), []).append(float(line["val_map"]))
         if by_epoch:
             epochs = sorted(by_epoch)
