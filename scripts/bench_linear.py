@@ -10,8 +10,12 @@ through `spml_cache.cache.write`, then timed:
   DataLoader, torch.optim.Adam, sklearn AP on val and test after every epoch; timed for 2 epochs per config
   and extrapolated to 25.
 
+- sweeps: `linear --loss L --hp L.key=v1,v2,...` beside the same loss with its defaults, in the same run
+  (`--sweep L.key=v1,v2,...`), and every timed run with `--hp-grid paper`.
+
 Usage: python scripts/bench_linear.py [--shape voc|coco] [--losses an,role,all] [--device cpu|cuda]
-       [--epochs 25] [--reference-epochs 2] [--no-reference]
+       [--epochs 25] [--reference-epochs 2] [--no-reference] [--sweep ll_r.delta=0.001,0.002]
+       [--hp-grid paper] [--json docs/benchmarks/NAME.json]
 """
 
 from __future__ import annotations
@@ -73,9 +77,11 @@ def synthetic_cache(folder: Path, shape: str, seed: int = 0) -> Path:
     return cache.write(folder / f"{shape}-resnet50-448.h5", attrs=attrs, **splits)
 
 
-def time_linear(path: Path, loss: str, epochs: int, device: str, out: Path) -> tuple[float, dict]:
+def time_linear(path: Path, loss: str, epochs: int, device: str, out: Path, hparams: dict | None = None,
+                hp_grid: str | None = None) -> tuple[float, dict]:
     start = time.perf_counter()
-    run = run_linear(cache=path, losses=loss, epochs=epochs, device=device, out=out, console=Console(file=io.StringIO()))
+    run = run_linear(cache=path, losses=loss, epochs=epochs, device=device, out=out, hparams=hparams, hp_grid=hp_grid,
+                     console=Console(file=io.StringIO()))
     return time.perf_counter() - start, run.results
 
 
@@ -131,6 +137,17 @@ def time_reference(path: Path, loss_name: str, epochs: int, measured_epochs: int
     return total
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="voc")
@@ -140,6 +157,9 @@ def main() -> None:
     parser.add_argument("--reference-epochs", type=int, default=2)
     parser.add_argument("--no-reference", action="store_true", help="skip the reference loop")
     parser.add_argument("--reference-loss", default="an")
+    parser.add_argument("--sweep", action="append", default=[], help="time LOSS.KEY=V1,V2,... (repeatable)")
+    parser.add_argument("--hp-grid", default=None, help="paper: every timed run sweeps the papers' grids")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here as JSON")
     args = parser.parse_args()
     device = resolve_device(args.device)
     load_before = os.getloadavg()
@@ -151,11 +171,23 @@ def main() -> None:
         start = time.perf_counter()
         path = synthetic_cache(Path(folder), args.shape)
         print(f"{args.shape}-shaped cache written in {time.perf_counter() - start:.1f} s", flush=True)
-        for loss in args.losses.split(","):
-            seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs")
+        grid = f" --hp-grid {args.hp_grid}" if args.hp_grid else ""
+        for loss in [name for name in args.losses.split(",") if name]:
+            seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs",
+                                           hp_grid=args.hp_grid)
             best = {name: round(r["test_map"], 1) for name, r in results["losses"].items() if r.get("selected")}
-            rows.append((f"linear --loss {loss}", seconds))
-            print(f"linear --loss {loss}: {seconds:.1f} s; test mAP {best if len(best) <= 3 else ''}", flush=True)
+            heads = sum(len(r["configs"]) for r in results["losses"].values())
+            rows.append((f"linear --loss {loss}{grid} ({heads} heads)", seconds))
+            print(f"linear --loss {loss}{grid}: {seconds:.1f} s, {heads} heads; test mAP {best if len(best) <= 3 else ''}",
+                  flush=True)
+        for sweep in args.sweep:
+            key, _, values = sweep.partition("=")
+            loss = key.split(".")[0]
+            hparams = {key: [float(v) for v in values.split(",")]}
+            seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs", hparams=hparams)
+            heads = len(results["losses"][loss]["configs"])
+            rows.append((f"linear --loss {loss} --hp {sweep} ({heads} heads)", seconds))
+            print(f"linear --loss {loss} --hp {sweep}: {seconds:.1f} s, {heads} heads", flush=True)
         if not args.no_reference:
             seconds = time_reference(path, args.reference_loss, args.epochs, args.reference_epochs, device)
             rows.append((f"reference loop, {args.reference_loss} grid (extrapolated)", seconds))
@@ -168,7 +200,17 @@ def main() -> None:
     ours = dict(rows).get(f"linear --loss {args.reference_loss}")
     if reference and ours:
         print(f"\nspeed-up over the reference loop ({args.reference_loss} grid): {reference / ours:.1f}x")
-    print(f"load average before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f}")
+    load_after = os.getloadavg()[0]
+    print(f"load average before / after: {load_before[0]:.1f} / {load_after:.1f}")
+    if args.json is not None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "script": "scripts/bench_linear.py", "argv": sys.argv[1:], "device": str(device), "device_name": name,
+            "cpus": os.cpu_count(), "torch": torch.__version__, "shape": args.shape, "epochs": args.epochs,
+            "seeds": 1, "configs": 8, "load_average": [load_before[0], load_after],
+            "seconds": {label: round(seconds, 2) for label, seconds in rows},
+        }, indent=2) + "\n")
 
 
 if __name__ == "__main__":

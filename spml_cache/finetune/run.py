@@ -53,6 +53,10 @@ def finetune(
     """
     if seeds is not None and seeds < 1:
         raise SpmlError(f"--seeds {seeds}: must be at least 1 (seeds 0..N-1 are run)")
+    for key, value in (hparams or {}).items():
+        if isinstance(value, (list, tuple)):
+            raise SpmlError(f"--hp {key}={','.join(f'{v:g}' for v in value)}: fine-tuning takes one value; sweep on"
+                            " the linear probe (spml-cache linear --hp ...), then fine-tune from its best head")
     given = {"init": init, "from_run": from_run and str(from_run), "cache": cache_path and str(cache_path),
              "dataset": dataset, "loss": loss, "weights": weights, "epochs": epochs, "resolution": resolution,
              "head_lr_mult": head_lr_mult, "skip_missing": skip_missing, "fidelity": fidelity,

@@ -1,8 +1,8 @@
 """Adam for stacked heads: `torch.optim.Adam` (betas 0.9/0.999, eps 1e-8, no weight decay) applied to every head
 slice of a `[K, ...]` parameter at once, each head at its own learning rate.
 
-`adam_update` is the update itself (torch's fused kernel where the device has it); `StackedAdam` runs it for
-the losses' own parameters (ROLE's `theta`, at its lr multiplier of 10).
+`adam_kernel.adam_update` is the update itself (torch's fused kernel where the device has it); `StackedAdam` runs
+it for the losses' own parameters (ROLE's `theta`, at its lr multiplier of 10).
 
 Parameters indexed by training row on dim 1 (ROLE's `theta [K, N_train, C]`) only get gradient on the batch's
 rows, but dense Adam still moves every other row with its decaying momentum. Updating all N rows every step
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
+from spml_cache.linear.adam_kernel import BETA1, BETA2, EPS, adam_update, fused_adam_available, scalar_dtype  # noqa: F401
 # Lazy rows: the replay's truncation and series remainder, relative to the first replayed step of an entry (and so
 # to the whole drift), are bounded by this: 2^-30, 1/64 of float32's unit roundoff.
 REPLAY_TOL = 2.0**-30
@@ -42,46 +42,6 @@ def replay_steps(beta1: float = BETA1, beta2: float = BETA2, tol: float = REPLAY
     if not 0 < ratio < 1:
         raise ValueError(f"lazy rows need beta1^2 < beta2 (momentum that dies out), got betas ({beta1}, {beta2})")
     return math.ceil(math.log(tol * (1 - ratio) * (1 - beta2) ** 0.5) / math.log(ratio))
-
-
-def scalar_dtype(device: torch.device) -> torch.dtype:
-    """float64 for learning rates and replay coefficients, except where the device has none (Apple's MPS)."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
-def fused_adam_available(device: torch.device) -> bool:
-    """Whether torch's fused Adam kernel (the one behind `torch.optim.Adam(fused=True)`) runs on `device`."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        return hasattr(torch, "_fused_adam_") and device.type in _get_fused_kernels_supported_devices()
-    except ImportError:
-        return False
-
-
-def adam_update(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, step: int, lr, *, fused: bool,
-                step_tensor: torch.Tensor | None = None, skip: torch.Tensor | None = None,
-                betas: tuple[float, float] = (BETA1, BETA2), eps: float = EPS) -> None:
-    """`torch.optim.Adam`'s update (no weight decay) of tensors that have all taken `step` steps, in place.
-
-    `fused`: torch's fused kernel (what `Adam(fused=True)` calls; one pass over memory instead of eight
-    elementwise ops), which reads the step count from `step_tensor` and leaves everything as it is where `skip`
-    is 1. Otherwise the same update as tensor ops, where `lr` may also be a tensor broadcasting over each param.
-    """
-    beta1, beta2 = betas
-    if fused:
-        torch._fused_adam_(
-            params, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(params), lr=lr, beta1=beta1, beta2=beta2,
-            weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=None, found_inf=skip,
-        )
-        return
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.sub_(exp_avg / denom * (lr / bias_correction1))
 
 
 class _Slot:

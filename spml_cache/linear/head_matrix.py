@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from spml_cache.linear.adam import adam_update, fused_adam_available
+from spml_cache.linear.adam_kernel import adam_update, fused_adam_available
 from spml_cache.protocol import initial_head
 
 class HeadMatrix:
