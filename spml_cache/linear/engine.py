@@ -80,8 +80,8 @@ class HeadStack:
         values the records name."""
         device = data.train_features.device
         per_head = hparams if isinstance(hparams, list) else [hparams] * len(lrs)
-        hparams = {key: [h[key] for h in per_head] if len({repr(h[key]) for h in per_head}) > 1 else per_head[0][key]
-                   for key in per_head[0]}
+        varying = loss_registry.varying_keys(per_head)
+        hparams = {key: [h[key] for h in per_head] if key in varying else per_head[0][key] for key in per_head[0]}
         self.batch_size, self.num_heads = batch_size, len(lrs)
         self.heads = HeadMatrix(data.train_features.shape[1], data.num_classes, [seed] * len(lrs), lrs, device=device,
                                   start=(start["weight"], start["bias"]) if start else None)
@@ -230,7 +230,7 @@ class SeedRun:
         (`linear --from`)."""
         self.data, self.epochs = data, epochs
         combos = hparams if isinstance(hparams, list) else [hparams]
-        swept = tuple(key for key in combos[0] if len({repr(c[key]) for c in combos}) > 1)
+        swept = tuple(loss_registry.varying_keys(combos))
         per_head = set(loss_registry.get(name).per_head)
         groups: dict[tuple, list[dict]] = {}
         for combo in combos:

@@ -26,9 +26,7 @@ from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.linear.engine import LinearData
 from spml_cache.linear.jobs import merged_progress, resolve_workers, train_jobs
 from spml_cache.linear.live import LiveTable
-from spml_cache.linear.settings import (
-    LinearSettings, merged, resolved_hparams, start_heads, stored_settings, swept_keys,
-)
+from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_settings
 from spml_cache.metrics import mean_average_precision
 from spml_cache.progress import console as progress_console
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS
@@ -80,7 +78,7 @@ def run_linear(
         label = "all" if settings.losses == loss_registry.names() else "+".join(settings.losses)
         grid = {"losses": settings.losses, "lrs": settings.lrs, "batch_sizes": settings.batch_sizes,
                 "epochs": settings.epochs, "seeds": settings.seeds,
-                "hparams": {name: merged(combos) for name, combos in used.items()}, "val_labels": settings.val_labels,
+                "hparams": {name: loss_registry.merged(combos) for name, combos in used.items()}, "val_labels": settings.val_labels,
                 "fidelity": settings.fidelity}
         run_dir = runs.start_run(
             out, stage="linear", label=label, features=features, device=target, grid=grid, workers=workers,
@@ -115,7 +113,8 @@ def _train_and_select(run_dir, settings, used, starts, features, data, target, w
     workers = resolve_workers(workers, target, len(split), work)
     jobs = split if workers > 1 else [(name, index, seed, sizes) for (name, index, seed), sizes in missing.items() if sizes]
 
-    swept = {name: [{key: combo[key] for key in swept_keys(combos)} for combo in combos] for name, combos in used.items()}
+    swept = {name: [{key: combo[key] for key in loss_registry.varying_keys(combos)} for combo in combos]
+             for name, combos in used.items()}
 
     def grid_order(record) -> tuple:  # seed, lr, batch size, swept values: selection breaks ties in this order
         return (record.seed, settings.lrs.index(record.lr), settings.batch_sizes.index(record.batch_size),
@@ -203,7 +202,7 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: lis
     """
     selection = select_config(records)
     if selection is None:
-        return loss_results(records, None, merged(combos), [], seconds), None
+        return loss_results(records, None, loss_registry.merged(combos), [], seconds), None
     hparams = next(c for c in combos if all(c[key] == value for key, value in selection.hparams.items()))
     train_maps = [
         mean_average_precision(head_scores(r.best_state["head"], data.train_features), data.train_labels)

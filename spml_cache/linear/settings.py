@@ -96,16 +96,6 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
     }
 
 
-def merged(combos: list[dict]) -> dict:
-    """Combinations as one dict (what config.json keeps): a swept key's values as a list, in order."""
-    return {key: list(dict.fromkeys(c[key] for c in combos)) if len({repr(c[key]) for c in combos}) > 1
-            else combos[0][key] for key in combos[0]}
-
-
-def swept_keys(combos: list[dict]) -> list[str]:
-    return [key for key in combos[0] if len({repr(c[key]) for c in combos}) > 1]
-
-
 def start_heads(from_run: Path | str | None, names: list[str], features: FeatureSet) -> dict[str, dict]:
     """`--from RUN`: per loss, the head its heads start from: RUN's selected head of the same loss, else RUN's
     best single-positive head (highest val mAP; never an oracle's, which saw the full labels). The loss's own

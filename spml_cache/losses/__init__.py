@@ -27,8 +27,8 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
 )
 
 __all__ = [
-    "Loss", "build", "combinations", "describe", "describe_table", "get", "names", "overrides_for", "register",
-    "resolve_hparams",
+    "Loss", "build", "combinations", "describe", "describe_table", "get", "merged", "names", "overrides_for", "register",
+    "resolve_hparams", "varying_keys",
 ]
 
 # The flags of a `describe()` row, as the table words them.
@@ -90,6 +90,17 @@ def combinations(overrides: dict) -> list[dict]:
     swept = [key for key, value in overrides.items() if isinstance(value, list)]
     fixed = {key: value for key, value in overrides.items() if key not in swept}
     return [{**fixed, **dict(zip(swept, values))} for values in itertools.product(*(overrides[k] for k in swept))]
+
+
+def varying_keys(combos: list[dict]) -> list[str]:
+    """The keys whose values differ between the dicts (all sharing the first one's keys)."""
+    return [key for key in combos[0] if len({repr(combo[key]) for combo in combos}) > 1]
+
+
+def merged(combos: list[dict]) -> dict:
+    """Combinations as one dict, the inverse of `combinations`: a varying key's values as a list, in order."""
+    varying = varying_keys(combos)
+    return {key: list(dict.fromkeys(c[key] for c in combos)) if key in varying else combos[0][key] for key in combos[0]}
 
 
 def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: str, train_observed: torch.Tensor,
