@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
 
 from spml_cache import cache
 from spml_cache.protocol import expected_positives, observe_labels
@@ -41,3 +43,8 @@ def write_synthetic_cache(path: Path, *, train: int = 96, val: int = 32, test: i
         "expected_positives": expected_positives(np.concatenate([splits["train"]["labels"], splits["val"]["labels"]])),
     }
     return cache.write(path, attrs=attrs, **splits)
+
+
+def quiet() -> Console:
+    """A console that swallows the live table: tests read the run directory instead."""
+    return Console(file=io.StringIO())

@@ -6,15 +6,14 @@ at 448 px, where fp16 extraction once wrote non-finite rows (at 128 px it never 
 
 from __future__ import annotations
 
-import io
 import json
 import math
 
 import numpy as np
 import pytest
-from rich.console import Console
-
 from cli_support import run_cli
+from linear_support import quiet
+
 from spml_cache import cache, losses, report
 from spml_cache.demo.data import make_demo_data
 from spml_cache.extract import extract
@@ -24,9 +23,6 @@ from spml_cache.linear import run_linear
 pytestmark = pytest.mark.cuda
 GRID = dict(losses=["an", "role", "em"], lrs=[1e-2, 1e-3, 1e-4, 1e-5], batch_sizes=[8, 16], epochs=5)
 
-
-def quiet() -> Console:
-    return Console(file=io.StringIO())
 
 
 @pytest.fixture(scope="module")

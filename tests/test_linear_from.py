@@ -1,24 +1,19 @@
 """`linear --from RUN`: every head starts from a finished linear run's selected head instead of its seed's init."""
 
-import io
 import json
 import re
 
 import pytest
 import torch
-from rich.console import Console
-
 from cli_support import run_cli
-from linear_support import write_synthetic_cache
+from linear_support import quiet, write_synthetic_cache
+
 from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
 
 # So small that a head ends its one epoch where it started (to ~1e-9): what it starts from is what best.pt holds.
 STILL = [1e-10]
 
-
-def quiet() -> Console:
-    return Console(file=io.StringIO())
 
 
 @pytest.fixture(scope="module")

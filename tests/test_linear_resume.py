@@ -1,7 +1,6 @@
 """An interrupted `linear` keeps every finished (loss, seed, batch size) and `--resume RUN` gives the uninterrupted
 run's results; Ctrl-C says in one line what was kept and the command that goes on."""
 
-import io
 import json
 import os
 import signal
@@ -11,18 +10,14 @@ import time
 
 import pytest
 import torch
-from rich.console import Console
-
 from cli_support import REPO, run_cli
-from linear_support import write_synthetic_cache
+from linear_support import quiet, write_synthetic_cache
+
 from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.linear import run, run_linear
 
 GRID = dict(losses=["an", "role"], lrs=[1e-2, 1e-3], batch_sizes=[4, 8], epochs=2, seeds=2)
 
-
-def quiet() -> Console:
-    return Console(file=io.StringIO())
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,15 @@
 """`run_linear` end to end on tiny caches: the run directory, best.pt, divergence, selection labels, learning."""
 
-import io
 import json
 
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
+from linear_support import quiet, write_synthetic_cache
 from sklearn.metrics import average_precision_score
 
-from linear_support import write_synthetic_cache
 from spml_cache import cache, losses
 from spml_cache.linear import run_linear
-
-
-def quiet() -> Console:
-    return Console(file=io.StringIO())
 
 
 @pytest.fixture(scope="module")

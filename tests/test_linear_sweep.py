@@ -1,27 +1,22 @@
 """Sweeps: `--hp key=v1,v2` trains every value beside every (lr, batch size); heads that differ only in a
 hyperparameter the loss takes per head share a stack, and each equals the head of a run with that value alone."""
 
-import io
 import json
 
 import pytest
 import torch
-from rich.console import Console
-
 from cli_support import run_cli
-from linear_support import write_synthetic_cache
+from linear_support import quiet, write_synthetic_cache
+
+from spml_cache import cache
 from spml_cache.errors import SpmlError
 from spml_cache.finetune.checkpoints import newest_linear_run
 from spml_cache.linear import run_linear
 from spml_cache.linear.engine import LinearData, SeedRun
-from spml_cache import cache
 from spml_cache.runs import read_linear_head
 
 GRID = dict(lrs=[1e-1, 1e-2], batch_sizes=[4, 8], epochs=3)
 
-
-def quiet() -> Console:
-    return Console(file=io.StringIO())
 
 
 @pytest.fixture(scope="module")
