@@ -13,8 +13,12 @@ through `spml_cache.cache.write`, then timed:
 - sweeps: `linear --loss L --hp L.key=v1,v2,...` beside the same loss with its defaults, in the same run
   (`--sweep L.key=v1,v2,...`), and every timed run with `--hp-grid paper`.
 
-Usage: python scripts/bench_linear.py [--shape voc|coco] [--losses an,role,all] [--device cpu|cuda]
-       [--epochs 25] [--reference-epochs 2] [--no-reference] [--sweep ll_r.delta=0.001,0.002]
+On a GPU every run is timed on the captured-graph path (the default) and, with `--eager`, again with
+`--no-graphs`, so that one run measures both paths and the reference loop; the JSON holds the issue's targets
+beside the figures (`TARGETS`, one seed, the papers' 8-config grid, 25 epochs).
+
+Usage: python scripts/bench_linear.py [--shape voc|coco] [--losses an,role,all] [--device cpu|cuda] [--eager]
+       [--seeds 1] [--epochs 25] [--reference-epochs 2] [--no-reference] [--sweep ll_r.delta=0.001,0.002]
        [--hp-grid paper] [--json docs/benchmarks/NAME.json]
 """
 
@@ -48,6 +52,8 @@ SHAPES = {  # train, val, test, classes
     "coco": (65665, 16416, 40137, 80),
 }
 FEATURE_DIM = 2048
+# What stage two should take on one H100/H200 (seconds; 1 seed, 8 configs, 25 epochs): issue "Stage two on a GPU".
+TARGETS = {("voc", "an"): 2.0, ("voc", "role"): 5.0, ("voc", "all"): 20.0, ("coco", "all"): 300.0}
 
 
 def synthetic_cache(folder: Path, shape: str, seed: int = 0) -> Path:
@@ -78,10 +84,10 @@ def synthetic_cache(folder: Path, shape: str, seed: int = 0) -> Path:
 
 
 def time_linear(path: Path, loss: str, epochs: int, device: str, out: Path, hparams: dict | None = None,
-                hp_grid: str | None = None) -> tuple[float, dict]:
+                hp_grid: str | None = None, graphs: bool = True, seeds: int = 1) -> tuple[float, dict]:
     start = time.perf_counter()
     run = run_linear(cache=path, losses=loss, epochs=epochs, device=device, out=out, hparams=hparams, hp_grid=hp_grid,
-                     console=Console(file=io.StringIO()))
+                     graphs=graphs, seeds=seeds, console=Console(file=io.StringIO()))
     return time.perf_counter() - start, run.results
 
 
@@ -153,6 +159,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="voc")
     parser.add_argument("--losses", default="an,role,all", help="what to time: loss names and/or all (comma list)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--eager", action="store_true", help="on a GPU, also time each run with --no-graphs")
+    parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=25)
     parser.add_argument("--reference-epochs", type=int, default=2)
     parser.add_argument("--no-reference", action="store_true", help="skip the reference loop")
@@ -162,54 +170,53 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here as JSON")
     args = parser.parse_args()
     device = resolve_device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     load_before = os.getloadavg()
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor()}),"
-          f" torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads,"
-          f" load average {load_before[0]:.1f}", flush=True)
+    print(f"device {device} ({name}), torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()}"
+          f" torch threads, load average {load_before[0]:.1f}", flush=True)
+    paths = ["graphs", "eager"] if device.type == "cuda" and args.eager else ["graphs" if device.type == "cuda" else "eager"]
+    runs = [(loss, None) for loss in args.losses.split(",") if loss]
+    for sweep in args.sweep:
+        key, _, values = sweep.partition("=")
+        runs.append((key.split(".")[0], {key: [float(v) for v in values.split(",")]}))
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         path = synthetic_cache(Path(folder), args.shape)
         print(f"{args.shape}-shaped cache written in {time.perf_counter() - start:.1f} s", flush=True)
-        grid = f" --hp-grid {args.hp_grid}" if args.hp_grid else ""
-        for loss in [name for name in args.losses.split(",") if name]:
-            seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs",
-                                           hp_grid=args.hp_grid)
-            best = {name: round(r["test_map"], 1) for name, r in results["losses"].items() if r.get("selected")}
-            heads = sum(len(r["configs"]) for r in results["losses"].values())
-            rows.append((f"linear --loss {loss}{grid} ({heads} heads)", seconds))
-            print(f"linear --loss {loss}{grid}: {seconds:.1f} s, {heads} heads; test mAP {best if len(best) <= 3 else ''}",
-                  flush=True)
-        for sweep in args.sweep:
-            key, _, values = sweep.partition("=")
-            loss = key.split(".")[0]
-            hparams = {key: [float(v) for v in values.split(",")]}
-            seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs", hparams=hparams)
-            heads = len(results["losses"][loss]["configs"])
-            rows.append((f"linear --loss {loss} --hp {sweep} ({heads} heads)", seconds))
-            print(f"linear --loss {loss} --hp {sweep}: {seconds:.1f} s, {heads} heads", flush=True)
+        for loss, hparams in runs:
+            for way in paths:
+                seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs", hparams,
+                                               args.hp_grid, graphs=way == "graphs", seeds=args.seeds)
+                heads = sum(len(r["configs"]) for r in results["losses"].values())
+                label = f"linear --loss {loss}" + "".join(f" --hp {k}={','.join(map(str, v))}" for k, v in
+                                                          (hparams or {}).items())
+                label += (f" --hp-grid {args.hp_grid}" if args.hp_grid else "") + (" --no-graphs" if way == "eager" and
+                                                                                     device.type == "cuda" else "")
+                target = TARGETS.get((args.shape, loss)) if way == "graphs" and not hparams and args.seeds == 1 else None
+                rows.append({"run": label, "loss": loss, "path": way, "heads": heads, "seconds": round(seconds, 2),
+                             "target_s": target, "meets_target": None if target is None else seconds <= target})
+                best = {n: round(r["test_map"], 1) for n, r in results["losses"].items() if r.get("selected")}
+                print(f"{label}: {seconds:.1f} s, {heads} heads; test mAP {best if len(best) <= 3 else '...'}",
+                      flush=True)
         if not args.no_reference:
             seconds = time_reference(path, args.reference_loss, args.epochs, args.reference_epochs, device)
-            rows.append((f"reference loop, {args.reference_loss} grid (extrapolated)", seconds))
+            rows.append({"run": f"reference loop, {args.reference_loss} grid (extrapolated)", "loss": args.reference_loss,
+                         "path": "reference", "heads": 8, "seconds": round(seconds, 2)})
             print(f"reference: {seconds:.1f} s", flush=True)
-    print(f"\n| {args.shape}-shaped, {args.epochs} epochs, 8 configs, 1 seed, {device} | seconds |")
-    print("|---|---|")
-    for name, seconds in rows:
-        print(f"| {name} | {seconds:.1f} |")
-    reference = dict(rows).get(f"reference loop, {args.reference_loss} grid (extrapolated)")
-    ours = dict(rows).get(f"linear --loss {args.reference_loss}")
-    if reference and ours:
-        print(f"\nspeed-up over the reference loop ({args.reference_loss} grid): {reference / ours:.1f}x")
+    print(f"\n| {args.shape}-shaped, {args.epochs} epochs, 8 configs, {args.seeds} seed(s), {name} | seconds | target |")
+    print("|---|---|---|")
+    for row in rows:
+        target = row.get("target_s")
+        print(f"| {row['run']} ({row['heads']} heads) | {row['seconds']:.1f} | {'' if target is None else target} |")
     load_after = os.getloadavg()[0]
     print(f"load average before / after: {load_before[0]:.1f} / {load_after:.1f}")
     if args.json is not None:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "script": "scripts/bench_linear.py", "argv": sys.argv[1:], "device": str(device), "device_name": name,
             "cpus": os.cpu_count(), "torch": torch.__version__, "shape": args.shape, "epochs": args.epochs,
-            "seeds": 1, "configs": 8, "load_average": [load_before[0], load_after],
-            "seconds": {label: round(seconds, 2) for label, seconds in rows},
+            "seeds": args.seeds, "configs": 8, "load_average": [load_before[0], load_after], "runs": rows,
         }, indent=2) + "\n")
 
 

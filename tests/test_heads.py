@@ -49,7 +49,7 @@ def train_heads_and_reference(fused, steps=15, stop=None, penalty=False):
         value = (((logits - target) ** 2) * (1 + logits.abs())).sum()
         value = value + (weight.abs().sum() if penalty else 0.0)
         grad_logits, grad_weight = torch.autograd.grad(value, [logits, weight], allow_unused=True)
-        heads.step(x, grad_logits, grad_weight if penalty else None, active)
+        heads.step(x, grad_logits, grad_weight if penalty else None, heads.frozen_columns(active))
         for k, (linear, optimiser) in enumerate(alone):
             if active is not None and not active[k]:
                 continue

@@ -200,6 +200,7 @@ def linear_command(
     resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept (its settings are used)."),
     fidelity: str = typer.Option("exact", "--fidelity", help="exact: the papers' math, computed stably; authors: their code's numerics, dropped last batches and early stopping (docs/fidelity.md)."),
     hp_grid: Optional[str] = typer.Option(None, "--hp-grid", help="paper: sweep each loss's own search space where its paper states one (spml-cache losses lists them); --hp values win."),
+    no_graphs: bool = typer.Option(False, "--no-graphs", help="On a GPU, train the stacks one by one, eagerly, instead of all at once as replayed CUDA graphs (for debugging; same results up to float rounding)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 
@@ -216,7 +217,7 @@ def linear_command(
         cache=cache, dataset=dataset, losses=parse_names(loss or ""), lrs=parse_list(lr, "--lr", float),
         batch_sizes=parse_list(batch_size, "--batch-size", int), epochs=epochs, seeds=seeds,
         hparams=parse_hparams(hp or []), device=device, out=out, val_labels=val_labels, workers=workers,
-        from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid,
+        from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid, graphs=not no_graphs,
     )
     console.print(summary_table(run.results))
     console.print(f"run directory: {run.run_dir}")

@@ -84,6 +84,7 @@ class StackedAdam:
         self.eps = eps
         self.fused = fused
         self.steps = 0
+        self.step_count: torch.Tensor | None = None  # `steps` on the device, for what a step reads of it
         self.slots: list[_Slot] = []
         self._fused_groups: list | None = None
         self._halt: torch.Tensor | None = None  # [K]: the last step each head took (NEVER: still training)
@@ -103,6 +104,8 @@ class StackedAdam:
         if not param.is_contiguous():
             raise ValueError("stacked parameters must be contiguous (each head's slice is updated in place)")
         kernel = fused_adam_available(param.device) if self.fused is None else self.fused
+        if self.step_count is None:
+            self.step_count = torch.zeros((), dtype=torch.long, device=param.device)
         if lazy_rows and self._halt is None:
             self._replay_steps = replay_steps(self.beta1, self.beta2)
             self._halt = torch.full((self.num_heads,), NEVER, dtype=torch.long, device=param.device)
@@ -128,6 +131,7 @@ class StackedAdam:
         `row_grads`: `{id(param): gradient of its rows [K, R, ...]}` for lazy parameters whose gradient was
         taken on the rows alone (otherwise it is read from `param.grad[:, rows]`)."""
         self.steps += 1
+        self.step_count += 1  # a captured step reads its count from here, never from the Python int
         self._stop_heads(active, self.steps - 1, check=False)
         if self._fused_groups is None:
             self._fused_groups = self._group_fused()
@@ -146,7 +150,7 @@ class StackedAdam:
                     grad = row_grads.get(id(slot.param))
                 grad = torch.zeros_like(param) if grad is None else grad
                 # a head stopped once stays stopped on lazy rows: their replays end at its last step
-                live = self._halt >= self.steps if self._stopped else None
+                live = self._halt >= self.step_count if self._stopped else None
             else:
                 grad = torch.zeros_like(param) if slot.param.grad is None else slot.param.grad
                 live = active
@@ -174,7 +178,7 @@ class StackedAdam:
                 slot.param.index_copy_(1, rows, param)
                 slot.exp_avg.index_copy_(1, rows, exp_avg)
                 slot.exp_avg_sq.index_copy_(1, rows, exp_avg_sq)
-                slot.last.index_fill_(0, rows, self.steps)
+                slot.last.index_fill_(0, rows, self.step_count)
 
     def _group_fused(self) -> list:
         """Per (lr multiplier, head): which fused slots, the head's slices of them, their moments, step count."""
@@ -222,7 +226,9 @@ class StackedAdam:
         if active is None or self._halt is None or (check and bool(active.all())):
             return
         self._stopped = True
-        self._halt = torch.where(active.to(self._halt.device), self._halt, self._halt.clamp(max=taken))
+        # in place: a captured step reads `_halt` where it was (inside a step the update changes nothing: the
+        # epoch's start stopped the heads already, at a step at most `taken`)
+        self._halt.copy_(torch.where(active.to(self._halt.device), self._halt, self._halt.clamp(max=taken)))
 
     @torch.no_grad()
     def advance_rows(self, rows: torch.Tensor, upto: int | torch.Tensor, active: torch.Tensor | None = None) -> None:

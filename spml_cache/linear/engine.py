@@ -95,27 +95,26 @@ class HeadStack:
         self.early_stop = type(self.loss).authors_early_stop if fidelity == "authors" else None
         if start:
             self.loss.load_head_state(start["loss_state"])
-        self.penalised = type(self.loss).penalty is not loss_registry.Loss.penalty
+        loss_type = type(self.loss)
+        self.penalised = loss_type.penalises_weight
         self.adam = StackedAdam(lrs)  # the loss's own parameters (ROLE's theta), at their lr multiplier
-        # Per-training-row parameters (ROLE's theta) only get gradient on the batch's rows: Adam keeps them
-        # lazily. A loss with no other per-row state uses `index` only to read them, so it can be handed just
-        # the batch's rows (and index `slice(None)`): autograd then never builds an [N_train]-row gradient, which
-        # on COCO-sized data costs more than everything else in a step.
-        def per_row(tensor: torch.Tensor) -> bool:
-            return tensor.dim() >= 2 and tensor.shape[1] == data.num_train
-
+        # Per-training-row parameters (ROLE's theta, as the loss declares them) only get gradient on the batch's
+        # rows: Adam keeps them lazily. A loss with no per-row buffers uses `index` only to read them, so it can
+        # be handed just the batch's rows (and index `slice(None)`): autograd then never builds an [N_train]-row
+        # gradient, which on COCO-sized data costs more than everything else in a step.
         self.params = list(self.loss.parameters())
-        self.row_params = [(key, p) for key, p in self.loss.named_parameters() if per_row(p)]
+        self.row_params = [(key, getattr(self.loss, key)) for key in loss_type.row_params]
+        lazy = {id(param) for _, param in self.row_params}
         for param in self.params:
-            self.adam.add_param(param, getattr(param, "lr_mult", 1.0), lazy_rows=per_row(param))
+            self.adam.add_param(param, getattr(param, "lr_mult", 1.0), lazy_rows=id(param) in lazy)
         self.lazy = bool(self.row_params)
-        self.rows_only = self.lazy and not any(per_row(b) for b in self.loss.buffers()) and all(
-            "." not in key for key, _ in self.row_params
-        ) and len(self.row_params) == len(self.params)
+        self.rows_only = self.lazy and not loss_type.row_buffers and len(self.row_params) == len(self.params)
         self.active = torch.ones(len(lrs), dtype=torch.bool, device=device)  # false once a head has diverged
         self.active_at_start = self.active
         self.stopped = None  # `active` once a head has stopped: the optimisers then leave that head alone
-        self.step_losses: list[torch.Tensor] = []  # this epoch's per-step losses [K], summed at its end
+        self.frozen = None  # the stopped heads' columns of `heads` (HeadMatrix.frozen_columns)
+        self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
+        self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
         self.records = [HeadRecord(name, lr, batch_size, seed, hparams={key: h[key] for key in swept})
                         for lr, h in zip(lrs, per_head)]
@@ -126,7 +125,8 @@ class HeadStack:
             # A stopped head's logits may be NaN: hand the loss zeros instead, it is never trained again.
             train_logits = torch.where(self.active.view(-1, 1, 1), self.heads.logits(data.train_features), 0.0)
         self.loss.start_epoch(epoch, num_epochs, train_logits)
-        self.step_losses = []
+        self.epoch_loss.zero_()
+        self.num_steps = 0
         self.active_at_start = self.active
         if self.lazy:
             # Every row is read once this epoch, by batch i // batch_size for the row at position i of `order`:
@@ -135,6 +135,9 @@ class HeadStack:
             self.adam.advance_rows(order, self.adam.steps + batch_index, self.stopped)
 
     def train_step(self, rows: torch.Tensor, data: LinearData) -> None:
+        """One step on the training rows `rows`. Nothing in it waits on the GPU or copies from the host, and what
+        changes between steps lives in tensors updated in place: a CUDA graph of it replays correctly (graphs.py);
+        the Python step counters it advances are `step_counts`."""
         features = data.train_features.index_select(0, rows)
         with self._rows_for_loss(rows) as (index, params):
             logits = self.heads(features).requires_grad_()
@@ -147,7 +150,7 @@ class HeadStack:
                 inputs.append(weight)
             # Heads share no computation: a NaN in one head's loss reaches no other head's gradient.
             grads = torch.autograd.grad(per_head.sum(), inputs, allow_unused=True)
-        self.heads.step(features, grads[0], grads[-1] if self.penalised else None, self.stopped)
+        self.heads.step(features, grads[0], grads[-1] if self.penalised else None, self.frozen)
         if params:
             param_grads = grads[1 : 1 + len(params)]
             if self.rows_only:
@@ -156,15 +159,34 @@ class HeadStack:
                 for param, grad in zip(self.params, param_grads):
                     param.grad = grad
                 self.adam.step(self.stopped, rows)
-        self.step_losses.append(per_head.detach())
+        self.epoch_loss += per_head.detach()
+        self.num_steps += 1
+
+    def step_counts(self) -> tuple[int, int, int]:
+        """The Python counters a step advances (the heads' and Adam's steps, the epoch's): a captured step
+        advances them once while it is captured and never when it is replayed, so its replayer keeps them."""
+        return self.heads.steps, self.adam.steps, self.num_steps
+
+    def set_step_counts(self, counts: tuple[int, int, int]) -> None:
+        self.heads.steps, self.adam.steps, self.num_steps = counts
+
+    def count_steps(self, count: int) -> None:
+        """Advance the Python step counters as `count` steps do (after replaying them)."""
+        heads, adam, epoch = self.step_counts()
+        self.set_step_counts((heads + count, adam + count if self.params else adam, epoch + count))
 
     def end_epoch(self) -> None:
         """Stop the heads whose loss was NaN/inf in this epoch (one host sync per epoch, none per step)."""
-        if not self.step_losses:  # fewer training rows than one batch, and the partial batch dropped
+        if not self.num_steps:  # fewer training rows than one batch, and the partial batch dropped
             return
-        self.loss_sum = torch.stack(self.step_losses).sum(dim=0)
+        self.loss_sum = self.epoch_loss.clone()
         self.active = self.active & torch.isfinite(self.loss_sum)
-        self.stopped = None if bool(self.active.all()) else self.active
+        self._stop(None if bool(self.active.all()) else self.active)
+
+    def _stop(self, stopped: torch.Tensor | None) -> None:
+        """From now on the optimisers leave the heads inactive in `stopped` alone (None: none)."""
+        self.stopped = stopped
+        self.frozen = self.heads.frozen_columns(stopped)
 
     @contextmanager
     def _rows_for_loss(self, rows: torch.Tensor):
@@ -191,7 +213,7 @@ class HeadStack:
     def finish_epoch(self, epoch: int, val_ap: np.ndarray, test_ap: np.ndarray) -> list[dict]:
         """Record the epoch's scores (per-class AP, 0..1, [K, C]), keep the best heads; the metrics lines."""
         diverged = (self.active_at_start & ~self.active).cpu().tolist()
-        train_loss = (self.loss_sum / max(len(self.step_losses), 1)).cpu().tolist()
+        train_loss = (self.loss_sum / max(self.num_steps, 1)).cpu().tolist()
         lines = []
         for k, record in enumerate(self.records):
             if record.diverged_epoch is not None or record.stopped_epoch is not None:
@@ -201,7 +223,7 @@ class HeadStack:
                 record.diverged_epoch = epoch
                 self.active = self.active.clone()
                 self.active[k] = False  # the optimisers leave it alone from now on, as a head whose loss diverged
-                self.stopped = self.active
+                self._stop(self.active)
             else:
                 if record.add_epoch(epoch, train_loss[k], val_map, test_map, test_ap[k]):
                     record.best_state = self.head_state(k)
@@ -209,7 +231,7 @@ class HeadStack:
                     record.stopped_epoch = epoch
                     self.active = self.active.clone()
                     self.active[k] = False
-                    self.stopped = self.active
+                    self._stop(self.active)
             lines += record.metric_lines(epoch)
         return lines
 
@@ -251,7 +273,7 @@ class SeedRun:
         """Train epoch `epoch` (1-indexed) and score every head; returns the metrics lines of the epoch."""
         with single_threaded(self.data.train_features.device):
             self._train(epoch)
-            return self._score(epoch)
+            return self.score(epoch)
 
     def _train(self, epoch: int) -> None:
         data, order = self.data, self.permutations[epoch - 1]
@@ -265,7 +287,7 @@ class SeedRun:
                     stack.end_epoch()
 
     @torch.no_grad()
-    def _score(self, epoch: int) -> list[dict]:
+    def score(self, epoch: int) -> list[dict]:
         """Every head's val and test AP in one batched scoring (per stack when its evaluation drops the last
         partial batch, whose rows depend on the batch size); the epoch's metrics lines."""
         data = self.data

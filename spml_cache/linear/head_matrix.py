@@ -79,26 +79,34 @@ class HeadMatrix:
         return {"weight": (self.scaled_weight[:, columns] * lr).t().contiguous(),
                 "bias": self.scaled_bias[columns] * lr}
 
+    def frozen_columns(self, active: torch.Tensor | None) -> torch.Tensor | None:
+        """The columns of the heads inactive in `active [K]` (None: all active), for `step`. A host sync: the
+        trainer asks once whenever a head stops, so that no step needs one (a captured step could not have it)."""
+        if active is None or bool(active.all()):
+            return None
+        stopped = (~active).repeat_interleave(self.num_classes)
+        return stopped.nonzero().squeeze(1).to(self.scaled_bias.device)
+
     @torch.no_grad()
     def step(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
-             active: torch.Tensor | None = None) -> None:
+             frozen: torch.Tensor | None = None) -> None:
         """One Adam step of every head from the batch `features [B, D]` and the loss's gradient with respect
         to the logits `[K, B, C]`; `weight_grad [K, D, C]`: a penalty's gradient on the weights, added.
-        `active [K]` (None: all): a stopped head keeps its parameters and moments."""
+        `frozen` (`frozen_columns`; None: none): the columns of stopped heads, which keep their parameters and
+        moments."""
         grad = grad_logits.transpose(0, 1).reshape(len(features), -1)  # [B, K*C], the layout of the logits
         grad_weight, grad_bias = self.grads
         torch.mm(features.t(), grad, out=grad_weight)
         torch.sum(grad, dim=0, out=grad_bias)
         if weight_grad is not None:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
-        if active is not None:
+        if frozen is not None:
             state = self.params + self.exp_avgs + self.exp_avg_sqs
-            stopped = (~active).repeat_interleave(self.num_classes)
-            kept = [t[..., stopped].clone() for t in state]
+            kept = [t.index_select(t.dim() - 1, frozen) for t in state]
         self.steps += 1
         self.step_tensor += 1
         adam_update(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.steps, 1.0, fused=self.fused,
                     step_tensor=self.step_tensor)
-        if active is not None:
+        if frozen is not None:
             for t, saved in zip(state, kept):
-                t[..., stopped] = saved
+                t.index_copy_(t.dim() - 1, frozen, saved)

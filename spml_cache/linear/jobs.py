@@ -20,6 +20,7 @@ import torch
 from spml_cache import cache as cache_file
 from spml_cache.errors import SpmlError
 from spml_cache.linear.engine import LinearData, SeedRun
+from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.selection import best_so_far
 
 # Below this much work (training rows x epochs x (loss, seed) pairs) starting worker processes costs more than it
@@ -46,11 +47,14 @@ def merged_progress(parts) -> tuple[int, dict | None]:
     return min(epoch for epoch, _ in parts), max(bests, key=lambda best: best["val_map"], default=None)
 
 
-def train_jobs(jobs, used, settings, data, features, workers, starts):
+def train_jobs(jobs, used, settings, data, features, workers, starts, graphs: bool = True):
     """Train every job `(loss, seed index, seed, batch sizes)`; yields `((loss, seed index, batch sizes),
     progress, metrics lines, job)` events: `progress = (epoch, best_so_far)` after each epoch of a job,
     `job = (records, seconds)` when it is done. In-process the metrics lines come with each epoch; from worker
-    processes, with the finished job."""
+    processes, with the finished job. On a GPU (unless not `graphs`) every job trains at once, in lockstep."""
+    if workers == 1 and graphs and graphs_available(data.train_features.device):
+        yield from _in_lockstep(jobs, used, settings, data, starts)
+        return
     if workers == 1:
         for name, index, seed, sizes in jobs:
             start = time.perf_counter()
@@ -89,6 +93,23 @@ def train_jobs(jobs, used, settings, data, features, workers, starts):
         _stop_workers(pool)
         raise
     pool.shutdown(wait=True)
+
+
+def _in_lockstep(jobs, used, settings, data, starts):
+    """Every job's stacks advance together, an epoch at a time, as captured CUDA graphs (graphs.py). Each job is
+    credited an equal share of the wall time, so that the parts' seconds add up to it."""
+    begin = time.perf_counter()
+    runs = {(name, index, sizes): SeedRun(name, used[name], seed, settings.lrs, list(sizes), settings.epochs, data,
+                                          starts.get(name), settings.fidelity)
+            for name, index, seed, sizes in jobs}
+    together = Lockstep(list(runs.values()))
+    for epoch in range(1, settings.epochs + 1):
+        together.train_epoch(epoch)
+        last = epoch == settings.epochs
+        for key, run in runs.items():
+            lines = run.score(epoch)
+            done = (run.records, (time.perf_counter() - begin) / len(runs)) if last else None
+            yield key, (epoch, best_so_far(run.records)), lines, done
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

@@ -46,7 +46,7 @@ def run_linear(
     losses: str | Sequence[str] = "all", lrs: Sequence[float] = GRID_LRS, batch_sizes: Sequence[int] = GRID_BATCH_SIZES,
     epochs: int = LINEAR_EPOCHS, seeds: int = 1, hparams: dict[str, float] | None = None, device: str = "auto",
     out: Path | str = "runs", val_labels: str = "clean", workers: int = 0, from_run: Path | str | None = None,
-    resume: Path | str | None = None, fidelity: str = "exact", hp_grid: str | None = None,
+    resume: Path | str | None = None, fidelity: str = "exact", hp_grid: str | None = None, graphs: bool = True,
     console: Console | None = None,
 ) -> LinearRun:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
@@ -59,7 +59,8 @@ def run_linear(
     A hyperparameter given as a list is swept: every combination of the values is trained beside every (lr,
     batch size), heads that differ only in a hyperparameter the loss takes per head in the same stack, and
     selection runs over the whole grid; `hp_grid="paper"` sweeps each loss's own search space where its paper
-    states one.
+    states one. `graphs`: on a GPU, train every stack at once as replayed CUDA graphs (graphs.py); False trains
+    them one by one, eagerly (for debugging; the same results up to float rounding).
     """
     if resume is not None:
         config, settings, from_run = stored_settings(Path(resume))
@@ -94,7 +95,8 @@ def run_linear(
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rebuilt: the lines of the kept jobs, then the new ones
         runs.append_metrics(run_dir, [line for records, _ in kept.values() for r in records for line in r.metric_lines()])
     try:
-        results = _train_and_select(run_dir, settings, used, starts, features, data, target, workers, kept, console)
+        results = _train_and_select(run_dir, settings, used, starts, features, data, target, workers, kept, console,
+                                    graphs)
     except KeyboardInterrupt:
         parts = len(settings.losses) * len(settings.seeds) * len(settings.batch_sizes)
         raise Interrupted(f"{len(read_kept_jobs(run_dir))} of {parts} (loss, seed, batch size) parts are kept in "
@@ -103,7 +105,8 @@ def run_linear(
     return LinearRun(run_dir, results)
 
 
-def _train_and_select(run_dir, settings, used, starts, features, data, target, workers, kept, console) -> dict:
+def _train_and_select(run_dir, settings, used, starts, features, data, target, workers, kept, console,
+                      graphs=True) -> dict:
     """Train what is not in `kept` ({(loss, seed, batch size): (records, seconds)}), select each loss once its
     every part is done, write the results."""
     missing = {(name, index, seed): tuple(size for size in settings.batch_sizes if (name, seed, size) not in kept)
@@ -137,7 +140,7 @@ def _train_and_select(run_dir, settings, used, starts, features, data, target, w
         for name in [name for name in settings.losses if len(parts[name]) == expected]:
             finish(name)
         for (name, index, sizes), epoch_best, lines, job in train_jobs(jobs, used, settings, data, features, workers,
-                                                                      starts):
+                                                                      starts, graphs):
             runs.append_metrics(run_dir, lines)
             if epoch_best is not None and name in parts:  # an epoch of a job of an unfinished loss
                 progress.setdefault((name, index), {})[sizes] = epoch_best

@@ -1,0 +1,165 @@
+"""Stage two on a GPU: each stack's training step captured once as a CUDA graph and replayed, every stack of a
+run advancing together, each on its own CUDA stream.
+
+Eagerly, a step is 30-120 small kernels, each launched from Python: on an H100 the GPU waits on the launches
+(1.2-5.4 ms a step at batch 8; replayed as a graph, 0.1-0.24 ms). So here a stack's step reads its batch's rows
+from a static copy of the epoch's order at a cursor on the device (`order[cursor : cursor + B]`, the cursor
+advanced inside the step), which lets one graph of `UNROLL` consecutive steps replay all through an epoch, and
+one more graph each for the leftover full steps and the last, partial batch. What a step reads that changes
+between steps or epochs is a device tensor updated in place (the loss contract, docs/internals.md "Graph-safe
+steps"); the Python counters a step advances are kept by `HeadStack.step_counts`.
+
+A graph is captured the second time its batch shape comes up (the first runs eagerly on the stack's stream:
+the warm-up that lazy initialisations need) and again only when something it baked in changes: when a head stops
+(the frozen columns). Per-epoch work (`start_epoch`, scoring, the divergence check, selection bookkeeping) runs
+eagerly between epochs. The eager path (`SeedRun.run_epoch`) stays for the CPU and for `--no-graphs`; both give
+the same selection and logits up to float tolerance (tests/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from spml_cache.linear.adam_kernel import fused_adam_available
+from spml_cache.linear.engine import HeadStack, SeedRun
+
+UNROLL = 8  # full steps per graph: one launch where eight would each cost a Python round trip
+
+
+class CudaGraphs:
+    """What `CapturedStack` needs of CUDA: streams, and graphs captured on them. (A test hands it a stand-in
+    that runs on the CPU and checks every replay against its capture, tests/test_linear_graphs.py.)"""
+
+    @staticmethod
+    def new_stream(device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device)
+
+    @staticmethod
+    def on(stream: torch.cuda.Stream):
+        return torch.cuda.stream(stream)
+
+    @staticmethod
+    def wait_for_default(stream: torch.cuda.Stream) -> None:
+        """`stream` waits for the work queued so far on the device's default stream."""
+        stream.wait_stream(torch.cuda.default_stream(stream.device))
+
+    @staticmethod
+    def default_waits_for(stream: torch.cuda.Stream) -> None:
+        torch.cuda.default_stream(stream.device).wait_stream(stream)
+
+    @staticmethod
+    def capture(stream: torch.cuda.Stream, steps: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """The graph of `steps()`, captured on `stream` (capturing runs nothing)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            steps()
+        return graph
+
+
+class CapturedStack:
+    """One stack's steps as CUDA graphs on its own stream, reading rows from the run's static `order`."""
+
+    def __init__(self, stack: HeadStack, order: torch.Tensor, run: SeedRun, unroll: int = UNROLL,
+                 backend=CudaGraphs) -> None:
+        if not stack.heads.fused:
+            raise RuntimeError("captured steps need torch's fused Adam kernel (it reads the step count on the device)")
+        device = order.device
+        self.stack, self.order, self.run, self.unroll, self.backend = stack, order, run, unroll, backend
+        self.stream = backend.new_stream(device)
+        self.cursor = torch.zeros((), dtype=torch.long, device=device)  # where the next full batch starts
+        self.offsets = torch.arange(stack.batch_size, device=device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.warm: set[str] = set()  # batch shapes ("full", "partial") that have run once eagerly
+        self.captured_for: torch.Tensor | None = None  # the `stopped` the graphs baked in
+
+    def _rows(self, kind: str) -> torch.Tensor:
+        size = self.stack.batch_size
+        if kind == "partial":  # the last N mod B rows: one fixed place in `order`
+            return self.order[len(self.order) - len(self.order) % size :]
+        rows = self.order.index_select(0, self.offsets + self.cursor)
+        self.cursor += size
+        return rows
+
+    def _steps(self, kind: str, count: int) -> None:
+        for _ in range(count):
+            self.stack.train_step(self._rows(kind), self.run.data)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """`start_epoch` on this stack's stream, after the default stream's work (the order, the scoring)."""
+        self.backend.wait_for_default(self.stream)
+        with self.backend.on(self.stream):
+            self.cursor.zero_()
+            self.stack.start_epoch(epoch, self.run.epochs, self.order, self.run.data)
+        if self.stack.stopped is not self.captured_for:  # a head stopped: its columns are frozen now
+            self.graphs.clear()
+            self.captured_for = self.stack.stopped
+
+    def epoch_steps(self) -> Iterator[None]:
+        """Queue this epoch's steps, a graph launch at a time (a generator: the caller interleaves stacks)."""
+        size, rows = self.stack.batch_size, len(self.order)
+        full = rows // size
+        chunks = [("full", self.unroll)] * (full // self.unroll) + [("full", 1)] * (full % self.unroll)
+        if rows % size and not self.stack.drop_last:
+            chunks.append(("partial", 1))
+        for kind, count in chunks:
+            with self.backend.on(self.stream):
+                self._launch(kind, count)
+            yield
+
+    def _launch(self, kind: str, count: int) -> None:
+        graph = self.graphs.get((kind, count))
+        if graph is None and kind in self.warm:
+            graph = self._capture(kind, count)
+        if graph is None:
+            self._steps(kind, count)
+            self.warm.add(kind)
+            return
+        graph.replay()
+        self.stack.count_steps(count)
+
+    def _capture(self, kind: str, count: int):
+        """A graph of `count` steps of one shape."""
+
+        def steps() -> None:  # leaves the Python step counters as it found them, as a replay does (it runs no Python)
+            counts = self.stack.step_counts()
+            self._steps(kind, count)
+            self.stack.set_step_counts(counts)
+
+        graph = self.backend.capture(self.stream, steps)
+        self.graphs[(kind, count)] = graph
+        return graph
+
+    def end_epoch(self) -> None:
+        with self.backend.on(self.stream):
+            self.stack.end_epoch()
+        self.backend.default_waits_for(self.stream)
+
+
+class Lockstep:
+    """Every stack of several runs (losses x seeds) trained together: an epoch of all of them, then their scoring."""
+
+    def __init__(self, runs: list[SeedRun], unroll: int = UNROLL, backend=CudaGraphs) -> None:
+        self.runs = runs
+        self.orders = [torch.empty_like(run.permutations[0]) for run in runs]  # the epoch's order, at a fixed place
+        self.stacks = [CapturedStack(stack, order, run, unroll, backend) for run, order in zip(runs, self.orders)
+                       for stack in run.stacks]
+
+    def train_epoch(self, epoch: int) -> None:
+        """Train epoch `epoch` (1-indexed) of every stack; the caller then scores each run (`SeedRun.score`)."""
+        for run, order in zip(self.runs, self.orders):
+            order.copy_(run.permutations[epoch - 1])
+        for captured in self.stacks:
+            captured.begin_epoch(epoch)
+        # One graph launch of each stack in turn, so that every stream has work queued while Python launches more.
+        feeds = [captured.epoch_steps() for captured in self.stacks if bool(captured.stack.active.any())]
+        while feeds:
+            feeds = [feed for feed in feeds if next(feed, False) is None]
+        for captured in self.stacks:
+            captured.end_epoch()
+
+
+def graphs_available(device: torch.device) -> bool:
+    """CUDA graphs need a CUDA device and torch's fused Adam kernel there."""
+    return device.type == "cuda" and fused_adam_available(device)
