@@ -76,6 +76,7 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
         "cub": {"alpha": 0.01, "beta": 0.4, "warmup": 3},
     }
     state = "pseudo_negative [K, N_train, C] flags and their soft_target [K, N_train, C]"
+    row_buffers = ("pseudo_negative", "soft_target")
     needs_train_logits = True
 
     def __init__(self, **kwargs):
@@ -85,9 +86,7 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
         if not 0 <= self.theta <= 1:
             raise SpmlError(f"loss 'em_apl': theta={self.theta} is a proportion in [0, 1]: fix --hp theta=")
         self.set_hparam("warmup", int(self.warmup))
-        unobserved = self.train_observed == 0
-        shape = (self.num_heads, *unobserved.shape)
-        self.register_buffer("unobserved", unobserved, persistent=False)
+        shape = (self.num_heads, *self.train_observed.shape)
         self.register_buffer("pseudo_negative", torch.zeros(shape, dtype=torch.bool))
         self.register_buffer("soft_target", torch.zeros(shape))
 
@@ -103,13 +102,15 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
         if train_logits.shape != self.pseudo_negative.shape:
             expected = tuple(self.pseudo_negative.shape)
             raise ValueError(f"em_apl: train_logits {tuple(train_logits.shape)}, expected {expected}")
+        # the given labels' unobserved entries: rebuilt here, once an epoch, rather than kept as a per-row buffer
+        # that no step reads
+        unobserved = self.train_observed.to(self.pseudo_negative.device) == 0
         # the epsilon keeps floor() from losing a whole entry to rounding, e.g. theta*U_c/rounds = 2.9999999999999996
-        per_round = torch.floor(self.theta * self.unobserved.sum(dim=0).double() / rounds + 1e-9).long()
-        num_rows = self.unobserved.shape[0]
-        rank = torch.arange(num_rows, device=self.unobserved.device).unsqueeze(1)
+        per_round = torch.floor(self.theta * unobserved.sum(dim=0).double() / rounds + 1e-9).long()
+        rank = torch.arange(unobserved.shape[0], device=unobserved.device).unsqueeze(1)
         for head in range(self.num_heads):
             logits = train_logits[head].detach().to(self.soft_target)
-            candidate = self.unobserved & ~self.pseudo_negative[head]
+            candidate = unobserved & ~self.pseudo_negative[head]
             order = logits.masked_fill(~candidate, float("inf")).argsort(dim=0, stable=True)
             chosen = torch.zeros_like(candidate).scatter_(0, order, rank < per_round)
             chosen &= candidate

@@ -105,6 +105,7 @@ class AssumeNegativeL1(AssumeNegative):
     description = "Assume negative plus an L1 penalty lam*||W||_1 on the linear head's weight (not the bias)."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L1R"
     defaults = {"lam": 1e-4}
+    penalises_weight = True
     per_head = ("lam",)
     bounds = {"lam": (0.0, float("inf"), "[)")}
 
@@ -122,6 +123,7 @@ class AssumeNegativeL2(AssumeNegative):
     description = "Assume negative plus an L2 penalty lam/2*||W||^2 on the linear head's weight (not the bias)."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row L2R"
     defaults = {"lam": 1e-4}
+    penalises_weight = True
     per_head = ("lam",)
     bounds = {"lam": (0.0, float("inf"), "[)")}
 

@@ -62,8 +62,18 @@ def head_vector(value):
 
 
 def as_tensor_like(value, like: torch.Tensor) -> torch.Tensor:
-    """A number or a per-head tensor as a tensor of `like`'s dtype and device (for `torch.where`)."""
-    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+    """A number or a per-head tensor as a tensor of `like`'s dtype and device (for `torch.where`). A number is
+    filled in on the device, never copied from the host: a captured step may run it (docs/internals.md,
+    "Graph-safe steps")."""
+    if isinstance(value, torch.Tensor):
+        return value.to(like.dtype)
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
+@torch.no_grad()
+def assign_(buffer: torch.Tensor, value) -> torch.Tensor:
+    """Write a number or a tensor (broadcast) into `buffer` in place: a graph captured before keeps reading it."""
+    return buffer.copy_(value) if isinstance(value, torch.Tensor) else buffer.fill_(value)
 
 
 def mean_over_entries(terms: torch.Tensor) -> torch.Tensor:
@@ -88,6 +98,14 @@ class Loss(torch.nn.Module):
     """Base class: metadata for `spml-cache losses`, hyperparameter resolution, input validation.
 
     Subclasses set the class attributes and implement `forward(logits, observed, *, labels=None, index=None)`.
+
+    A training step (`forward`, its backward, `penalty`) must be replayable as a captured CUDA graph
+    (docs/internals.md, "Graph-safe steps"): no host synchronisation, no tensor made from Python data, no
+    Python value or branch or shape that changes between epochs. What changes between epochs lives in buffers
+    that `start_epoch` updates in place (`assign_`). Three declarations tell the trainer what a step touches:
+    `row_params`, the `nn.Parameter`s indexed by training row on dim 1 (`[K, N_train, ...]`, ROLE's theta);
+    `row_buffers`, the buffers of per-training-row state that `forward` reads or writes through `index`; and
+    `penalises_weight`, True when `penalty` adds a term on the head's weight.
     Hyperparameters become attributes (`self.alpha`), resolved as: class `defaults`, then
     `dataset_defaults[dataset]`, then the caller's overrides. A default of `None` is derived at build time
     (from the class count, the dataset, ...); `derived` says how, for `spml-cache losses`, and the subclass
@@ -119,6 +137,10 @@ class Loss(torch.nn.Module):
     bounds: ClassVar[dict[str, tuple[float, float, str]]] = {}
     paper_grid: ClassVar[dict[str, tuple[float, ...]]] = {}
     paper_grid_source: ClassVar[str] = ""
+    # What a step touches (see the docstring): the trainer reads these instead of guessing from shapes.
+    row_params: ClassVar[tuple[str, ...]] = ()
+    row_buffers: ClassVar[tuple[str, ...]] = ()
+    penalises_weight: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -88,6 +88,7 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
     reference = "Cole et al., CVPR 2021, Sec. 5.4, Eq. 11 and L_ROLE; Sec. 6.1 init of g; Table 1 row L_ROLE"
     defaults = {**_ExpectedPositivesLoss.defaults, "lr_mult": 10.0}
     state = "theta: learnable label logits [K, N_train, C] (Adam at lr_mult x the head's lr)"
+    row_params = ("theta",)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

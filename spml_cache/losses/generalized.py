@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spml_cache.losses.base import Loss, mean_over_entries, neg_log_1mp, neg_log_p, register
+from spml_cache.losses.base import Loss, assign_, mean_over_entries, neg_log_1mp, neg_log_p, register
+
+SCHEDULED = ("w", "b", "mu", "sigma")  # the values the schedules move, from `{key}0` to `{key}T`
 
 
 def generalized_ce(log_q: torch.Tensor, q: float) -> torch.Tensor:
@@ -50,15 +52,25 @@ class GeneralizedRobust(Loss):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.w, self.b, self.mu, self.sigma = self.w0, self.b0, self.mu0, self.sigma0
+        # The scheduled values are buffers that start_epoch refills in place, so that a step captured in one epoch
+        # reads the next epoch's values. Where both ends are numbers, a float64 scalar holds the Python float
+        # exactly (a 0-dim tensor does not change the logits' dtype); where either end is per head, [K, 1, 1] in
+        # the per-head hyperparameters' float32, as the schedule computes it.
+        for key in SCHEDULED:
+            start, end = getattr(self, f"{key}0"), getattr(self, f"{key}T")
+            if isinstance(start, torch.Tensor) or isinstance(end, torch.Tensor):
+                value = torch.zeros(self.num_heads, 1, 1)
+            else:
+                value = torch.zeros((), dtype=torch.float64)
+            self.register_buffer(key, assign_(value, start), persistent=False)  # the start values until epoch 1
 
     def start_epoch(self, epoch, num_epochs, train_logits=None):
         lagged = max(epoch - 1, 0) / num_epochs
         current = epoch / num_epochs
-        self.w = self.w0 + (self.wT - self.w0) * lagged
-        self.b = self.b0 + (self.bT - self.b0) * lagged
-        self.mu = self.mu0 + (self.muT - self.mu0) * current
-        self.sigma = self.sigma0 + (self.sigmaT - self.sigma0) * current
+        assign_(self.w, self.w0 + (self.wT - self.w0) * lagged)
+        assign_(self.b, self.b0 + (self.bT - self.b0) * lagged)
+        assign_(self.mu, self.mu0 + (self.muT - self.mu0) * current)
+        assign_(self.sigma, self.sigma0 + (self.sigmaT - self.sigma0) * current)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         p = torch.sigmoid(logits.detach())

@@ -16,24 +16,23 @@ import torch
 from spml_cache.losses.base import Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
 
 
-def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, m: int | list[int]):
+def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, counts: torch.Tensor):
     """The unobserved entries whose loss is at least the m-th largest of their head, and that threshold.
 
-    `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it; `m` one count for every head, or
-    one per head of `[K, B, C]`. Returns the mask `[..., B, C]` and the threshold `[..., 1, 1]`; when a head has
-    fewer than `m` unobserved entries the threshold is -inf and all of them are selected; a head whose `m` is 0
-    selects nothing.
+    `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it; `counts` long, the `m` of each
+    head (`[K]` for `[K, B, C]`, `[1]` for `[B, C]`). Returns the mask `[..., B, C]` and the threshold
+    `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold is -inf and all of them are
+    selected; a head whose `m` is 0 selects nothing (its threshold is +inf).
     """
     candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
-    if isinstance(m, int):
-        m = min(m, candidates.shape[-1])
-        threshold = candidates.topk(m, dim=-1).values[..., -1:].unsqueeze(-1)
-        return unobserved & (losses >= threshold), threshold
-    counts = torch.as_tensor(m, device=losses.device).clamp(max=candidates.shape[-1])
-    top = candidates.topk(int(counts.max()), dim=-1).values  # [K, max m]
-    threshold = top.gather(-1, (counts - 1).clamp(min=0).view(-1, 1)).unsqueeze(-1)
-    threshold = torch.where(counts.view(-1, 1, 1) > 0, threshold, float("inf"))
-    return unobserved & (losses >= threshold), threshold
+    # A full sort read at m - 1, not topk(m): its shapes do not depend on m, so one captured step serves every
+    # epoch and every head's m. Sorting B*C entries costs about what topk does at these sizes.
+    ordered = candidates.sort(dim=-1, descending=True).values
+    counts = counts.view(*candidates.shape[:-1], 1)
+    threshold = ordered.gather(-1, (counts - 1).clamp(0, candidates.shape[-1] - 1)).unsqueeze(-1)
+    selecting = (counts > 0).unsqueeze(-1)
+    threshold = torch.where(selecting, threshold, float("inf"))
+    return unobserved & selecting & (losses >= threshold), threshold
 
 
 class _LargeLoss(Loss):
@@ -51,9 +50,12 @@ class _LargeLoss(Loss):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.epoch = 0  # before the first start_epoch: nothing is rejected
+        self.count_sizes: list[int] = []  # the batch sizes (B*C) whose m a buffer holds
 
     def start_epoch(self, epoch, num_epochs, train_logits=None):
         self.epoch = epoch
+        for num_entries in self.count_sizes:  # in place: a step captured in another epoch reads these
+            self.get_buffer(f"count_{num_entries}").copy_(torch.tensor(self.head_counts(num_entries)))
 
     def rejection_count(self, num_entries: int) -> int | list[int]:
         """m for a batch of `num_entries = B*C` entries (one per head when the heads' deltas differ)."""
@@ -61,6 +63,21 @@ class _LargeLoss(Loss):
         if isinstance(deltas, list):
             return [self.count(num_entries, delta) for delta in deltas]
         return self.count(num_entries, deltas)
+
+    def head_counts(self, num_entries: int) -> list[int]:
+        """`rejection_count` as one m per head."""
+        m = self.rejection_count(num_entries)
+        return m if isinstance(m, list) else [m] * self.num_heads
+
+    def counts_for(self, num_entries: int, device: torch.device) -> torch.Tensor:
+        """The device tensor `[K]` of this epoch's m for batches of `num_entries` entries. m is counted on the host
+        (exactly, in Python floats), so each batch size gets a buffer, made by its first (eager) step and
+        refilled by every `start_epoch`: a step reads m from memory and never from Python."""
+        if num_entries not in self.count_sizes:
+            counts = torch.tensor(self.head_counts(num_entries), device=device)
+            self.register_buffer(f"count_{num_entries}", counts, persistent=False)
+            self.count_sizes.append(num_entries)
+        return self.get_buffer(f"count_{num_entries}")
 
     def count(self, num_entries: int, delta: float) -> int:
         """ceil(B*C*(t-1)*delta), 0 at epoch 1."""
@@ -87,11 +104,10 @@ class _LargeLoss(Loss):
         positive, unobserved = self.targets(logits, observed, index)
         nl_p, nl_1mp = neg_log_p(logits), neg_log_1mp(logits)
         terms = torch.where(positive, nl_p, nl_1mp)
-        m = self.rejection_count(logits.shape[-2] * logits.shape[-1])
-        if (max(m) if isinstance(m, list) else m) > 0:
-            large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, m)
-            terms = self.modify(terms, large, threshold, nl_p, nl_1mp, index)
-        return mean_over_entries(terms)
+        # selected in every epoch, epoch 1 too (m = 0 selects nothing): the same ops whatever the epoch
+        counts = self.counts_for(logits.shape[-2] * logits.shape[-1], logits.device)
+        large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, counts if logits.dim() == 3 else counts[:1])
+        return mean_over_entries(self.modify(terms, large, threshold, nl_p, nl_1mp, index))
 
 
 @register
@@ -128,6 +144,7 @@ class LargeLossCorrectPermanent(_LargeLoss):
     name = "ll_cp"
     description = "large-loss permanent correction: the ceil(B*C*delta) largest unobserved losses become positives"
     state = "corrected_observed [K, N_train, C]: observed labels plus permanent corrections"
+    row_buffers = ("corrected_observed",)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

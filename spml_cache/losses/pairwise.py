@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from spml_cache.errors import SpmlError
-from spml_cache.losses.base import Loss, register, rows_for_heads
+from spml_cache.losses.base import Loss, assign_, register, rows_for_heads
 from spml_cache.protocol import average_precision
 
 
@@ -92,13 +92,12 @@ class OPMLSoft(Loss):
         "lambda": 1e-3, "delta": 1e-3, "rho": 0.1, "warmup": 5.0,
     }
     state = "corrected_observed [K, N_train, C]: observed labels plus corrections; class_eps [K, C] from training AP"
+    row_buffers = ("corrected_observed",)
     needs_train_logits = True
     reconstructed = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        # the given labels: AP's reference and N_c; not saved (rebuilt from train_observed at build)
-        self.register_buffer("given_positive", (self.train_observed == 1).to(torch.uint8), persistent=False)
         self.register_buffer("corrected_observed", self.train_observed.unsqueeze(0).repeat(self.num_heads, 1, 1))
         self.register_buffer("class_eps", torch.full((self.num_heads, self.num_classes), float(self.eps)))
 
@@ -108,10 +107,12 @@ class OPMLSoft(Loss):
         scores = train_logits.detach().to(self.class_eps.device)
         if scores.dim() == 2:
             scores = scores.unsqueeze(0)
-        ap = average_precision(scores, self.given_positive).to(self.class_eps.dtype)  # [K, C]
-        self.class_eps = self.eps * (1 - ap) ** self.r
+        # the given labels, AP's reference and N_c: rebuilt here once an epoch, not a per-row buffer no step reads
+        given_positive = (self.train_observed == 1).to(scores.device, torch.uint8)
+        ap = average_precision(scores, given_positive).to(self.class_eps.dtype)  # [K, C]
+        assign_(self.class_eps, self.eps * (1 - ap) ** self.r)  # in place: a captured step reads this memory
         if epoch > int(self.warmup):
-            self.correct_labels(scores, ap, self.given_positive.sum(dim=0))
+            self.correct_labels(scores, ap, given_positive.sum(dim=0))
 
     @torch.no_grad()
     def correct_labels(self, scores: torch.Tensor, ap: torch.Tensor, num_positive: torch.Tensor) -> None:

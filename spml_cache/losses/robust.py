@@ -114,15 +114,14 @@ class SPLC(Loss):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.epoch = 0  # before the first start_epoch: no correction
+        # whether the correction is on: a buffer, not a Python branch, so one captured step serves every epoch
+        self.register_buffer("correcting", torch.tensor(False), persistent=False)  # off before the first epoch
 
     def start_epoch(self, epoch, num_epochs, train_logits=None):
-        self.epoch = epoch
+        self.correcting.fill_(epoch >= self.switch_epoch)
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        negative = focal_negative(logits, self.g)
-        if self.epoch >= self.switch_epoch:
-            pseudo_positive = (observed == 0) & (torch.sigmoid(logits.detach()) > self.tau)
-            negative = torch.where(pseudo_positive, focal_positive(logits, self.g), negative)
+        pseudo_positive = (observed == 0) & (torch.sigmoid(logits.detach()) > self.tau) & self.correcting
+        negative = torch.where(pseudo_positive, focal_positive(logits, self.g), focal_negative(logits, self.g))
         positive = focal_positive(logits - self.m, self.g)
         return mean_over_entries(torch.where(observed == 1, positive, negative))
