@@ -19,7 +19,14 @@ from spml_cache.extract import extract, pipeline
 # behind an undecodable image, so its place among the batch's decoded images is not its place in the batch.
 BLACK = ["images/5.jpg", "images/7.jpg"]
 UNDECODABLE = "images/6.jpg"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# On the CPU also with a GPU's padding and feed thread forced: padding rows (copies of a black image here) must
+# never reach the finite check, the fp32 recompute or the bad-image handling.
+FORCED = {"pad_batches": True, "feed_thread": True}
+DEVICES = [
+    pytest.param("cpu", {}, id="cpu"),
+    pytest.param("cpu", FORCED, id="cpu-padded-fed"),
+    pytest.param("cuda", {}, marks=pytest.mark.cuda, id="cuda"),
+]
 REDUCED = {"cpu": "bf16", "cuda": "fp16"}  # what each device's autocast runs fastest
 
 
@@ -79,15 +86,18 @@ def rows_of(loaded, image_ids):
     return found
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rows_that_overflow_in_reduced_precision_are_recomputed_in_fp32(tmp_path, monkeypatch, weights, data, device):
+@pytest.mark.parametrize("device, forced", DEVICES)
+def test_rows_that_overflow_in_reduced_precision_are_recomputed_in_fp32(
+    tmp_path, monkeypatch, weights, data, device, forced
+):
     if device == "cuda":  # TF32 convolutions would make fp32 rows of different batch sizes differ by ~1e-3
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     plain_run = extract("csv", data, out=tmp_path / "fp32.h5", **options(weights, device, precision="fp32"))
     plain = cache.load(plain_run.path)
     patch_trunk(monkeypatch)
     precision = REDUCED[device]
-    report = extract("csv", data, out=tmp_path / "reduced.h5", **options(weights, device, precision=precision))
+    reduced = options(weights, device, precision=precision, **forced)
+    report = extract("csv", data, out=tmp_path / "reduced.h5", **reduced)
     loaded = cache.load(report.path)  # refuses a non-finite row: every row is finite
     expected = {"train": 1, "test": 1}  # images/5.jpg, images/7.jpg
     assert {name: count for name, count in report.recomputed.items() if count} == expected
@@ -103,18 +113,25 @@ def test_rows_that_overflow_in_reduced_precision_are_recomputed_in_fp32(tmp_path
     assert not np.allclose(rows_of(loaded, others)[others[0]], rows_of(plain, others)[others[0]], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "precision, forced",
+    [
+        pytest.param("fp32", {}, id="fp32"),
+        pytest.param("bf16", {}, id="bf16"),
+        pytest.param("bf16", FORCED, id="bf16-padded-fed"),
+    ],
+)
 def test_rows_not_finite_even_in_fp32_fail_naming_the_file_then_skip_leaves_them_out(
-    tmp_path, monkeypatch, weights, data, precision
+    tmp_path, monkeypatch, weights, data, precision, forced
 ):
     patch_trunk(monkeypatch, always=True)
     out = tmp_path / "out.h5"
     with pytest.raises(SpmlError, match=r"images/5.jpg: its features are not finite .* even in fp32.*skip") as error:
-        extract("csv", data, out=out, **options(weights, precision=precision, on_bad_image="fail"))
+        extract("csv", data, out=out, **options(weights, precision=precision, on_bad_image="fail", **forced))
     assert "\n" not in str(error.value) and str(cache.partial_path(out)) in str(error.value)
     assert not out.exists() and cache.partial_path(out).exists()  # progress kept, nothing half-final
 
-    report = extract("csv", data, out=out, **options(weights, precision=precision))
+    report = extract("csv", data, out=out, **options(weights, precision=precision, **forced))
     assert report.resumed == 4  # the batch before the failing one was kept
     assert sorted(image_id for ids in report.skipped.values() for image_id in ids) == sorted(BLACK + [UNDECODABLE])
     assert any("2 of the images left out have features that are not finite even in fp32" in n for n in report.notes)

@@ -4,10 +4,13 @@
 and renames it to `<out>` when every row is done; re-running resumes from the partial file, and a complete
 cache with the same settings is left alone unless `force`.
 
-On a GPU, loader workers only read file bytes; the main process decodes each batch with nvjpeg, resizes and
-normalises on the GPU and runs the trunk under fp16/bf16 autocast in channels_last; features come back
-through pinned memory one batch behind, so the copy and the HDF5 write overlap the next batch. On the CPU,
-workers decode and resize (the model is the bottleneck there).
+On a GPU, loader workers only read file bytes; a background thread (feed.py) decodes each batch with nvjpeg,
+resizes and normalises it on a CUDA stream of its own while the main thread runs the trunk on the previous one
+under fp16/bf16 autocast in channels_last; features come back through a ring of pinned buffers one batch
+behind, so the copy and the HDF5 write overlap the next batch. Every batch the trunk sees is padded to the
+run's one batch size (a split's last batch, a batch with bad images), so cuDNN's autotuning (`benchmark`) runs
+once, not once per new shape; the padding rows are dropped before anything is checked or written. On the CPU,
+workers decode and resize, and nothing is padded (the model is the bottleneck there, and padding is compute).
 
 A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"`), or (`"skip"`) is flagged
 in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
@@ -41,6 +44,7 @@ from spml_cache.backbone import (
     weights_provenance,
 )
 from spml_cache.extract import writer
+from spml_cache.extract.feed import Feed
 from spml_cache.extract.plan import estimated_size, plan_rows, refuse_other_settings, settings_attrs
 from spml_cache.devices import default_workers, resolve_device
 from spml_cache.errors import Interrupted, SpmlError
@@ -146,54 +150,104 @@ def _as_is(item):
     return item
 
 
-def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype) -> torch.Tensor:
-    """float32 [len(bad), 2048]: the trunk's pooled features of the good rows (from their resized uint8
-    images), zeros for the bad ones."""
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    with torch.inference_mode():
-        features = torch.zeros((len(bad), FEATURE_DIM), dtype=torch.float32, device=device)
-        if batch is not None:
-            with autocast:
-                pooled = trunk(normalise(batch.to(device, non_blocking=True), dtype)).float()
-            if not bad.any():
-                return pooled
-            # Only with bad rows: an index copy to the GPU every batch would stall the pipeline.
-            features[torch.from_numpy(np.flatnonzero(~bad)).to(device)] = pooled
+def spread(pooled: torch.Tensor, bad: np.ndarray, device) -> torch.Tensor:
+    """float32 [len(bad), 2048]: the good rows' pooled features in their places, zeros for the bad ones."""
+    if not bad.any():
+        return pooled
+    features = torch.zeros((len(bad), FEATURE_DIM), dtype=torch.float32, device=device)
+    if len(pooled):
+        # Only with bad rows: an index copy to the GPU every batch would stall the pipeline.
+        features[torch.from_numpy(np.flatnonzero(~bad)).to(device)] = pooled
     return features
 
 
-def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, device, precision, skip_bad, label):
+def _autocast(device, dtype):
+    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+
+def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype, pad_to: int = 0) -> torch.Tensor:
+    """float32 [len(bad), 2048]: the trunk's pooled features of the good rows (from their resized uint8
+    images), zeros for the bad ones; with `pad_to`, the trunk runs on the batch padded to that many rows by
+    repeating its last image, and only the good rows' features are kept."""
+    with torch.inference_mode():
+        if batch is None:
+            return spread(torch.empty((0, FEATURE_DIM)), bad, device)
+        inputs = batch.to(device, non_blocking=True)
+        if pad_to > len(inputs):
+            inputs = torch.cat([inputs, inputs[-1:].expand(pad_to - len(inputs), *inputs.shape[1:])])
+        with _autocast(device, dtype):
+            pooled = trunk(normalise(inputs, dtype)).float()[: len(batch)]
+        return spread(pooled, bad, device)
+
+
+def fed_rows(trunk, fed, feed: Feed, device, dtype) -> torch.Tensor:
+    """`pooled_rows` for a batch from the feed thread, whose inputs are already normalised (and padded)."""
+    with torch.inference_mode():
+        if fed.num_good == 0:
+            return spread(torch.empty((0, FEATURE_DIM)), fed.bad, device)
+        with _autocast(device, dtype):
+            pooled = trunk(fed.inputs).float()[: fed.num_good]
+        feed.release(fed)
+        return spread(pooled, fed.bad, device)
+
+
+def _bad_image(paths, partial, split, rows, error) -> SpmlError:
+    position, reason = error
+    return SpmlError(
+        f"image {paths[split][rows[position]]} {reason}: replace it, or pass --on-bad-image skip"
+        f" to leave it out (progress is kept in {cache.partial_path(partial.final)})"
+    )
+
+
+def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, device, precision, skip_bad, label,
+                pad_batches=None, feed_thread=None):  # fmt: skip
     """Extract every pending row of the partial cache; returns the number of rows computed and, per split,
-    the ids left out because their features were not finite even in fp32."""
+    the ids left out because their features were not finite even in fp32.
+
+    `pad_batches` (every trunk input padded to the run's batch size) and `feed_thread` (decoding in the
+    feed thread) are on by default on a GPU only; the tests turn them on for the CPU."""
     batches = []
     for name in cache.SPLITS:
         pending = partial.pending(name)
         batches += [(name, pending[i : i + batch_size]) for i in range(0, len(pending), batch_size)]
     total = sum(len(rows) for _, rows in batches)
     on_gpu = device.type == "cuda"
+    pad_batches = on_gpu if pad_batches is None else pad_batches
+    feed_thread = on_gpu if feed_thread is None else feed_thread
+    largest = max((len(rows) for _, rows in batches), default=1)  # the one shape: batch_size unless fewer rows
+    pad_to = largest if pad_batches else 0
     loader = torch.utils.data.DataLoader(
-        ImageBatches(batches, paths, resolution, decode_here=not on_gpu, skip_bad=skip_bad),
+        ImageBatches(batches, paths, resolution, decode_here=not (on_gpu or feed_thread), skip_bad=skip_bad),
         batch_size=None,
         num_workers=workers,
         collate_fn=_as_is,
         prefetch_factor=(4 if on_gpu else 2) if workers else None,  # bytes are light, decoded batches not
     )
     dtype = PRECISIONS[precision]
+    decode = lambda blobs, bad: decode_batch(blobs, bad, device, resolution, skip_bad)  # noqa: E731
     rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, skip_bad=skip_bad)
     with progress_bar(label, total=total, unit="img") as bar:
         advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
         try:
-            for split, rows, payload, bad, error in loader:
-                if on_gpu and error is None:
-                    payload, error = decode_batch(payload, bad, device, resolution, skip_bad)
-                if error is not None:
-                    position, reason = error
-                    raise SpmlError(
-                        f"image {paths[split][rows[position]]} {reason}: replace it, or pass --on-bad-image skip"
-                        f" to leave it out (progress is kept in {cache.partial_path(partial.final)})"
-                    )
-                features = pooled_rows(trunk, payload, bad, device, dtype)
-                advance(rows_out.put(split, rows, features, bad, payload))
+            if feed_thread:
+                feed = Feed(loader, decode, device=device, dtype=dtype, rows=largest, resolution=resolution,
+                            pad=pad_batches)  # fmt: skip
+                try:
+                    for fed in feed:
+                        if fed.error is not None:
+                            raise _bad_image(paths, partial, fed.split, fed.rows, fed.error)
+                        features = fed_rows(trunk, fed, feed, device, dtype)
+                        advance(rows_out.put(fed.split, fed.rows, features, fed.bad, fed.images))
+                finally:
+                    feed.close()
+            else:
+                for split, rows, payload, bad, error in loader:
+                    if on_gpu and error is None:
+                        payload, error = decode(payload, bad)
+                    if error is not None:
+                        raise _bad_image(paths, partial, split, rows, error)
+                    features = pooled_rows(trunk, payload, bad, device, dtype, pad_to)
+                    advance(rows_out.put(split, rows, features, bad, payload))
         finally:
             advance(rows_out.flush())
     return total, rows_out.left_out
@@ -250,8 +304,13 @@ def extract(
     force: bool = False,
     on_bad_image: str = "fail",
     skip_missing: bool = False,
+    pad_batches: bool | None = None,
+    feed_thread: bool | None = None,
 ) -> ExtractReport:
-    """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring."""
+    """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring.
+
+    `pad_batches` and `feed_thread` are internal (no flag): None is on for a GPU, off for the CPU; the tests
+    force them on the CPU to show the cache does not depend on them."""
     _check_options(resolution, batch_size, workers, precision, limit, on_bad_image)
     limit = limit or 0
     torch_device = resolve_device(device)
@@ -287,7 +346,7 @@ def extract(
     _require_writable(path.parent)
     trunk = trunk.eval().requires_grad_(False).to(torch_device, memory_format=torch.channels_last)
     if torch_device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # one input shape for the whole run
+        torch.backends.cudnn.benchmark = True  # worth it: batches are padded to one input shape for the whole run
     if resume:
         partial = cache.PartialCache.open(path)
     else:
@@ -301,7 +360,8 @@ def extract(
             report.extracted, left_out = run_batches(
                 partial, paths, trunk, resolution=resolution, batch_size=batch_size, device=torch_device,
                 workers=default_workers(torch_device) if workers is None else workers, precision=precision,
-                skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}",
+                skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}", pad_batches=pad_batches,
+                feed_thread=feed_thread,
             )  # fmt: skip
         except KeyboardInterrupt:
             total = sum(counts.values())

@@ -10,6 +10,10 @@ own. Only a batch that has non-finite rows pays one more, when those rows are re
 batch's resized images, which stay alive until the batch lands. A row still non-finite in fp32 is treated as a
 bad image: an error naming the file, or with `--on-bad-image skip` a row flagged `bad`, which finalisation
 leaves out.
+
+The pinned host buffers the rows come back through are a ring of two, taken in turn: with the writer one batch
+behind, the batch before the one being queued has always landed by then, so two are enough, and pinning fresh
+memory every batch (a driver call that can stall the GPU) is left to the first two batches.
 """
 
 from __future__ import annotations
@@ -25,6 +29,52 @@ from spml_cache.backbone import normalise
 from spml_cache.errors import SpmlError
 
 
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+@dataclass
+class HostSlot:
+    """One pinned pair of buffers: features float32 [rows, D] and the finite mask bool [rows]."""
+
+    features: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
+    ready: object = None  # the event that says the copies into it are done; made on first use
+    in_use: bool = False  # handed out and its batch not yet written
+
+
+class HostRing:
+    """Pinned host buffers reused in turn; a slot goes out again only once its batch is written and its event
+    has completed (`give_back`), and taking one still out is a bug the ring refuses rather than a race.
+
+    `allocate(shape, dtype)` and `new_event()` are parameters so the ring's logic can be tested on the CPU.
+    """
+
+    def __init__(self, size: int = 2, *, allocate=_pinned, new_event=None) -> None:
+        self.slots = [HostSlot() for _ in range(size)]
+        self.allocate = allocate
+        self.new_event = new_event or torch.cuda.Event
+        self.turn = 0
+
+    def take(self, rows: int, dim: int) -> HostSlot:
+        slot = self.slots[self.turn]
+        if slot.in_use:
+            raise RuntimeError("the pinned host buffer of an earlier batch is still in flight (a writer bug)")
+        if slot.features is None or slot.features.shape[0] < rows or slot.features.shape[1] != dim:
+            slot.features = self.allocate((rows, dim), torch.float32)
+            slot.finite = self.allocate((rows,), torch.bool)
+        if slot.ready is None:
+            slot.ready = self.new_event()
+        slot.in_use = True
+        self.turn = (self.turn + 1) % len(self.slots)
+        return slot
+
+    def give_back(self, slot: HostSlot) -> None:
+        if not slot.ready.query():
+            raise RuntimeError("a pinned host buffer was given back before its copies completed (a writer bug)")
+        slot.in_use = False
+
+
 @dataclass
 class _Batch:
     split: str
@@ -34,6 +84,7 @@ class _Batch:
     features: torch.Tensor  # float32 [B, D], on the host once `ready` has passed
     finite: torch.Tensor  # bool [B], likewise
     ready: torch.cuda.Event | None  # None on the CPU, where everything is there at once
+    slot: HostSlot | None = None  # the ring's buffers `features` and `finite` live in, on a GPU
 
 
 class RowWriter:
@@ -46,6 +97,7 @@ class RowWriter:
         self.reduced = reduced  # features come from fp16/bf16 autocast, so fp32 may still give finite ones
         self.skip_bad = skip_bad
         self.pending: _Batch | None = None
+        self.ring = HostRing()
         self.left_out: dict[str, list[str]] = {split: [] for split in cache.SPLITS}  # non-finite even in fp32
 
     def put(self, split: str, rows: np.ndarray, features: torch.Tensor, bad: np.ndarray, images) -> int:
@@ -54,14 +106,13 @@ class RowWriter:
             finite = torch.isfinite(features).all(dim=1)  # bad rows are zeros, hence finite
         if features.device.type != "cuda":
             return self._land(_Batch(split, rows, bad, images, features, finite, None))
-        host = torch.empty(features.shape, dtype=torch.float32, pin_memory=True)
+        slot = self.ring.take(len(rows), features.shape[1])
+        host, host_finite = slot.features[: len(rows)], slot.finite[: len(rows)]
         host.copy_(features, non_blocking=True)
-        host_finite = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
         host_finite.copy_(finite, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(features.device))  # the features' GPU, which may not be cuda:0
+        slot.ready.record(torch.cuda.current_stream(features.device))  # the features' GPU, which may not be cuda:0
         written = self.flush()
-        self.pending = _Batch(split, rows, bad, images, host, host_finite, ready)
+        self.pending = _Batch(split, rows, bad, images, host, host_finite, slot.ready, slot)
         return written
 
     def flush(self) -> int:
@@ -69,7 +120,10 @@ class RowWriter:
             return 0
         batch, self.pending = self.pending, None
         batch.ready.synchronize()
-        return self._land(batch)
+        written = self._land(batch)
+        if batch.slot is not None:  # only now: _land read the rows straight out of the pinned buffers
+            self.ring.give_back(batch.slot)
+        return written
 
     def _land(self, batch: _Batch) -> int:
         features, bad, recomputed = batch.features.numpy(), batch.bad, None
