@@ -12,27 +12,31 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from spml_cache.losses.base import Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
 
 
-def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, counts: torch.Tensor):
+def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions: torch.Tensor):
     """The unobserved entries whose loss is at least the m-th largest of their head, and that threshold.
 
-    `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it; `counts` long, the `m` of each
-    head (`[K]` for `[K, B, C]`, `[1]` for `[B, C]`). Returns the mask `[..., B, C]` and the threshold
-    `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold is -inf and all of them are
-    selected; a head whose `m` is 0 selects nothing (its threshold is +inf).
+    `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it; `positions` long `[..., 1]`, per
+    head where the m-th largest candidate sits in descending order (`threshold_positions`). Returns the mask
+    `[..., B, C]` and the threshold `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold
+    is -inf and all of them are selected; a head whose `m` is 0 selects nothing (its threshold is NaN).
     """
     candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
-    # A full sort read at m - 1, not topk(m): its shapes do not depend on m, so one captured step serves every
-    # epoch and every head's m. Sorting B*C entries costs about what topk does at these sizes.
-    ordered = candidates.sort(dim=-1, descending=True).values
-    counts = counts.view(*candidates.shape[:-1], 1)
-    threshold = ordered.gather(-1, (counts - 1).clamp(0, candidates.shape[-1] - 1)).unsqueeze(-1)
-    selecting = (counts > 0).unsqueeze(-1)
-    threshold = torch.where(selecting, threshold, float("inf"))
-    return unobserved & selecting & (losses >= threshold), threshold
+    # A full sort read at a position, not topk(m): its shapes do not depend on m, so one captured step serves
+    # every epoch and every head's m. The NaN past the end is the threshold of m = 0: no loss is >= NaN.
+    ordered = F.pad(candidates.sort(dim=-1, descending=True).values, (0, 1), value=float("nan"))
+    threshold = ordered.gather(-1, positions).unsqueeze(-1)
+    return unobserved & (losses >= threshold), threshold
+
+
+def threshold_positions(counts: list[int], num_entries: int) -> torch.Tensor:
+    """Per head, the position of the m-th largest of `num_entries` candidates in descending order, `[K, 1]`: the
+    last one when there are fewer, one past the end (the NaN) when m is 0."""
+    return torch.tensor([[min(m, num_entries) - 1 if m > 0 else num_entries] for m in counts])
 
 
 class _LargeLoss(Loss):
@@ -55,7 +59,8 @@ class _LargeLoss(Loss):
     def start_epoch(self, epoch, num_epochs, train_logits=None):
         self.epoch = epoch
         for num_entries in self.count_sizes:  # in place: a step captured in another epoch reads these
-            self.get_buffer(f"count_{num_entries}").copy_(torch.tensor(self.head_counts(num_entries)))
+            positions = threshold_positions(self.head_counts(num_entries), num_entries)
+            self.get_buffer(f"threshold_position_{num_entries}").copy_(positions)
 
     def rejection_count(self, num_entries: int) -> int | list[int]:
         """m for a batch of `num_entries = B*C` entries (one per head when the heads' deltas differ)."""
@@ -69,15 +74,15 @@ class _LargeLoss(Loss):
         m = self.rejection_count(num_entries)
         return m if isinstance(m, list) else [m] * self.num_heads
 
-    def counts_for(self, num_entries: int, device: torch.device) -> torch.Tensor:
-        """The device tensor `[K]` of this epoch's m for batches of `num_entries` entries. m is counted on the host
-        (exactly, in Python floats), so each batch size gets a buffer, made by its first (eager) step and
-        refilled by every `start_epoch`: a step reads m from memory and never from Python."""
+    def positions_for(self, num_entries: int, device: torch.device) -> torch.Tensor:
+        """Where this epoch's m-th largest sits among `num_entries` candidates, per head (`threshold_positions`).
+        m is counted on the host (exactly, in Python floats), so each batch size gets a device buffer, made by its
+        first (eager) step and refilled by every `start_epoch`: a step reads m from memory, never from Python."""
         if num_entries not in self.count_sizes:
-            counts = torch.tensor(self.head_counts(num_entries), device=device)
-            self.register_buffer(f"count_{num_entries}", counts, persistent=False)
+            positions = threshold_positions(self.head_counts(num_entries), num_entries).to(device)
+            self.register_buffer(f"threshold_position_{num_entries}", positions, persistent=False)
             self.count_sizes.append(num_entries)
-        return self.get_buffer(f"count_{num_entries}")
+        return self.get_buffer(f"threshold_position_{num_entries}")
 
     def count(self, num_entries: int, delta: float) -> int:
         """ceil(B*C*(t-1)*delta), 0 at epoch 1."""
@@ -105,8 +110,9 @@ class _LargeLoss(Loss):
         nl_p, nl_1mp = neg_log_p(logits), neg_log_1mp(logits)
         terms = torch.where(positive, nl_p, nl_1mp)
         # selected in every epoch, epoch 1 too (m = 0 selects nothing): the same ops whatever the epoch
-        counts = self.counts_for(logits.shape[-2] * logits.shape[-1], logits.device)
-        large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, counts if logits.dim() == 3 else counts[:1])
+        positions = self.positions_for(logits.shape[-2] * logits.shape[-1], logits.device)
+        positions = positions if logits.dim() == 3 else positions[0]  # [K, 1], or [1] for one head's [B, C]
+        large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, positions)
         return mean_over_entries(self.modify(terms, large, threshold, nl_p, nl_1mp, index))
 
 
