@@ -49,6 +49,9 @@ def train_in_lockstep(runs):
         together.train_epoch(epoch)
         for run in runs:
             run.score(epoch)
+    fell_back = sorted({captured.stack.records[0].loss for captured in together.stacks if captured.eager})
+    assert not fell_back, f"these losses' steps could not be captured: {fell_back}"
+    assert all(captured.captures for captured in together.stacks)
 
 
 @pytest.mark.parametrize("fidelity", ["exact", "authors"])

@@ -120,4 +120,26 @@ def test_lockstep_captures_each_shape_once_and_recaptures_when_a_head_stops(data
     stops = {stack: {r.stopped_epoch or r.diverged_epoch for r in stack.records} - {None, EPOCHS} for stack in stacks}
     assert any(stops.values()) and all(stack.records[0].loss == "em_apl" for stack in stacks if stops[stack])
     assert ReplayChecked.captured == sum(shapes[stack] * (1 + len(stops[stack])) for stack in stacks)
+    assert [captured.captures for captured in together.stacks] == [shapes[s] * (1 + len(stops[s])) for s in stacks]
     assert ReplayChecked.replayed >= 2 * ReplayChecked.captured  # replayed far more often than captured
+
+
+class RefusesCapture(ReplayChecked):
+    @staticmethod
+    def capture(stream, steps):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+
+def test_a_step_that_cannot_be_captured_trains_eagerly_with_a_warning(data):
+    eager = seed_run("an", data)
+    expected = [eager.run_epoch(epoch) for epoch in range(1, 3)]
+    graphed = seed_run("an", data)
+    together = Lockstep([graphed], unroll=2, backend=RefusesCapture)
+    with pytest.warns(UserWarning, match=r"the an step could not be captured as a CUDA graph \(operation not permitted"
+                                         r" when stream is capturing\); its heads train eagerly"):
+        got = []
+        for epoch in range(1, 3):
+            together.train_epoch(epoch)
+            got.append(graphed.score(epoch))
+    assert got == expected
+    assert all(captured.eager and not captured.captures for captured in together.stacks)

@@ -18,6 +18,7 @@ the same selection and logits up to float tolerance (tests/test_cuda.py).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -73,6 +74,8 @@ class CapturedStack:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.warm: set[str] = set()  # batch shapes ("full", "partial") that have run once eagerly
         self.captured_for: torch.Tensor | None = None  # the `stopped` the graphs baked in
+        self.eager = False  # a capture failed: this stack trains eagerly from then on
+        self.captures = 0  # graphs captured so far (for tests and benchmarks)
 
     def _rows(self, kind: str) -> torch.Tensor:
         size = self.stack.batch_size
@@ -110,7 +113,7 @@ class CapturedStack:
 
     def _launch(self, kind: str, count: int) -> None:
         graph = self.graphs.get((kind, count))
-        if graph is None and kind in self.warm:
+        if graph is None and kind in self.warm and not self.eager:
             graph = self._capture(kind, count)
         if graph is None:
             self._steps(kind, count)
@@ -120,15 +123,26 @@ class CapturedStack:
         self.stack.count_steps(count)
 
     def _capture(self, kind: str, count: int):
-        """A graph of `count` steps of one shape."""
+        """A graph of `count` steps of one shape; None if the step cannot be captured (then the stack trains
+        eagerly: slower, the same results)."""
 
         def steps() -> None:  # leaves the Python step counters as it found them, as a replay does (it runs no Python)
             counts = self.stack.step_counts()
-            self._steps(kind, count)
-            self.stack.set_step_counts(counts)
+            try:
+                self._steps(kind, count)
+            finally:
+                self.stack.set_step_counts(counts)
 
-        graph = self.backend.capture(self.stream, steps)
+        try:
+            graph = self.backend.capture(self.stream, steps)
+        except RuntimeError as error:  # an op that syncs with the host inside some library: capture runs nothing
+            self.eager = True
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            warnings.warn(f"linear: the {self.stack.records[0].loss} step could not be captured as a CUDA graph"
+                          f" ({reason}); its heads train eagerly, slower, with the same results", stacklevel=2)
+            return None
         self.graphs[(kind, count)] = graph
+        self.captures += 1
         return graph
 
     def end_epoch(self) -> None:

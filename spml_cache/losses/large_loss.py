@@ -17,26 +17,27 @@ import torch.nn.functional as F
 from spml_cache.losses.base import Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
 
 
-def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions: torch.Tensor):
+def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions: torch.Tensor, depth: int):
     """The unobserved entries whose loss is at least the m-th largest of their head, and that threshold.
 
     `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it; `positions` long `[..., 1]`, per
-    head where the m-th largest candidate sits in descending order (`threshold_positions`). Returns the mask
-    `[..., B, C]` and the threshold `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold
-    is -inf and all of them are selected; a head whose `m` is 0 selects nothing (its threshold is NaN).
+    head where the m-th largest candidate sits in descending order (`threshold_positions`); `depth`: how many of
+    the largest a step ranks, at least every head's m of the whole run. Returns the mask `[..., B, C]` and the
+    threshold `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold is -inf and all of
+    them are selected; a head whose `m` is 0 selects nothing (its threshold is NaN).
     """
     candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
-    # A full sort read at a position, not topk(m): its shapes do not depend on m, so one captured step serves
-    # every epoch and every head's m. The NaN past the end is the threshold of m = 0: no loss is >= NaN.
-    ordered = F.pad(candidates.sort(dim=-1, descending=True).values, (0, 1), value=float("nan"))
+    # The `depth` largest read at a position, not topk(m): the shapes do not depend on m, so one captured step
+    # serves every epoch and every head's m. The NaN past the end is the threshold of m = 0: no loss is >= NaN.
+    ordered = F.pad(candidates.topk(depth, dim=-1).values, (0, 1), value=float("nan"))
     threshold = ordered.gather(-1, positions).unsqueeze(-1)
     return unobserved & (losses >= threshold), threshold
 
 
-def threshold_positions(counts: list[int], num_entries: int) -> torch.Tensor:
+def threshold_positions(counts: list[int], num_entries: int, depth: int) -> torch.Tensor:
     """Per head, the position of the m-th largest of `num_entries` candidates in descending order, `[K, 1]`: the
-    last one when there are fewer, one past the end (the NaN) when m is 0."""
-    return torch.tensor([[min(m, num_entries) - 1 if m > 0 else num_entries] for m in counts])
+    last one when there are fewer, one past the `depth` ranked (the NaN) when m is 0."""
+    return torch.tensor([[min(m, num_entries) - 1 if m > 0 else depth] for m in counts])
 
 
 class _LargeLoss(Loss):
@@ -54,49 +55,61 @@ class _LargeLoss(Loss):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.epoch = 0  # before the first start_epoch: nothing is rejected
-        self.count_sizes: list[int] = []  # the batch sizes (B*C) whose m a buffer holds
+        self.num_epochs: int | None = None
+        self.depths: dict[int, int] = {}  # per batch size (B*C) with a buffer of positions: how many a step ranks
 
     def start_epoch(self, epoch, num_epochs, train_logits=None):
-        self.epoch = epoch
-        for num_entries in self.count_sizes:  # in place: a step captured in another epoch reads these
-            positions = threshold_positions(self.head_counts(num_entries), num_entries)
-            self.get_buffer(f"threshold_position_{num_entries}").copy_(positions)
+        self.epoch, self.num_epochs = epoch, num_epochs
+        for num_entries, depth in list(self.depths.items()):  # in place: a step captured in another epoch reads these
+            counts = self.head_counts(num_entries)
+            if max(counts) > depth:  # only when called with another num_epochs than before: ranked anew
+                del self.depths[num_entries]
+                continue
+            self.get_buffer(f"threshold_position_{num_entries}").copy_(threshold_positions(counts, num_entries, depth))
 
-    def rejection_count(self, num_entries: int) -> int | list[int]:
-        """m for a batch of `num_entries = B*C` entries (one per head when the heads' deltas differ)."""
+    def rejection_count(self, num_entries: int, epoch: int | None = None) -> int | list[int]:
+        """m for a batch of `num_entries = B*C` entries (one per head when the heads' deltas differ), at `epoch`
+        (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
         deltas = self.hparams["delta"]
         if isinstance(deltas, list):
-            return [self.count(num_entries, delta) for delta in deltas]
-        return self.count(num_entries, deltas)
+            return [self.count(num_entries, delta, epoch) for delta in deltas]
+        return self.count(num_entries, deltas, epoch)
 
-    def head_counts(self, num_entries: int) -> list[int]:
+    def head_counts(self, num_entries: int, epoch: int | None = None) -> list[int]:
         """`rejection_count` as one m per head."""
-        m = self.rejection_count(num_entries)
+        m = self.rejection_count(num_entries, epoch)
         return m if isinstance(m, list) else [m] * self.num_heads
 
-    def positions_for(self, num_entries: int, device: torch.device) -> torch.Tensor:
-        """Where this epoch's m-th largest sits among `num_entries` candidates, per head (`threshold_positions`).
-        m is counted on the host (exactly, in Python floats), so each batch size gets a device buffer, made by its
-        first (eager) step and refilled by every `start_epoch`: a step reads m from memory, never from Python."""
-        if num_entries not in self.count_sizes:
-            positions = threshold_positions(self.head_counts(num_entries), num_entries).to(device)
+    def positions_for(self, num_entries: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """Where this epoch's m-th largest sits among `num_entries` candidates, per head (`threshold_positions`),
+        and how many a step ranks: the largest m of the run (m grows with the epoch), so that a batch of 16 x 80
+        classes ranks a few dozen entries, not 1,280. m is counted on the host (exactly, in Python floats), so each
+        batch size gets a device buffer, made by its first (eager) step and refilled by every `start_epoch`: a
+        step reads m from memory, never from Python."""
+        if num_entries not in self.depths:
+            if self.num_epochs is None:  # no start_epoch yet: rank them all
+                depth = num_entries
+            else:
+                depth = min(num_entries, max(self.head_counts(num_entries, max(self.epoch, self.num_epochs))))
+            positions = threshold_positions(self.head_counts(num_entries), num_entries, depth).to(device)
             self.register_buffer(f"threshold_position_{num_entries}", positions, persistent=False)
-            self.count_sizes.append(num_entries)
-        return self.get_buffer(f"threshold_position_{num_entries}")
+            self.depths[num_entries] = depth
+        return self.get_buffer(f"threshold_position_{num_entries}"), self.depths[num_entries]
 
-    def count(self, num_entries: int, delta: float) -> int:
+    def count(self, num_entries: int, delta: float, epoch: int) -> int:
         """ceil(B*C*(t-1)*delta), 0 at epoch 1."""
-        if self.epoch < 2:
+        if epoch < 2:
             return 0
         if self.fidelity == "authors":
             # Kim et al.'s code: clean_rate -= delta once per epoch, then ceil(B*C*(1 - clean_rate)); the float
             # subtraction makes it one higher wherever B*C*(t-1)*delta is a whole number (docs/fidelity.md)
             clean_rate = 1.0
-            for _ in range(self.epoch - 1):
+            for _ in range(epoch - 1):
                 clean_rate -= delta
             return math.ceil(num_entries * (1 - clean_rate))
         # round first: B*C*(t-1)*delta is an integer more often than floating point says (100 * 0.07)
-        return math.ceil(round(num_entries * (self.epoch - 1) * delta, 6))
+        return math.ceil(round(num_entries * (epoch - 1) * delta, 6))
 
     def targets(self, logits, observed, index):
         """(positive, unobserved) masks of this batch."""
@@ -110,9 +123,9 @@ class _LargeLoss(Loss):
         nl_p, nl_1mp = neg_log_p(logits), neg_log_1mp(logits)
         terms = torch.where(positive, nl_p, nl_1mp)
         # selected in every epoch, epoch 1 too (m = 0 selects nothing): the same ops whatever the epoch
-        positions = self.positions_for(logits.shape[-2] * logits.shape[-1], logits.device)
+        positions, depth = self.positions_for(logits.shape[-2] * logits.shape[-1], logits.device)
         positions = positions if logits.dim() == 3 else positions[0]  # [K, 1], or [1] for one head's [B, C]
-        large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, positions)
+        large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, positions, depth)
         return mean_over_entries(self.modify(terms, large, threshold, nl_p, nl_1mp, index))
 
 
@@ -156,10 +169,10 @@ class LargeLossCorrectPermanent(_LargeLoss):
         super().__init__(**kwargs)
         self.register_buffer("corrected_observed", self.train_observed.unsqueeze(0).repeat(self.num_heads, 1, 1))
 
-    def count(self, num_entries: int, delta: float) -> int:
+    def count(self, num_entries: int, delta: float, epoch: int) -> int:
         if self.fidelity == "authors":  # the authors' code never reaches its LL-Cp branch: LL-Ct's count
-            return super().count(num_entries, delta)
-        if self.epoch < 2:
+            return super().count(num_entries, delta, epoch)
+        if epoch < 2:
             return 0
         return math.ceil(round(num_entries * delta, 6))
 
