@@ -23,3 +23,19 @@ def run_cli(*args: str, cwd, env: dict | None = None, timeout: float = 600, **po
             environment[key] = value
     command = [sys.executable, "-m", "spml_cache", *args]
     return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def run_main(*args: str, cwd, monkeypatch, capsys) -> tuple[int, str]:
+    """`spml-cache ARGS` in this process (`cli.main`, what the console script calls): (exit code, stderr). For
+    the many variants of one error path; `run_cli` proves the real command line."""
+    from spml_cache import cli
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr("sys.argv", ["spml-cache", *args])
+    monkeypatch.setenv("COLUMNS", "400")  # one error line stays one line
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    return code, capsys.readouterr().err
