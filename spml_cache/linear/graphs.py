@@ -13,7 +13,7 @@ A graph is captured the second time its batch shape comes up (the first runs eag
 the warm-up that lazy initialisations need) and again only when something it baked in changes: when a head stops
 (the frozen columns). Per-epoch work (`start_epoch`, scoring, the divergence check, selection bookkeeping) runs
 eagerly between epochs. The eager path (`SeedRun.run_epoch`) stays for the CPU and for `--no-graphs`; both give
-the same selection and logits up to float tolerance (tests/test_cuda.py).
+the same selection and logits up to float tolerance (tests/test_cuda_graphs.py).
 """
 
 from __future__ import annotations
