@@ -48,6 +48,18 @@ def write_csv_dataset(root: Path, rows: list[tuple[str, list[str], str]]) -> dic
     return {f"images/{name}": set(labels) for name, labels, _ in rows}
 
 
+def write_numbered_csv_dataset(root: Path, count: int, first_test: int, classes: tuple[str, ...] = ("a", "b", "c"),
+                               bad: tuple[str, ...] = ()) -> Path:
+    """`count` images 0.jpg ... with 1..len(classes) labels each, those from `first_test` on in the test split; the
+    `bad` ones (ids) truncated. Returns `root`."""
+    rows = [(f"{k}.jpg", list(classes[: 1 + k % len(classes)]), "test" if k >= first_test else "train")
+            for k in range(count)]
+    write_csv_dataset(root, rows)
+    for image_id in bad:
+        truncate(root / image_id)
+    return root
+
+
 def write_coco_dataset(root: Path, num_train: int = 8, num_test: int = 4) -> dict[str, set[str]]:
     """A COCO-2014 layout with non-contiguous category ids; returns id -> category names."""
     categories = [{"id": 1, "name": "person"}, {"id": 3, "name": "car"}, {"id": 7, "name": "train"}]

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from extract_support import RESOLUTION, random_weights, truncate, write_csv_dataset
+from extract_support import RESOLUTION, random_weights, write_numbered_csv_dataset
 from PIL import Image
 
 from spml_cache import backbone, cache
@@ -59,11 +59,9 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("finite")
-    rows = [(f"{k}.jpg", ["a", "b"][: 1 + k % 2], "test" if k >= 6 else "train") for k in range(9)]
-    write_csv_dataset(root, rows)
+    write_numbered_csv_dataset(root, 9, first_test=6, classes=("a", "b"), bad=(UNDECODABLE,))
     for image_id in BLACK:
         Image.new("RGB", (24, 20)).save(root / image_id, quality=90)
-    truncate(root / UNDECODABLE)
     return root
 
 

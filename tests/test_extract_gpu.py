@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from extract_support import random_weights, truncate, write_csv_dataset
+from extract_support import random_weights, write_numbered_csv_dataset
 
 from spml_cache import backbone, cache
 from spml_cache.errors import SpmlError
@@ -35,12 +35,7 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-extract")
-    rows = [(f"{k}.jpg", ["a", "b", "c"][: 1 + k % 3], "test" if k >= 30 else "train") for k in range(41)]
-    write_csv_dataset(root, rows)
-    for image_id in BAD:
-        truncate(root / image_id)
-    return root
+    return write_numbered_csv_dataset(tmp_path_factory.mktemp("gpu-extract"), 41, first_test=30, bad=tuple(BAD))
 
 
 def options(weights, device, **overrides):

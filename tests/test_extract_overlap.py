@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from extract_support import truncate, write_csv_dataset
+from extract_support import write_numbered_csv_dataset
 
 from spml_cache import backbone, cache
 from spml_cache.errors import Interrupted, SpmlError
@@ -30,12 +30,7 @@ BAD = ["images/13.jpg"]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overlap")
-    rows = [(f"{k}.jpg", ["a", "b", "c"][: 1 + k % 3], "test" if k >= 12 else "train") for k in range(17)]
-    write_csv_dataset(root, rows)
-    for image_id in BAD:
-        truncate(root / image_id)
-    return root
+    return write_numbered_csv_dataset(tmp_path_factory.mktemp("overlap"), 17, first_test=12, bad=tuple(BAD))
 
 
 def options(**overrides):
