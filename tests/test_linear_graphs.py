@@ -143,3 +143,30 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_with_a_warning(data):
             got.append(graphed.score(epoch))
     assert got == expected
     assert all(captured.eager and not captured.captures for captured in together.stacks)
+
+
+def test_run_linear_in_lockstep_writes_what_the_eager_run_writes(tmp_path, monkeypatch):
+    """`run_linear`'s GPU route (jobs.py `_in_lockstep`: every job at once, progress per epoch, parts kept) on the
+    CPU, with the replay-checking stand-in for CUDA graphs."""
+    import functools
+
+    from linear_support import quiet
+
+    from spml_cache.linear import jobs, run_linear
+
+    path = write_synthetic_cache(tmp_path / "voc.h5", train=45, val=20, test=24)
+    grid = dict(losses=["an", "role", "em_apl"], lrs=[1e-2, 1e-3], batch_sizes=[4, 8], epochs=3, seeds=2,
+                hparams={"em_apl.warmup": 1}, console=quiet())
+    eager = run_linear(cache=path, out=tmp_path / "eager", **grid)
+    monkeypatch.setattr(jobs, "graphs_available", lambda device: True)
+    monkeypatch.setattr(jobs, "Lockstep", functools.partial(Lockstep, backend=ReplayChecked))
+    together = run_linear(cache=path, out=tmp_path / "lockstep", **grid)
+
+    def without_seconds(results):
+        return {name: {key: value for key, value in entry.items() if key != "seconds"}
+                for name, entry in results["losses"].items()}
+
+    assert without_seconds(together.results) == without_seconds(eager.results)
+    assert not (together.run_dir / "jobs").exists()  # every part was kept, then the run finished
+    lines = sorted((together.run_dir / "metrics.jsonl").read_text().splitlines())
+    assert lines == sorted((eager.run_dir / "metrics.jsonl").read_text().splitlines())

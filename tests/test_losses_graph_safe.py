@@ -197,7 +197,7 @@ def train_logits(loss: losses.Loss, epoch: int):
     return torch.randn(K, N_TRAIN, C, generator=torch.Generator().manual_seed(1000 + epoch)) * 2
 
 
-@pytest.mark.parametrize("name, per_head", variants())
+@pytest.mark.parametrize("name, per_head", list(variants()))
 def test_a_step_is_graph_safe_in_every_epoch(name, per_head):
     loss = build(name, per_head)
     loss.start_epoch(1, EPOCHS, train_logits(loss, 1))
