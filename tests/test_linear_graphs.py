@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from linear_support import write_synthetic_cache
-from trace_support import first_difference, trace
+from trace_support import first_difference, record
 
 from spml_cache import cache, losses
 from spml_cache.linear.adam_kernel import fused_adam_available
@@ -58,17 +58,19 @@ class ReplayChecked:
 class CheckedGraph:
     def __init__(self, steps) -> None:
         self.steps, self.ran_at_capture = steps, True
-        recorded = trace(steps)
-        assert not recorded.problems, f"a captured step may not sync or copy from the host: {recorded.problems}"
-        self.ops = recorded.ops
+        _, recorded = record(steps)
+        assert not recorded.forbidden, "a captured step may not sync or copy from the host:\n" + "\n".join(
+            recorded.forbidden)
+        self.ops = recorded.trace
         ReplayChecked.captured += 1
 
     def replay(self) -> None:
         if self.ran_at_capture:
             self.ran_at_capture = False
             return
-        ops = trace(self.steps).ops
-        assert ops == self.ops, "a replay would not do what its capture did: " + first_difference(self.ops, ops)
+        ops = record(self.steps)[1].trace
+        assert ops == self.ops, "a replay would not do what its capture did: " + first_difference(
+            self.ops, ops, ("captured", "replayed"))
         ReplayChecked.replayed += 1
 
 

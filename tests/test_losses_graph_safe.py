@@ -15,13 +15,9 @@ The first step of each batch shape is an eager warm-up, as before any capture: a
 there (the large-loss family's per-shape counts).
 """
 
-import traceback
-from contextlib import ExitStack
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from trace_support import first_difference, record
 
 from spml_cache import losses
 
@@ -38,90 +34,6 @@ PHASES = {
     "ll_ct": {"delta": 0.05},
     "ll_cp": {"delta": 0.05},
 }
-
-# an op that waits for the device, makes a tensor from host data, or has a shape that depends on the data
-FORBIDDEN_OPS = {
-    "aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal",
-    "aten.nonzero", "aten.nonzero_static", "aten.nonzero_numpy", "aten.argwhere", "aten.masked_select",
-    "aten.lift", "aten.lift_fresh", "aten.lift_fresh_copy",
-    "aten.unique", "aten._unique", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive",
-    "aten.unique_dim_consecutive", "aten.bincount", "aten.repeat_interleave",
-}
-INDEXING_OPS = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl", "aten._index_put_impl_"}
-# Python-level reads of device values, which on the CPU reach no aten op at all
-FORBIDDEN_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__"}
-
-
-def where_in_the_package() -> str:
-    frames = [f for f in traceback.extract_stack() if "spml_cache" in f.filename]
-    return " <- ".join(f"{f.filename.split('spml_cache')[-1]}:{f.lineno} {f.line}" for f in reversed(frames)) or "?"
-
-
-def flat(value) -> list:
-    """The leaves of an op's nested arguments or results."""
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in flat(item)]
-    return [value]
-
-
-class StepRecorder(TorchDispatchMode):
-    """Each aten op of a step as (op, arguments): a tensor argument as its shape and dtype, and where it comes
-    from: a step input (by name), a tensor this step made, or state read from memory (by address)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:  # no torch.compile here: spares the test importing dynamo (seconds)
-        return False
-
-    def __init__(self, inputs: dict[str, torch.Tensor], state_names: dict[int, str]):
-        super().__init__()
-        self.inputs = {t.untyped_storage().data_ptr(): name for name, t in inputs.items()}
-        self.state_names = state_names
-        self.made: set[int] = set()
-        self.trace: list[tuple] = []
-        self.forbidden: list[str] = []
-
-    def describe(self, value):
-        if isinstance(value, (list, tuple)):
-            return tuple(self.describe(item) for item in value)
-        if isinstance(value, dict):
-            return tuple((key, self.describe(item)) for key, item in value.items())
-        if not isinstance(value, torch.Tensor):
-            return repr(value)
-        ptr = value.untyped_storage().data_ptr()
-        if ptr in self.inputs:
-            origin = ("input", self.inputs[ptr])
-        elif ptr in self.made:
-            origin = ("made",)
-        else:  # the same memory in every epoch, or a captured graph reads a stale copy
-            origin = ("state", self.state_names.get(ptr, "?"), ptr)
-        return (*origin, tuple(value.shape), str(value.dtype))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        op = func.overloadpacket._qualified_op_name.replace("::", ".")
-        bool_index = op in INDEXING_OPS and any(
-            isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in flat(args[1])
-        )
-        if op in FORBIDDEN_OPS or bool_index:
-            self.forbidden.append(f"{func}{' with a boolean index' if bool_index else ''} at {where_in_the_package()}")
-        self.trace.append((str(func), self.describe(args), self.describe(kwargs)))
-        out = func(*args, **kwargs)
-        self.made.update(t.untyped_storage().data_ptr() for t in flat(out) if isinstance(t, torch.Tensor))
-        return out
-
-
-class HostReads(TorchFunctionMode):
-    """Tensor methods that copy a value to the host (`.item()`, `bool(t)`, `.tolist()`, ...)."""
-
-    def __init__(self, forbidden: list[str]):
-        super().__init__()
-        self.forbidden = forbidden
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in FORBIDDEN_METHODS:
-            self.forbidden.append(f"Tensor.{func.__name__} at {where_in_the_package()}")
-        return func(*args, **(kwargs or {}))
-
 
 def make_data():
     generator = torch.Generator().manual_seed(0)
@@ -167,7 +79,7 @@ def layout(loss: losses.Loss) -> dict[str, tuple]:
             for key, value in tensors_of(loss).items()}
 
 
-def run_step(loss: losses.Loss, size: int, seed: int, record: bool):
+def run_step(loss: losses.Loss, size: int, seed: int, record_it: bool):
     """One training step as HeadStack takes it: forward, the penalty on the head's weight, and the gradient
     of their sum w.r.t. the logits, the loss's parameters and the weight. Returns the recorder (or None)."""
     generator = torch.Generator().manual_seed(seed)
@@ -177,16 +89,19 @@ def run_step(loss: losses.Loss, size: int, seed: int, record: bool):
     observed, labels = OBSERVED.index_select(0, rows), LABELS.index_select(0, rows)
     params = list(loss.parameters())
     inputs = {"logits": logits, "observed": observed, "labels": labels, "index": rows, "weight": weight}
-    recorder = StepRecorder(inputs, {ptr: key for key, (ptr, _, _) in layout(loss).items()}) if record else None
-    with ExitStack() as recording:
-        if record:
-            recording.enter_context(HostReads(recorder.forbidden))
-            recording.enter_context(recorder)
+
+    def step():
         per_head = loss(logits, observed, labels=labels if loss.oracle else None, index=rows)
         if loss.penalises_weight:
             per_head = per_head + loss.penalty(weight)
         wrt = [logits, *params] + ([weight] if loss.penalises_weight else [])
-        grads = torch.autograd.grad(per_head.sum(), wrt, allow_unused=True)
+        return per_head, torch.autograd.grad(per_head.sum(), wrt, allow_unused=True)
+
+    recorder = None
+    if record_it:
+        (per_head, grads), recorder = record(step, inputs, {ptr: key for key, (ptr, _, _) in layout(loss).items()})
+    else:
+        per_head, grads = step()
     assert per_head.shape == (K,) and torch.isfinite(per_head).all() and torch.isfinite(grads[0]).all()
     return recorder
 
@@ -202,7 +117,7 @@ def test_a_step_is_graph_safe_in_every_epoch(name, per_head):
     loss = build(name, per_head)
     loss.start_epoch(1, EPOCHS, train_logits(loss, 1))
     for size in BATCHES.values():  # the eager warm-up of each shape, before any capture
-        run_step(loss, size, seed=0, record=False)
+        run_step(loss, size, seed=0, record_it=False)
     kept = layout(loss)
     traces: dict[str, list] = {shape: [] for shape in BATCHES}
     for epoch in range(1, EPOCHS + 1):
@@ -210,21 +125,14 @@ def test_a_step_is_graph_safe_in_every_epoch(name, per_head):
             loss.start_epoch(epoch, EPOCHS, train_logits(loss, epoch))
         assert layout(loss) == kept, f"{name}: start_epoch({epoch}) replaced a tensor instead of updating it in place"
         for shape, size in BATCHES.items():
-            recorder = run_step(loss, size, seed=100 * epoch + size, record=True)
+            recorder = run_step(loss, size, seed=100 * epoch + size, record_it=True)
             assert not recorder.forbidden, f"{name}, epoch {epoch}, {shape} batch:\n" + "\n".join(recorder.forbidden)
             traces[shape].append(recorder.trace)
             assert layout(loss) == kept, f"{name}: a step of epoch {epoch} replaced a tensor instead of updating it"
     for shape, by_epoch in traces.items():
         for epoch, trace in enumerate(by_epoch[1:], start=2):
             assert trace == by_epoch[0], f"{name}, {shape} batch: epoch {epoch} differs from epoch 1\n" + first_difference(
-                by_epoch[0], trace)
-
-
-def first_difference(first: list, other: list) -> str:
-    for position, (a, b) in enumerate(zip(first, other)):
-        if a != b:
-            return f"op {position}:\n  epoch 1: {a}\n  later:   {b}"
-    return f"{len(first)} ops against {len(other)}"
+                by_epoch[0], trace, ("epoch 1", "later"))
 
 
 @pytest.mark.parametrize("name", losses.names())

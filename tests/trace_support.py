@@ -1,78 +1,119 @@
 """What a CUDA graph would bake in, recorded on the CPU: the aten ops a piece of code runs, with their non-tensor
-arguments, their tensors' shapes and dtypes, and where each tensor the code did not make itself lives.
+arguments, their tensors' shapes and dtypes, and where each tensor comes from (an input of the step, a tensor
+the step made, or state read from memory at an address).
 
 A captured graph replays exactly that: the same kernels, with the same scalars, on the same memory. So code is
-safe to capture once and replay when every run of it records the same trace, and none of its ops needs the host
-(a sync) or makes a tensor from host data (a host-to-device copy), both of which a capture refuses.
+safe to capture once and replay when every run of it records the same trace, and none of its ops waits on the
+device (a sync) or makes a tensor from host data (a host-to-device copy), both of which a capture refuses.
+Used by tests/test_losses_graph_safe.py (every loss's step) and tests/test_linear_graphs.py (the engine's).
 """
 
 from __future__ import annotations
 
+import traceback
+from contextlib import ExitStack
+
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-# Ops that wait on the device (a value read back, a data-dependent shape) or copy host data to it.
-FORBIDDEN = {
-    "aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.nonzero_static", "aten.masked_select",
-    "aten.lift_fresh", "aten.lift_fresh_copy", "aten._unique", "aten._unique2", "aten.unique_dim",
-    "aten.unique_consecutive",
+# an op that waits for the device, makes a tensor from host data, or has a shape that depends on the data
+FORBIDDEN_OPS = {
+    "aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal",
+    "aten.nonzero", "aten.nonzero_static", "aten.nonzero_numpy", "aten.argwhere", "aten.masked_select",
+    "aten.lift", "aten.lift_fresh", "aten.lift_fresh_copy",
+    "aten.unique", "aten._unique", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive",
+    "aten.unique_dim_consecutive", "aten.bincount", "aten.repeat_interleave",
 }
+INDEXING_OPS = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl", "aten._index_put_impl_"}
+# Python-level reads of device values, which on the CPU reach no aten op at all
+FORBIDDEN_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__"}
 
 
-def _op_name(func) -> str:
-    return str(func.overloadpacket)
+def where_in_the_package() -> str:
+    frames = [f for f in traceback.extract_stack() if "spml_cache" in f.filename]
+    return " <- ".join(f"{f.filename.split('spml_cache')[-1]}:{f.lineno} {f.line}" for f in reversed(frames)) or "?"
 
 
-def _bool_index(func, args) -> bool:
-    """`t[mask]` (and `t[mask] = v`): an index op with a boolean index runs a nonzero inside."""
-    if _op_name(func) not in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"):
+def flat(value) -> list:
+    """The leaves of an op's nested arguments or results."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in flat(item)]
+    return [value]
+
+
+class StepRecorder(TorchDispatchMode):
+    """Each aten op run under it as (op, arguments), in `trace`; the forbidden ones, with where in the package
+    they were called, in `forbidden`. `inputs` and `state_names` name tensors by their storage in the trace."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # no torch.compile here: spares the test importing dynamo (seconds)
         return False
-    indices = args[1] if len(args) > 1 else []
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or [])
 
-
-class OpTrace(TorchDispatchMode):
-    """Records `(op, arguments)` for every aten op run under it; `problems` lists the forbidden ones."""
-
-    def __init__(self) -> None:
+    def __init__(self, inputs: dict[str, torch.Tensor] | None = None, state_names: dict[int, str] | None = None):
         super().__init__()
-        self.ops: list[tuple] = []
-        self.problems: list[str] = []
-        self._made: set[int] = set()  # storages the traced code produced: temporaries, new at every run
+        self.inputs = {t.untyped_storage().data_ptr(): name for name, t in (inputs or {}).items()}
+        self.state_names = state_names or {}
+        self.made: set[int] = set()
+        self.trace: list[tuple] = []
+        self.forbidden: list[str] = []
 
-    def _describe(self, value):
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage().data_ptr()
-            where = "made" if storage in self._made else (storage, value.storage_offset(), tuple(value.stride()))
-            return ("tensor", tuple(value.shape), value.dtype, value.device.type, where)
-        return repr(value)
+    def describe(self, value):
+        if isinstance(value, (list, tuple)):
+            return tuple(self.describe(item) for item in value)
+        if isinstance(value, dict):
+            return tuple((key, self.describe(item)) for key, item in value.items())
+        if not isinstance(value, torch.Tensor):
+            return repr(value)
+        ptr = value.untyped_storage().data_ptr()
+        if ptr in self.inputs:
+            origin = ("input", self.inputs[ptr])
+        elif ptr in self.made:
+            origin = ("made",)
+        else:  # the same memory in every run, or a captured graph reads a stale copy
+            origin = ("state", self.state_names.get(ptr, "?"), ptr, value.storage_offset(), tuple(value.stride()))
+        return (*origin, tuple(value.shape), str(value.dtype))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _op_name(func)
-        if name in FORBIDDEN or _bool_index(func, args):
-            self.problems.append(name + (" with a boolean index" if _bool_index(func, args) else ""))
-        flat, _ = tree_flatten((args, kwargs))
-        self.ops.append((str(func), tuple(self._describe(value) for value in flat)))
+        op = func.overloadpacket._qualified_op_name.replace("::", ".")
+        bool_index = op in INDEXING_OPS and any(
+            isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in flat(args[1])
+        )
+        if op in FORBIDDEN_OPS or bool_index:
+            self.forbidden.append(f"{func}{' with a boolean index' if bool_index else ''} at {where_in_the_package()}")
+        self.trace.append((str(func), self.describe(args), self.describe(kwargs)))
         out = func(*args, **kwargs)
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self._made.add(value.untyped_storage().data_ptr())
+        self.made.update(t.untyped_storage().data_ptr() for t in flat(out) if isinstance(t, torch.Tensor))
         return out
 
 
-def trace(code) -> OpTrace:
-    """Run `code()` under an `OpTrace` and return it."""
-    recorder = OpTrace()
-    with recorder:
-        code()
-    return recorder
+class HostReads(TorchFunctionMode):
+    """Tensor methods that copy a value to the host (`.item()`, `bool(t)`, `.tolist()`, ...)."""
+
+    def __init__(self, forbidden: list[str]):
+        super().__init__()
+        self.forbidden = forbidden
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in FORBIDDEN_METHODS:
+            self.forbidden.append(f"Tensor.{func.__name__} at {where_in_the_package()}")
+        return func(*args, **(kwargs or {}))
 
 
-def first_difference(expected: list[tuple], got: list[tuple]) -> str:
+def record(code, inputs: dict[str, torch.Tensor] | None = None, state_names: dict[int, str] | None = None):
+    """Run `code()` under a `StepRecorder` (and `HostReads`); returns its value and the recorder."""
+    recorder = StepRecorder(inputs, state_names)
+    with ExitStack() as recording:
+        recording.enter_context(HostReads(recorder.forbidden))
+        recording.enter_context(recorder)
+        value = code()
+    return value, recorder
+
+
+def first_difference(first: list, other: list, names: tuple[str, str] = ("first", "later")) -> str:
     """Where two traces part, for an assertion message."""
-    for position, (a, b) in enumerate(zip(expected, got)):
+    for position, (a, b) in enumerate(zip(first, other)):
         if a != b:
-            return f"op {position}: captured {a}, replayed {b}"
-    return f"captured {len(expected)} ops, replayed {len(got)}"
+            return f"op {position}:\n  {names[0]}: {a}\n  {names[1]}: {b}"
+    return f"{len(first)} ops against {len(other)}"
