@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_support import run_cli
+from cli_support import run_cli, run_main
 from matplotlib.colors import to_hex
 from rich.console import Console
 from sklearn.metrics import average_precision_score
@@ -395,13 +395,17 @@ def test_cli_report_from_a_subprocess(runs):
 
 
 @pytest.mark.parametrize("flag", ["--out", "--plots"])
-def test_a_place_that_cannot_be_written_is_one_line(runs, flag):
+def test_a_place_that_cannot_be_written_is_one_line(runs, flag, monkeypatch, capsys):
     blocker = runs.parent / "a-file"
     blocker.write_text("not a folder")
     target = blocker / ("table.csv" if flag == "--out" else "figures")
-    done = run_cli("report", flag, str(target), cwd=runs.parent)
-    assert done.returncode == 1
-    (line,) = done.stderr.strip().splitlines()
+    if flag == "--out":  # from a subprocess, as a user types it; the other in this process
+        done = run_cli("report", flag, str(target), cwd=runs.parent)
+        code, stderr = done.returncode, done.stderr
+    else:
+        code, stderr = run_main("report", flag, str(target), cwd=runs.parent, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1
+    (line,) = stderr.strip().splitlines()
     assert line.startswith(f"error: {flag} {target}: cannot write") and "pick a writable place" in line
 
 
