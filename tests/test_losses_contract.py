@@ -217,7 +217,7 @@ def test_cli_losses_json(tmp_path):
     for row in rows:
         assert set(row) == {
             "name", "description", "reference", "defaults", "dataset_defaults", "state", "oracle",
-            "needs_train_logits", "reconstructed", "authors", "paper_grid", "per_head",
+            "needs_train_logits", "reconstructed", "authors", "paper_grid", "per_head", "observed_negative",
         }
     assert by_name["ll_r"]["paper_grid"]["values"] == {"delta": [0.001, 0.002, 0.003, 0.004, 0.005]}
     assert "issue 8" in by_name["ll_r"]["paper_grid"]["source"] and by_name["an"]["paper_grid"] is None

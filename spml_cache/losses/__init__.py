@@ -23,6 +23,7 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
     large_loss,
     generalized,
     pairwise,
+    partial,
 )
 
 __all__ = [
@@ -86,6 +87,7 @@ def describe() -> list[dict]:
                 },
                 "dataset_defaults": cls.dataset_defaults,
                 "state": cls.state,
+                "observed_negative": cls.observed_negative,
                 "oracle": cls.oracle,
                 "needs_train_logits": cls.needs_train_logits,
                 "reconstructed": cls.reconstructed,
@@ -129,6 +131,7 @@ def describe_table(rows: list[dict] | None = None) -> Table:
         defaults = [_format_hparams(row["defaults"]) or "-"]
         defaults += [f"{dataset}: {_format_hparams(values)}" for dataset, values in row["dataset_defaults"].items()]
         flags = [row["state"]] if row["state"] else []
+        flags += [f"z = -1: {row['observed_negative']}"]
         flags += [text for flag, text in _FLAG_TEXTS.items() if row[flag]]
         flags += [_authors_text(row["authors"])] if any(row["authors"].values()) else []
         if row["paper_grid"]:

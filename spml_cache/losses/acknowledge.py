@@ -35,6 +35,7 @@ class EntropyMaximization(Loss):
     """EM: `nl(p)` on observed positives, `-alpha * H(p)` on unobserved labels (the total can be negative)."""
 
     name = "em"
+    observed_negative = "nl(1-p), never the entropy term"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     authors_early_stop = ("no_gain", 0.0)  # Zhou et al.: stop at the first epoch without improvement
     description = "Entropy maximisation on unobserved labels: acknowledge them as unknown instead of negative."
@@ -62,6 +63,7 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
     """
 
     name = "em_apl"
+    observed_negative = "nl(1-p); never pseudo-labelled"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     authors_early_stop = ("no_gain", 0.0)
     description = "EM plus asymmetric pseudo-labelling: the lowest-scoring unknowns turn into soft negatives."

@@ -1,8 +1,9 @@
 """The assume-negative family: every label that is not an observed positive is treated as a negative.
 
 Seed 002 (Cole et al.) writes these with `1[z != 1]`, so an observed negative (`z = -1`, partial-label setting
-only) is treated exactly like an unobserved label. `entmin` is the exception: its unobserved labels get the
-entropy term and an observed negative keeps the plain `nl(1 - p)`.
+only) gets the negative term of an unobserved label. Where a loss softens that term because an assumed negative
+may be a missed positive, a known 0 keeps the plain `nl(1 - p)`: `wan` does not down-weight it, `an_ls_neg` does
+not smooth it, `entmin` gives it no entropy term.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class AssumeNegative(Loss):
     """AN: `nl(p)` on observed positives, `nl(1-p)` on everything else."""
 
     name = "an"
+    observed_negative = "nl(1-p), as an assumed negative"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Assume negative: every label that is not the observed positive is a negative."
@@ -31,9 +33,10 @@ class AssumeNegative(Loss):
 
 
 def _smoothed_bce(logits: torch.Tensor, observed: torch.Tensor, positive_target: float, negative_target: float,
-                  eps: float | None):
+                  eps: float | None, reduce: bool = True):
     target = torch.where(observed == 1, as_tensor_like(positive_target, logits), as_tensor_like(negative_target, logits))
-    return mean_over_entries(bce(logits, target, eps))
+    terms = bce(logits, target, eps)
+    return mean_over_entries(terms) if reduce else terms
 
 
 @register
@@ -41,6 +44,7 @@ class AssumeNegativeLabelSmoothing(Loss):
     """AN-LS: AN with targets `1 - ls` (positives) and `ls` (assumed negatives)."""
 
     name = "an_ls"
+    observed_negative = "target ls, as every negative (both sides smoothed)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Assume negative with label smoothing on both sides (targets 1-ls / ls)."
@@ -58,6 +62,7 @@ class AssumeNegativeSmoothNegatives(Loss):
     """AN-LS(0, ls): the positive target stays 1, assumed negatives get target `ls`."""
 
     name = "an_ls_neg"
+    observed_negative = "nl(1-p): a known 0 is not smoothed"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Assume negative with label smoothing on the assumed negatives only (targets 1 / ls)."
     reference = "Cole et al., CVPR 2021, appendix A, AN-LS(eps_p=0, eps_n) and Table A1 (Zhou et al., Table 1 row N-LS)"
@@ -66,7 +71,8 @@ class AssumeNegativeSmoothNegatives(Loss):
     bounds = {"ls": (0.0, 1.0, "[)")}
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        return _smoothed_bce(logits, observed, 1.0, self.ls, self.log_eps)
+        smoothed = _smoothed_bce(logits, observed, 1.0, self.ls, self.log_eps, reduce=False)
+        return mean_over_entries(torch.where(observed == -1, neg_log_1mp(logits, self.log_eps), smoothed))
 
 
 @register
@@ -74,6 +80,7 @@ class WeakAssumeNegative(Loss):
     """WAN: assumed negatives weighted by `gamma`, by default `1/(C-1)` (one positive weighs as much as the rest)."""
 
     name = "wan"
+    observed_negative = "nl(1-p) with weight 1 (gamma weighs assumed negatives only)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Weak assume negative: assumed negatives down-weighted by gamma."
@@ -91,7 +98,9 @@ class WeakAssumeNegative(Loss):
             self.set_hparam("gamma", 1.0 / (self.num_classes - 1))
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        terms = torch.where(observed == 1, neg_log_p(logits, self.log_eps), self.gamma * neg_log_1mp(logits, self.log_eps))
+        negative = neg_log_1mp(logits, self.log_eps)
+        weight = torch.where(observed == -1, 1.0, as_tensor_like(self.gamma, logits))  # a known 0 weighs 1
+        terms = torch.where(observed == 1, neg_log_p(logits, self.log_eps), weight * negative)
         return mean_over_entries(terms)
 
 
@@ -100,6 +109,7 @@ class AssumeNegativeL1(AssumeNegative):
     """AN plus `lam * ||W||_1` on the linear head's weight (the trainer adds `penalty`)."""
 
     name = "l1r"
+    observed_negative = "nl(1-p), as an assumed negative"
     authors_drop_last = False  # run with Zhou et al.'s code, whose loaders keep it
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Assume negative plus an L1 penalty lam*||W||_1 on the linear head's weight (not the bias)."
@@ -118,6 +128,7 @@ class AssumeNegativeL2(AssumeNegative):
     """AN plus `lam / 2 * ||W||_2^2` on the linear head's weight (the trainer adds `penalty`)."""
 
     name = "l2r"
+    observed_negative = "nl(1-p), as an assumed negative"
     authors_drop_last = False  # run with Zhou et al.'s code, whose loaders keep it
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Assume negative plus an L2 penalty lam/2*||W||^2 on the linear head's weight (not the bias)."
@@ -136,6 +147,7 @@ class EntropyMinimization(Loss):
     """EntMin: `nl(p)` on positives, `+alpha * H(p)` on unobserved labels; collapses to "all positive"."""
 
     name = "entmin"
+    observed_negative = "nl(1-p), never the entropy term"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Entropy minimisation on unobserved labels (the mirror image of em); a baseline that collapses."
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row EntMin"
@@ -154,6 +166,7 @@ class PairwiseRanking(Loss):
     """PR: for each observed positive i, entry (n, i) = sum over assumed negatives j of max(0, 1 - p_ni + p_nj)."""
 
     name = "pr"
+    observed_negative = "a negative of every pair, as an assumed negative"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     needs_positive = True  # an image without an observed positive has no pair: it gives no term
     description = "Pairwise ranking hinge on probabilities: each observed positive above every assumed negative."

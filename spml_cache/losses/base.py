@@ -146,6 +146,10 @@ class Loss(torch.nn.Module):
     # Learns from an image only through an observed positive (its terms pair one with the other labels): an
     # observation rule that leaves images with a positive but none observed is refused for it (observation.py).
     needs_positive: ClassVar[bool] = False
+    # What the loss does with an observed negative (z = -1, from observation rules other than `single`), as its
+    # term in docs/losses.md's notation; every loss states it (`spml-cache losses` shows it). Where the paper has
+    # none, the natural reading: an observed negative is a known 0, never an unknown.
+    observed_negative: ClassVar[str] = ""
     # `--fidelity authors`: the eps the authors' code adds inside its logs (None: their code is stable from logits,
     # or there is no code), and the early stopping rule of the paper that proposes the loss: ("no_gain", 0) stops
     # at the first epoch whose val mAP does not improve, ("drop", d) once it falls d below its best.

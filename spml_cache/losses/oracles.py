@@ -16,6 +16,7 @@ class FullBCE(Loss):
     """BCE on every label: `nl(p)` where y=1, `nl(1-p)` where y=0."""
 
     name = "bce"
+    observed_negative = "ignored: reads the full label y (0 there)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "Binary cross-entropy on the full labels (all positives and all negatives); an upper bound."
@@ -31,6 +32,7 @@ class FullBCELabelSmoothing(Loss):
     """BCE on every label with smoothed targets `1 - ls` (y=1) and `ls` (y=0), the reference code's convention."""
 
     name = "bce_ls"
+    observed_negative = "ignored: reads the full label y (target ls there)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "BCE on the full labels with label smoothing (targets 1-ls / ls); an upper bound."
@@ -54,6 +56,7 @@ class IgnoreUnobservedNegatives(Loss):
     """
 
     name = "iun"
+    observed_negative = "nl(1-p) when y = 0, as every true negative"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
     description = "The observed positive(s) plus all true negatives (1 pos. & all neg.); an upper bound."
