@@ -2,7 +2,9 @@
 
 `average_precision` is `sklearn.metrics.average_precision_score` for every class and every leading (head)
 index at once, on the scores' device; `mean_average_precision` is the papers' mAP (0-100, the mean over all
-classes, a class without positives counting 0). docs/protocol.md, "The metric".
+classes, a class without positives counting 0). Partial labels (a `mask`, 1 where an entry is annotated) are
+scored over their annotated entries only, and their mAP is the mean over the classes with an annotated positive
+(`scored_classes`). docs/protocol.md, "The metric".
 """
 
 from __future__ import annotations
@@ -37,16 +39,24 @@ def _order_keys(scores: torch.Tensor) -> torch.Tensor:
     return scores  # bool and integers up to 32 bits are their own keys
 
 
-def _sorted_keys(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+# Added to the key of an unannotated entry: it sorts after every annotated one (order keys are within +-2^32, their
+# doubles within +-2^33), so no precision is taken at or after it, and it never ties with an annotated entry.
+UNANNOTATED_KEY = 1 << 40
+
+
+def _sorted_keys(scores: torch.Tensor, positive: torch.Tensor, unannotated: torch.Tensor | None = None) -> torch.Tensor:
     """int64 `[..., C, N]`, each row sorted ascending: `2 * (-order key of the score) + label`.
 
     Ascending keys are descending scores, tied scores stay adjacent, and the label rides along in the low
-    bit: one sort of plain integers replaces an argsort and two gathers.
+    bit: one sort of plain integers replaces an argsort and two gathers. Unannotated entries (`[C, N]`, True
+    where unknown; their label is 0) go last.
     """
     *heads, num_rows, num_classes = scores.shape
     keys = torch.empty((*heads, num_classes, num_rows), dtype=torch.int64, device=scores.device)
     keys.copy_(_order_keys(scores).transpose(-1, -2))
     keys.mul_(-2).add_(positive.to(torch.int64))
+    if unannotated is not None:
+        keys.add_(unannotated.to(torch.int64) * UNANNOTATED_KEY)
     if keys.device.type == "cpu":
         # numpy's vectorised sort is several times faster than torch.sort on the CPU (same result: the keys are
         # plain integers), and sorts in place.
@@ -55,14 +65,16 @@ def _sorted_keys(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
     return torch.sort(keys, dim=-1).values
 
 
-def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray) -> torch.Tensor:
+def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray,
+                      mask: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
     """Per-class average precision (0..1) of `scores [..., N, C]` against 0/1 `labels [N, C]`: `[..., C]`.
 
     sklearn's `average_precision_score` for every class and every leading (head) index at once:
     AP = sum over distinct score thresholds t (descending) of (R(t) - R(t_prev)) * P(t), with P and R the
     precision and recall of "score >= t"; tied scores enter together. A class without positives has AP 0.
     A column with a NaN score has AP NaN (a diverged head stays visible). Labels > 0 count as positive.
-    Computed on the scores' device; float64 result.
+    Computed on the scores' device; float64 result. With a `mask` ([N, C], nonzero where the label is
+    annotated), each class is scored over its annotated entries only, as if the others were not there.
     """
     scores = _as_tensor(scores).detach()
     labels = _as_tensor(labels).to(scores.device)
@@ -70,15 +82,19 @@ def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray) -
         raise SpmlError(f"scores {tuple(scores.shape)} do not match labels {tuple(labels.shape)}: expected [..., N, C]")
     device = scores.device
     positive = (labels > 0).T  # [C, N]
+    unannotated = None
+    if mask is not None:
+        unannotated = (_as_tensor(mask).to(device) == 0).T
+        positive = positive & ~unannotated
     if scores.shape[-2] == 0:  # no images: no positives
         return torch.zeros(scores.shape[:-2] + scores.shape[-1:], dtype=torch.float64, device=device)
 
     # The [heads, C, N] buffers are large: they are reused in place, as allocating them is a good part of the
     # cost on the CPU.
-    keys = _sorted_keys(scores, positive)
+    keys = _sorted_keys(scores, positive, unannotated)
     true_pos = torch.bitwise_and(keys, 1, out=torch.empty(keys.shape, dtype=torch.int32, device=device))
     true_pos.cumsum_(-1)  # true positives among the top n scores, n = 1..N
-    keys >>= 1  # drop the labels: equal keys are now tied scores
+    keys >>= 1  # drop the labels: equal keys are now tied scores (an unannotated entry equals no annotated one)
     # sklearn evaluates precision at distinct thresholds only: at a cut after the last of a run of tied scores.
     is_cut = torch.ones(keys.shape, dtype=torch.bool, device=device)
     torch.ne(keys[..., 1:], keys[..., :-1], out=is_cut[..., :-1])
@@ -108,10 +124,30 @@ def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray) -
     return ap
 
 
-def mean_average_precision(scores: torch.Tensor | np.ndarray, labels: torch.Tensor | np.ndarray) -> float:
-    """mAP on the 0..100 scale: the mean over ALL classes of `average_precision` (classes without positives
-    count as 0) of one `[N, C]` score matrix; numpy or torch inputs."""
+def scored_classes(labels: torch.Tensor | np.ndarray, mask: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | None:
+    """bool `[C]`: the classes a partially labelled split's mAP averages over, those with an annotated positive;
+    None without a mask (the papers' mAP: every class, one without positives counting 0)."""
+    if mask is None:
+        return None
+    labels = _as_tensor(labels)
+    return ((labels > 0) & (_as_tensor(mask).to(labels.device) != 0)).any(dim=0)
+
+
+def mean_over_classes(ap: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """mAP on the 0..100 scale from per-class AP `[..., C]`: the mean over every class, or over `scored` ones."""
+    if scored is None:
+        return 100.0 * ap.mean(dim=-1)
+    scored = scored.to(ap.device)
+    return 100.0 * (ap * scored).sum(dim=-1) / scored.sum().clamp(min=1)
+
+
+def mean_average_precision(scores: torch.Tensor | np.ndarray, labels: torch.Tensor | np.ndarray,
+                           mask: torch.Tensor | np.ndarray | None = None) -> float:
+    """mAP on the 0..100 scale of one `[N, C]` score matrix, numpy or torch inputs: the mean over ALL classes of
+    `average_precision` (classes without positives count as 0); with a `mask`, over the annotated entries and the
+    classes with an annotated positive (`scored_classes`)."""
     scores = _as_tensor(scores)
     if scores.ndim != 2 or scores.shape[-1] == 0:
         raise SpmlError(f"mean_average_precision wants scores [N, C] with C >= 1, got {tuple(scores.shape)}")
-    return 100.0 * float(average_precision(scores, labels).mean())
+    ap = average_precision(scores, labels, mask)
+    return float(mean_over_classes(ap, scored_classes(labels, mask)))

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from spml_cache.errors import SpmlError
-from spml_cache.protocol import OBSERVE_SEED, observe_labels, split_train_val
+from spml_cache.protocol import OBSERVE_SEED, hide_unannotated, observe_labels, split_train_val
 
 DEFAULT_RULE = "single"
 FLAG = "--observe"
@@ -278,8 +278,17 @@ def official_positions(attrs: dict, num_train: int, num_val: int) -> tuple[np.nd
 
 
 def draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, attrs: dict,
-                areas: tuple[Areas, Areas] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order)."""
+                areas: tuple[Areas, Areas] | None = None, label_masks: tuple | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order);
+    with partial labels (`label_masks`, train and val, 1 where annotated) no unannotated entry is observed."""
+    train, val = _draw_splits(rule, train_labels, val_labels, attrs, areas)
+    train_mask, val_mask = label_masks or (None, None)
+    return hide_unannotated(train, train_mask), hide_unannotated(val, val_mask)
+
+
+def _draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, attrs: dict,
+                 areas: tuple[Areas, Areas] | None) -> tuple[np.ndarray, np.ndarray]:
     if rule.entry.needs_areas and areas is None:
         raise SpmlError(f"{FLAG} {rule}: needs instance areas (VOC boxes), which this cache does not store: extract"
                         f" the dataset with {FLAG} {rule} (only the rule's masks are stored, no areas)")
@@ -338,7 +347,8 @@ def for_cache(features, rules: list[Rule]) -> dict[str, Observed]:
         elif rule.text in features.train.rules and rule.text in features.val.rules:
             found[rule.text] = Observed(rule, features.train.rules[rule.text], features.val.rules[rule.text], True)
         else:
-            train, val = draw_splits(rule, features.train.labels, features.val.labels, features.attrs)
+            train, val = draw_splits(rule, features.train.labels, features.val.labels, features.attrs,
+                                     label_masks=(features.train.label_mask, features.val.label_mask))
             found[rule.text] = Observed(rule, train, val, False)
     return found
 

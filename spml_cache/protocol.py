@@ -47,6 +47,7 @@ class ProtocolSplit:
     ids: list[str]
     labels: np.ndarray  # uint8 [N, C], full ground truth
     observed: np.ndarray | None  # int8 [N, C]: 1 observed positive, 0 unobserved, -1 observed negative; None for test
+    mask: np.ndarray | None = None  # uint8 [N, C], 1 where the label is annotated; None: all are (datasets/base.py)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,12 @@ def observe_labels(labels: np.ndarray, *, num_pos: int = 1, num_neg: int = 0, se
     return observed
 
 
+def hide_unannotated(observed: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """`observed` with every unannotated entry (mask 0) unknown: a rule never observes a label nobody annotated
+    (its 0 is not a known negative)."""
+    return observed if mask is None else np.where(np.asarray(mask) != 0, observed, 0).astype(np.int8)
+
+
 def expected_positives(labels: np.ndarray) -> float:
     """Mean number of positive labels per image (the papers' `k`); 0.0 for no images."""
     labels = np.asarray(labels)
@@ -141,12 +148,17 @@ def apply_protocol(
     if len(ids) != labels.shape[0]:
         raise SpmlError(f"{images.dataset}: {len(ids)} training ids but {labels.shape[0]} label rows")
     observed = observe_labels(labels, num_pos=num_pos, num_neg=num_neg, seed=observe_seed)
+    mask = images.train.mask
+    if mask is not None:
+        observed = hide_unannotated(observed, mask)
     train_rows, val_rows = split_train_val(len(ids), val_frac=val_frac, seed=split_seed)
 
     def rows(selected: np.ndarray) -> ProtocolSplit:
-        return ProtocolSplit([ids[i] for i in selected], labels[selected], observed[selected])
+        return ProtocolSplit([ids[i] for i in selected], labels[selected], observed[selected],
+                             None if mask is None else mask[selected])
 
-    test = ProtocolSplit(list(images.test.ids), np.asarray(images.test.labels, dtype=np.uint8), None)
+    test = ProtocolSplit(list(images.test.ids), np.asarray(images.test.labels, dtype=np.uint8), None,
+                         images.test.mask)
     attrs = {
         "split_seed": int(split_seed),
         "val_frac": float(val_frac),

@@ -225,7 +225,8 @@ def test_csv_without_split_holds_out_20_percent_with_seed_1200(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("path,labels,weight\na.jpg,cat,1\n", r"line 1: unknown column 'weight'"),
+        ("path,labels,weight\na.jpg,cat,1\n", r"line 1: a labels column and class columns \('weight'"),
+        ("path,split,cat\na.jpg,train,1\nb.jpg,test,yes\n", r"line 3: column 'cat' holds 'yes'"),
         ("labels\ncat\n", r"line 1: no 'path' column"),
         ("path,labels,split\na.jpg,cat,train\nb.jpg,dog,validation\n", r"line 3: split 'validation'"),
         ("path,labels,split\na.jpg,,train\nb.jpg,,test\n", r"no row has a label"),

@@ -130,9 +130,9 @@ def test_a_head_with_non_finite_scores_is_stopped_as_diverged(tmp_path, tiny_cac
     real = engine.average_precision
     calls = []
 
-    def nan_for_the_first_head_from_the_second_epoch(scores, labels):
+    def nan_for_the_first_head_from_the_second_epoch(scores, labels, mask=None):
         calls.append(1)
-        ap = real(scores, labels)
+        ap = real(scores, labels, mask)
         if len(calls) > 2:  # val and test of epoch 1 are scored untouched
             ap[0] = float("nan")
         return ap

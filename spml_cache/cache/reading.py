@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 
 from spml_cache.cache.schema import (
-    CONTENT_ATTR, COPY_BLOCK_ROWS, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet,
+    CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet,
     SplitRows, content_hash, partial_path, plain,
 )
 from spml_cache.errors import SpmlError
@@ -46,7 +46,8 @@ def read_header(path: Path | str) -> tuple[dict, dict[str, SplitRows]]:
                 raise SpmlError(f"{path}: no /{name} group; re-extract it with --force")
             group = file[name]
             observed = group["observed"][...] if "observed" in group else None
-            splits[name] = SplitRows(list(group["ids"].asstr()[...]), group["labels"][...], observed)
+            mask = group[MASK][...] if MASK in group else None
+            splits[name] = SplitRows(list(group["ids"].asstr()[...]), group["labels"][...], observed, mask)
     return attrs, splits
 
 
@@ -151,7 +152,7 @@ def _refuse_bad_values(path: Path, name: str, raw: dict[str, np.ndarray], ids: l
             f"{path}: /{name}/features is not finite (NaN or inf) in {describe_rows(wrong, ids)}: re-extract it"
             f" in full precision (spml-cache extract {dataset} --precision fp32 --force)"
         )
-    for array, allowed in (("labels", range(0, 2)), ("observed", range(-1, 2))):
+    for array, allowed in (("labels", range(0, 2)), ("observed", range(-1, 2)), (MASK, range(0, 2))):
         if array not in raw:
             continue
         wrong = invalid_rows(raw[array], allowed)
@@ -175,6 +176,14 @@ def _stored_rules(path: Path, name: str, group: h5py.Group, shape: tuple) -> dic
     return rules
 
 
+def _label_mask(path: Path, name: str, raw: dict[str, np.ndarray]) -> np.ndarray | None:
+    mask = raw.get(MASK)
+    if mask is not None and mask.shape != raw["labels"].shape:
+        raise SpmlError(f"{path}: /{name}/{MASK} has shape {mask.shape}, labels {raw['labels'].shape}: rebuild the"
+                        " cache (extract --force)")
+    return None if mask is None else mask.astype(np.uint8, copy=False)
+
+
 def load(path: Path | str) -> FeatureSet:
     """Read and validate a complete cache into memory; refuses non-finite features and labels out of range."""
     path = Path(path)
@@ -184,7 +193,7 @@ def load(path: Path | str) -> FeatureSet:
         splits = {}
         for name in SPLITS:
             group = file[name]
-            raw = {array: group[array][...] for array in ("features", "labels", "observed") if array in group}
+            raw = {array: group[array][...] for array in ("features", "labels", "observed", MASK) if array in group}
             raw["features"] = raw["features"].astype(np.float32, copy=False)  # a float64 beyond float32 is an inf
             ids = list(group["ids"].asstr()[...])
             _refuse_bad_values(path, name, raw, ids, attrs.get("dataset", "DATASET"))
@@ -194,6 +203,7 @@ def load(path: Path | str) -> FeatureSet:
                 ids=ids,
                 observed=raw["observed"].astype(np.int8, copy=False) if "observed" in raw else None,
                 rules=_stored_rules(path, name, group, raw["labels"].shape),
+                label_mask=_label_mask(path, name, raw),
             )
     classes = class_names(attrs)
     return FeatureSet(splits["train"], splits["val"], splits["test"], classes, attrs, str(attrs["dataset"]), path)
@@ -205,7 +215,7 @@ def verify(features: FeatureSet) -> None:
     stored = features.attrs.get(CONTENT_ATTR)
     if stored is None:
         return
-    now = content_hash({name: (split.features, split.labels, split.observed, split.ids)
+    now = content_hash({name: (split.features, split.labels, split.observed, split.ids, split.label_mask)
                         for name, split in ((name, getattr(features, name)) for name in SPLITS)})
     if now != stored:
         raise SpmlError(f"{features.path} was changed after it was written (its contents no longer match its"

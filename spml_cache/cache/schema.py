@@ -20,6 +20,9 @@ OBSERVED_SPLITS = ("train", "val")
 # /{train,val}/observed_rules/<rule text>: int8 [N, C] masks of observation rules besides `single` (`observed`),
 # written only with `extract --observe`; a cache without the group reads as one without extra rules.
 RULES_GROUP = "observed_rules"
+# /{split}/label_mask: uint8 [N, C], 1 where the label is annotated, written only for partially labelled data (a
+# dataset whose own labels have unknown entries); a cache without it has every label annotated.
+MASK = "label_mask"
 COPY_BLOCK_ROWS = 8192
 
 
@@ -30,6 +33,7 @@ class SplitRows:
     ids: list[str]
     labels: np.ndarray  # uint8 [N, C]
     observed: np.ndarray | None  # int8 [N, C] for train and val, None for test
+    label_mask: np.ndarray | None = None  # uint8 [N, C], 1 where annotated (partial labels); None: all annotated
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -42,6 +46,7 @@ class CachedSplit:
     ids: list[str]
     observed: np.ndarray | None  # int8 [N, C] (train, val); None for test
     rules: dict[str, np.ndarray] = field(default_factory=dict)  # {rule text: int8 [N, C]}, stored other rules
+    label_mask: np.ndarray | None = None  # uint8 [N, C], 1 where the label is annotated; None: every label is
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -116,17 +121,21 @@ CONTENT_ATTR = "content_hash"  # the checksum of a cache's arrays, written when 
 
 def content_hash(splits: dict) -> str:
     """A checksum of a cache's arrays: per split (in SPLITS order) its features, labels, observed labels and ids.
-    `splits` maps a split to `(features, labels, observed or None, ids)`; features may be an h5py dataset (read
-    in blocks) or an array: the same bytes hash the same either way."""
+    `splits` maps a split to `(features, labels, observed or None, ids[, label mask or None])`; features may be an
+    h5py dataset (read in blocks) or an array: the same bytes hash the same either way. A split without a mask
+    hashes as before masks existed."""
     digest = hashlib.blake2b(digest_size=16)
     for name in SPLITS:
-        features, labels, observed, ids = splits[name]
+        features, labels, observed, ids, *rest = splits[name]
         for start in range(0, len(features), COPY_BLOCK_ROWS):
             digest.update(np.ascontiguousarray(features[start : start + COPY_BLOCK_ROWS], dtype="<f4").data)
         digest.update(np.ascontiguousarray(labels, dtype=np.uint8).data)
         if observed is not None:
             digest.update(np.ascontiguousarray(observed, dtype=np.int8).data)
         digest.update("\n".join(ids).encode("utf-8"))
+        if rest and rest[0] is not None:
+            digest.update(b"label_mask")
+            digest.update(np.ascontiguousarray(rest[0], dtype=np.uint8).data)
     return digest.hexdigest()
 
 

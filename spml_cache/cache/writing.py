@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 
 from spml_cache.cache.schema import (
-    CONTENT_ATTR, COPY_BLOCK_ROWS, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
+    CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
     partial_path, plain,
 )
 from spml_cache.errors import SpmlError
@@ -25,6 +25,8 @@ def _check_rows(name: str, rows: SplitRows, num_classes: int) -> None:
         raise SpmlError(f"{name}: observed labels belong to train and val only")
     if rows.observed is not None and rows.observed.shape != rows.labels.shape:
         raise SpmlError(f"{name}: observed has shape {rows.observed.shape}, labels {rows.labels.shape}")
+    if rows.label_mask is not None and rows.label_mask.shape != rows.labels.shape:
+        raise SpmlError(f"{name}: the label mask has shape {rows.label_mask.shape}, labels {rows.labels.shape}")
 
 
 def _allocated(group: h5py.Group, name: str, shape: tuple, dtype) -> h5py.Dataset:
@@ -63,6 +65,8 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
             group.create_dataset("ids", data=np.array(rows.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
             if rows.observed is not None:
                 group.create_dataset("observed", data=rows.observed.astype(np.int8))
+            if rows.label_mask is not None:
+                group.create_dataset(MASK, data=rows.label_mask.astype(np.uint8))
             group.create_dataset("done", data=np.zeros(len(rows), dtype=bool))
             if bad_rows:
                 group.create_dataset("bad", data=np.zeros(len(rows), dtype=bool))
@@ -114,7 +118,8 @@ def add_rules(path: Path | str, masks: RuleMasks) -> Path:
 def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     file.attrs[CONTENT_ATTR] = content_hash({
         name: (file[name]["features"], file[name]["labels"][...],
-               file[name]["observed"][...] if "observed" in file[name] else None, list(file[name]["ids"].asstr()[...]))
+               file[name]["observed"][...] if "observed" in file[name] else None, list(file[name]["ids"].asstr()[...]),
+               file[name][MASK][...] if MASK in file[name] else None)
         for name in SPLITS
     })
     file.attrs["complete"] = True
@@ -130,13 +135,15 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict) 
     """Write a complete cache in one go (import-features, tests, benchmarks).
 
     Each split dict has `features` float32 [N, D], `labels` uint8 [N, C], `ids` list[str] and, for train and
-    val, `observed` int8 [N, C] and optionally `rules` ({rule text: int8 [N, C]}, other observation rules).
+    val, `observed` int8 [N, C] and optionally `rules` ({rule text: int8 [N, C]}, other observation rules); any
+    split may have `label_mask` uint8 [N, C] (1 where annotated) when its labels are partial.
     `attrs` are the root attrs (schema_version and complete are set here).
     """
     path = Path(path)
     temporary = partial_path(path)
     given = {"train": train, "val": val, "test": test}
-    splits = {name: SplitRows(list(d["ids"]), np.asarray(d["labels"]), d.get("observed")) for name, d in given.items()}
+    splits = {name: SplitRows(list(d["ids"]), np.asarray(d["labels"]), d.get("observed"), d.get("label_mask"))
+              for name, d in given.items()}
     dims = {np.asarray(d["features"]).shape[1] for d in given.values()}
     if len(dims) != 1:
         raise SpmlError(f"features of the splits have different widths {sorted(dims)}")
@@ -271,7 +278,8 @@ class PartialCache:
 
         def store_rules(file: h5py.File) -> None:  # from the rows kept
             if rules is not None:
-                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]), file[split]["labels"][...], None)
+                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]), file[split]["labels"][...], None,
+                                         file[split][MASK][...] if MASK in file[split] else None)
                         for split in OBSERVED_SPLITS}
                 _write_rules(file, rules(kept))
 
@@ -296,6 +304,7 @@ class PartialCache:
                 [ids[split][i] for i in keep[split]],
                 source[split]["labels"][...][keep[split]],
                 source[split]["observed"][...][keep[split]] if split in OBSERVED_SPLITS else None,
+                source[split][MASK][...][keep[split]] if MASK in source[split] else None,
             )
             for split in SPLITS
         }

@@ -25,6 +25,9 @@ SHOW_FIRST = 5
 class ImageSplit:
     ids: list[str]  # image path relative to the dataset root, POSIX style, unique
     labels: np.ndarray  # uint8 [N, C], full ground truth, rows aligned with ids
+    # uint8 [N, C], 1 where the label is annotated, for partially labelled data (a CSV with unknown cells); None:
+    # every label is known. An unannotated entry's label is 0; no observation rule observes it, no mAP scores it.
+    mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -161,7 +164,8 @@ def drop_missing(
 
     def keep(split: ImageSplit) -> ImageSplit:
         rows = [i for i, image_id in enumerate(split.ids) if image_id not in gone]
-        return ImageSplit([split.ids[i] for i in rows], split.labels[rows])
+        return ImageSplit([split.ids[i] for i in rows], split.labels[rows],
+                          None if split.mask is None else split.mask[rows])
 
     return keep(train), keep(test), missing
 

@@ -14,6 +14,16 @@ The root is a CSV file, or a folder holding `labels.csv`. The header row names t
   rows, the rest the training rows (the protocol's val split is then carved out of the training rows).
 
 Classes are the sorted union of every label name. Rows keep their CSV order within each split.
+
+Partial labels take the wide form instead of `labels`: one column per class, in the order the header gives them,
+each cell `1` (positive), `0` (negative), `-1` or blank (unknown):
+
+    path,split,cat,dog
+    images/0001.jpg,train,1,
+    images/0002.jpg,test,0,-1
+
+An unknown cell is a label nobody annotated: no observation rule observes it and test mAP leaves it out (the
+split's label mask, docs/protocol.md, "The metric"). A wide file whose every cell is 1 or 0 is fully labelled.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ MARKER = "labels.csv"
 LAYOUT = [
     "labels.csv (or pass the CSV file as the root)",
     "columns: path, labels (class names joined by |), optional split (train|test)",
+    "or partial labels: path, optional split, one column per class with 1 / 0 / -1 or blank (unknown)",
     "paths relative to the CSV's folder",
 ]
 ABOUT = "classes: every label name, sorted; no split column: a RandomState(1200) permutation holds out 20% as test"
@@ -71,20 +82,42 @@ def image_id(path: Path, line: int, value: str) -> str:
     return normal
 
 
-def read_rows(path: Path) -> tuple[list[tuple[int, str, list[str], str | None]], bool]:
-    """(line, id, label names, split or None) per data row, and whether the file has a split column."""
+UNKNOWN_CELLS = ("", "-1")
+CELL_VALUES = {"1": 1, "0": 0}
+
+
+def read_cells(path: Path, line: int, header: list[str], fields: list[str]) -> list[str]:
+    """The class names of a wide row's positive cells, then "!" + name for each negative: one list per row, as the
+    long form's names; anything but 1 / 0 / -1 / blank is one line naming the cell."""
+    names = []
+    for name, cell in zip(header, fields):
+        if name in COLUMNS:
+            continue
+        cell = cell.strip()
+        if cell in UNKNOWN_CELLS:
+            continue
+        if cell not in CELL_VALUES:
+            raise SpmlError(f"{path}, line {line}: column {name!r} holds {cell!r}; a class cell is 1 (positive), 0"
+                            " (negative), -1 or blank (unknown)")
+        names.append(name if CELL_VALUES[cell] else "!" + name)
+    return names
+
+
+def read_rows(path: Path) -> tuple[list[tuple[int, str, list[str], str | None]], bool, list[str] | None]:
+    """(line, id, label names, split or None) per data row, whether the file has a split column, and the class
+    columns of a wide (partial-label) file, None for the long form (where a negative name reads "!name")."""
     with open(path, encoding="utf-8-sig", newline="") as file:
         reader = csv.reader(file)
         header = next(reader, None)
         if header is None:
             raise SpmlError(f"{path}: the file is empty; expected a header row 'path,labels[,split]'")
-        header = [name.strip().lower() for name in header]
-        unknown = [name for name in header if name not in COLUMNS]
-        if unknown:
-            raise SpmlError(
-                f"{path}, line 1: unknown column {unknown[0]!r}; the columns are path, labels and optionally split"
-            )
-        for name in ("path", "labels"):
+        names = [name.strip() for name in header]
+        header = [name.lower() if name.lower() in COLUMNS else name for name in names]
+        wide = [name for name in header if name not in COLUMNS]
+        if wide and "labels" in header:
+            raise SpmlError(f"{path}, line 1: a labels column and class columns ({wide[0]!r}, ...): give labels"
+                            " (names joined by |) or one column per class, not both")
+        for name in ("path",) if wide else ("path", "labels"):
             if name not in header:
                 raise SpmlError(f"{path}, line 1: no '{name}' column; the header must be 'path,labels[,split]'")
         if len(set(header)) != len(header):
@@ -100,7 +133,10 @@ def read_rows(path: Path) -> tuple[list[tuple[int, str, list[str], str | None]],
                     f"{path}, line {line}: {len(fields)} fields for {len(header)} columns; "
                     "quote a field that contains a comma"
                 )
-            names = [name.strip() for name in fields[column["labels"]].split("|")]
+            if wide:
+                names = read_cells(path, line, header, fields)
+            else:
+                names = [name.strip() for name in fields[column["labels"]].split("|")]
             split = None
             if "split" in column:
                 split = fields[column["split"]].strip().lower()
@@ -110,13 +146,13 @@ def read_rows(path: Path) -> tuple[list[tuple[int, str, list[str], str | None]],
                         "use train or test (or drop the column for a 20% hold-out)"
                     )
             rows.append((line, image_id(path, line, fields[column["path"]]), [n for n in names if n], split))
-    return rows, "split" in column
+    return rows, "split" in column, (wide or None)
 
 
 def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
     path = csv_path(root)
-    rows, has_split = read_rows(path)
-    classes = sorted({name for _, _, names, _ in rows for name in names})
+    rows, has_split, wide = read_rows(path)
+    classes = wide or sorted({name for _, _, names, _ in rows for name in names})
     if not classes:
         raise SpmlError(f"{path}: no row has a label; put class names joined by | in the labels column")
     spellings: dict[str, list[str]] = {}
@@ -127,7 +163,14 @@ def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
             raise SpmlError(f"{path}: the labels {', '.join(repr(n) for n in names)} differ only in case; spell each"
                             " class one way")
     column = {name: index for index, name in enumerate(classes)}
-    labels = label_matrix([[column[name] for name in names] for _, _, names, _ in rows], len(classes))
+    labels = label_matrix([[column[name] for name in names if name in column] for _, _, names, _ in rows],
+                          len(classes))
+    mask = None
+    if wide:
+        negatives = label_matrix([[column[name[1:]] for name in names if name not in column] for _, _, names, _ in rows],
+                                 len(classes))
+        mask = labels | negatives
+        mask = None if mask.all() else mask
     ids = [row_id for _, row_id, _, _ in rows]
     notes = []
     if has_split:
@@ -141,7 +184,7 @@ def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
     splits = {}
     for name, rows_in in (("train", ~is_test), ("test", is_test)):
         index = np.flatnonzero(rows_in)
-        splits[name] = ImageSplit([ids[i] for i in index], labels[index])
+        splits[name] = ImageSplit([ids[i] for i in index], labels[index], None if mask is None else mask[index])
     return finish(
         NAME, path.parent, classes, splits["train"], splits["test"], source=path, skip_missing=skip_missing, notes=notes
     )

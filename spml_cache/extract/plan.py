@@ -31,7 +31,9 @@ def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
         split = getattr(protocol_splits, name)
         keep = slice(None) if limit == 0 else slice(0, limit)
         observed = None if split.observed is None else np.asarray(split.observed, dtype=np.int8)[keep]
-        rows[name] = cache.SplitRows(list(split.ids)[keep], np.asarray(split.labels, dtype=np.uint8)[keep], observed)
+        mask = None if split.mask is None else np.asarray(split.mask, dtype=np.uint8)[keep]
+        rows[name] = cache.SplitRows(list(split.ids)[keep], np.asarray(split.labels, dtype=np.uint8)[keep], observed,
+                                     mask)
     return rows
 
 

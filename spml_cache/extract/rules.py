@@ -45,7 +45,9 @@ class RuleStore:
         areas = None
         if self.areas is not None:
             areas = tuple(self._areas_of(kept[name]) for name in cache.OBSERVED_SPLITS)
-        return {rule.text: observation.draw_splits(rule, kept["train"].labels, kept["val"].labels, attrs, areas)
+        label_masks = tuple(kept[name].label_mask for name in cache.OBSERVED_SPLITS)
+        return {rule.text: observation.draw_splits(rule, kept["train"].labels, kept["val"].labels, attrs, areas,
+                                                   label_masks)
                 for rule in (self.rules if rules is None else rules)}
 
     def _areas_of(self, rows: cache.SplitRows) -> Areas:

@@ -45,7 +45,8 @@ class Shard:
     def rows(self, rows: dict[str, cache.SplitRows]) -> dict[str, cache.SplitRows]:
         take = slice(self.rank, None, self.world)
         return {name: cache.SplitRows(split.ids[take], split.labels[take],
-                                      None if split.observed is None else split.observed[take])
+                                      None if split.observed is None else split.observed[take],
+                                      None if split.label_mask is None else split.label_mask[take])
                 for name, split in rows.items()}
 
     def path(self, final: Path, rank: int | None = None) -> Path:

@@ -225,9 +225,7 @@ def _evaluate(setup: Setup, run_dir: Path, record: HeadRecord, epoch: int, train
         say(f"{label}: the loss is {train_loss}: diverged, stopped")
         return
     kept = record.batch_size if loss_fn.drops_last else None  # the authors' evaluation loaders may drop it too
-    val_ap, test_ap = (metrics.average_precision(torch.sigmoid(_score(model, setup, split, kept)),
-                                                  _labels(setup, split, kept)) for split in ("val", "test"))
-    val_map, test_map = 100 * val_ap.mean().item(), 100 * test_ap.mean().item()
+    (val_ap, val_map), (test_ap, test_map) = (_scored_split(model, setup, split, kept) for split in ("val", "test"))
     if not (math.isfinite(val_map) and math.isfinite(test_map)):  # a NaN score: never a result
         record.diverged_epoch = epoch
         say(f"{label}: train loss {train_loss:.4f}, but the model's scores are not finite (val mAP {val_map}, test"
@@ -327,6 +325,19 @@ def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | Non
 def _rows(setup: Setup, split: str, batch_size: int | None) -> np.ndarray:
     rows = setup.rows[split]
     return rows if batch_size is None else rows[: len(rows) - len(rows) % batch_size]
+
+
+def _scored_split(model, setup: Setup, split: str, batch_size: int | None = None) -> tuple[torch.Tensor, float]:
+    """The split's per-class AP and its mAP (partial labels: over annotated entries, classes with a positive)."""
+    labels, mask = _labels(setup, split, batch_size), _label_mask(setup, split, batch_size)
+    ap = metrics.average_precision(torch.sigmoid(_score(model, setup, split, batch_size)), labels, mask)
+    return ap, float(metrics.mean_over_classes(ap, metrics.scored_classes(labels, mask)))
+
+
+def _label_mask(setup: Setup, split: str, batch_size: int | None = None) -> torch.Tensor | None:
+    """The split's label mask on its rows (partial labels: 1 where annotated), None where every label is known."""
+    mask = getattr(setup.features, split).label_mask
+    return None if mask is None else torch.from_numpy(mask[_rows(setup, split, batch_size)])
 
 
 def _labels(setup: Setup, split: str, batch_size: int | None = None) -> torch.Tensor:

@@ -9,6 +9,12 @@ import numpy as np
 import torch
 
 from spml_cache.cache import FeatureSet
+from spml_cache.metrics import scored_classes
+
+
+def _scored(labels: np.ndarray, mask: np.ndarray | None) -> np.ndarray | None:
+    scored = scored_classes(labels, mask)
+    return None if scored is None else scored.numpy()
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,12 @@ class LinearData:
     val_targets: torch.Tensor  # [N_val, C]: full labels, or the observed positives with --val-labels observed
     test_labels: torch.Tensor  # uint8 [N_test, C]
     dataset: str
+    # Partial labels (a cache with label masks): 1 where a val / test label is annotated, and the classes each mAP
+    # averages over (those with an annotated positive, metrics.scored_classes); None where every label is known.
+    val_mask: torch.Tensor | None = None
+    test_mask: torch.Tensor | None = None
+    val_scored: np.ndarray | None = None
+    test_scored: np.ndarray | None = None
 
     @classmethod
     def from_features(cls, features: FeatureSet, device: torch.device, val_labels: str = "clean") -> "LinearData":
@@ -30,6 +42,8 @@ class LinearData:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
         val = features.val.labels if val_labels == "clean" else (features.val.observed == 1).astype(np.uint8)
+        val_mask = features.val.label_mask if val_labels == "clean" else None
+        test_mask = features.test.label_mask
         return cls(
             train_features=on_device(features.train.features),
             train_observed=on_device(features.train.observed),
@@ -39,6 +53,10 @@ class LinearData:
             val_targets=on_device(val),
             test_labels=on_device(features.test.labels),
             dataset=features.dataset,
+            val_mask=None if val_mask is None else on_device(val_mask),
+            test_mask=None if test_mask is None else on_device(test_mask),
+            val_scored=_scored(val, val_mask),
+            test_scored=_scored(features.test.labels, test_mask),
         )
 
     def under_rule(self, train_observed: np.ndarray, val_observed: np.ndarray, val_labels: str = "clean"
@@ -48,6 +66,16 @@ class LinearData:
         targets = self.val_targets if val_labels == "clean" else torch.from_numpy((val_observed == 1).astype(np.uint8))
         return replace(self, train_observed=torch.from_numpy(np.ascontiguousarray(train_observed)).to(device),
                        val_targets=targets.to(device))
+
+    @property
+    def partial_test_labels(self) -> dict | None:
+        """What results.json says of a partially labelled test split: how its mAP was taken; None otherwise."""
+        if self.test_mask is None:
+            return None
+        left_out = int((~self.test_scored).sum())
+        return {"annotated_fraction": float(self.test_mask.float().mean()), "classes_scored":
+                int(self.test_scored.sum()), "classes_left_out": left_out,
+                "map": "per class over annotated test entries only; the mean over classes with an annotated positive"}
 
     @property
     def num_train(self) -> int:

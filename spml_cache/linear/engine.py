@@ -184,14 +184,14 @@ class HeadStack:
         return self.active_at_start & ~self.active, self.loss_sum / max(self.num_steps, 1)
 
     def finish_epoch(self, epoch: int, val_ap: np.ndarray, test_ap: np.ndarray, diverged: list[bool],
-                     train_loss: list[float]) -> list[dict]:
+                     train_loss: list[float], scored: tuple = (None, None)) -> list[dict]:
         """Record the epoch's scores (per-class AP, 0..1, [K, C]) and `epoch_outcome` (on the host), keep the best
-        heads; the metrics lines."""
+        heads; the metrics lines. `scored`: the val and test classes each mAP averages over (partial labels)."""
         lines = []
         for k, record in enumerate(self.records):
             if record.diverged_epoch is not None or record.stopped_epoch is not None:
                 continue
-            val_map, test_map = 100 * float(val_ap[k].mean()), 100 * float(test_ap[k].mean())
+            val_map, test_map = (class_mean(ap[k], classes) for ap, classes in zip((val_ap, test_ap), scored))
             if diverged[k] or not (math.isfinite(val_map) and math.isfinite(test_map)):  # never a NaN result
                 record.diverged_epoch = epoch
                 self.active = self.active.clone()
@@ -298,25 +298,34 @@ class SeedRun:
         data = self.data
         if not any(stack.drop_last for stack in self.stacks):
             scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in self.stacks]))
-            val_ap = average_precision(scores[:, : data.num_val], data.val_targets)
-            test_ap = average_precision(scores[:, data.num_val :], data.test_labels)
+            val_ap = average_precision(scores[:, : data.num_val], data.val_targets, data.val_mask)
+            test_ap = average_precision(scores[:, data.num_val :], data.test_labels, data.test_mask)
             parts = np.cumsum([0] + [stack.num_heads for stack in self.stacks])
             aps = [(val_ap[a:b], test_ap[a:b]) for a, b in zip(parts[:-1], parts[1:])]
         else:
             aps = [self._scored_as_the_authors(stack) for stack in self.stacks]
         # what selection needs of every stack, to the host in one copy: one wait for the device per epoch
         host = to_host([t for stack, ap in zip(self.stacks, aps) for t in (*ap, *stack.epoch_outcome())])
+        scored = (data.val_scored, data.test_scored)
         return [line for i, stack in enumerate(self.stacks) for line in stack.finish_epoch(
-            epoch, host[4 * i], host[4 * i + 1], host[4 * i + 2].tolist(), host[4 * i + 3].tolist())]
+            epoch, host[4 * i], host[4 * i + 1], host[4 * i + 2].tolist(), host[4 * i + 3].tolist(), scored)]
 
     def _scored_as_the_authors(self, stack: HeadStack) -> tuple[torch.Tensor, torch.Tensor]:
         """Val and test AP on all but the last `N mod B` rows of each, as the authors' evaluation loaders give."""
         data, size = self.data, stack.batch_size
         scores = torch.sigmoid(stack.eval_logits(data))
         val_rows, test_rows = data.num_val - data.num_val % size, len(data.test_labels) - len(data.test_labels) % size
-        val = average_precision(scores[:, :val_rows], data.val_targets[:val_rows])
-        test = average_precision(scores[:, data.num_val : data.num_val + test_rows], data.test_labels[:test_rows])
+        val_mask, test_mask = (None if mask is None else mask[:rows]
+                               for mask, rows in ((data.val_mask, val_rows), (data.test_mask, test_rows)))
+        val = average_precision(scores[:, :val_rows], data.val_targets[:val_rows], val_mask)
+        test = average_precision(scores[:, data.num_val : data.num_val + test_rows], data.test_labels[:test_rows],
+                                 test_mask)
         return val, test
+
+
+def class_mean(ap: np.ndarray, scored: np.ndarray | None) -> float:
+    """One head's mAP (0..100) from its per-class AP: over every class, or the `scored` ones (partial labels)."""
+    return 100 * float(ap.mean() if scored is None else ap[scored].mean() if scored.any() else 0.0)
 
 
 @contextmanager

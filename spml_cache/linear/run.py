@@ -222,7 +222,14 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
         run_dir, stage="linear", features=features, losses={key: entries[key] for key in units},
         checkpoints={key: checkpoints[key] for key in units if key in checkpoints},
         fidelity=settings.fidelity, **({"rules": rules} if rules else {}),
+        **_partial_test_labels(data),
     )
+
+
+def _partial_test_labels(data: dict) -> dict:
+    """results.json's word on a partially labelled test split (every rule's data shares it), else nothing."""
+    partial = next(iter(data.values())).partial_test_labels
+    return {"partial_test_labels": partial} if partial else {}
 
 
 @torch.no_grad()
