@@ -56,7 +56,7 @@ def test_user_errors_are_one_red_line_exit_1(demo_root):
 
 def test_survey_without_root_describes_every_dataset():
     surveys = datasets.survey(None)
-    assert [s.dataset for s in surveys] == ["voc", "coco", "nus", "cub", "csv"]
+    assert [s.dataset for s in surveys] == ["voc", "coco", "nus", "cub", "openimages", "csv"]
     assert all(isinstance(s, DatasetSurvey) and s.layout and not s.found and s.problem is None for s in surveys)
 
 

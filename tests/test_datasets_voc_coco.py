@@ -125,9 +125,9 @@ def test_voc_without_any_positive_is_an_error(tmp_path):
 
 
 def test_unknown_dataset_lists_the_valid_names(tmp_path):
-    with pytest.raises(SpmlError, match="voc, coco, nus, cub, csv"):
+    with pytest.raises(SpmlError, match="voc, coco, nus, cub, openimages, csv"):
         datasets.read("imagenet", tmp_path)
-    assert datasets.names() == ["voc", "coco", "nus", "cub", "csv"]
+    assert datasets.names() == ["voc", "coco", "nus", "cub", "openimages", "csv"]
 
 
 # ------------------------------------------------------------------------------------------------ COCO

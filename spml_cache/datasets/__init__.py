@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from spml_cache.datasets import coco, cub, nus, voc
+from spml_cache.datasets import coco, cub, nus, openimages, voc
 from spml_cache.datasets import csv as csv_reader
 from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
 from spml_cache.errors import SpmlError
@@ -24,7 +24,7 @@ __all__ = [
     "resolve_root", "survey", "survey_table",
 ]
 
-READERS: dict[str, ModuleType] = {module.NAME: module for module in (voc, coco, nus, cub, csv_reader)}
+READERS: dict[str, ModuleType] = {module.NAME: module for module in (voc, coco, nus, cub, openimages, csv_reader)}
 
 
 def names() -> list[str]:
@@ -47,7 +47,7 @@ def find_layout(name: str, root: Path) -> Path | None:
     if name == csv_reader.NAME and root.is_file():
         return root
     for candidate in (root, root / name):
-        if (candidate / module.MARKER).exists():
+        if any(candidate.glob(module.MARKER)) if "*" in module.MARKER else (candidate / module.MARKER).exists():
             return candidate
     return None
 

@@ -35,7 +35,7 @@ class ImageSplit:
 
 @dataclass(frozen=True)
 class LabeledImages:
-    dataset: str  # "voc", "coco", "nus", "cub", "csv"
+    dataset: str  # "voc", "coco", "nus", "cub", "openimages", "csv"
     root: Path
     classes: list[str]
     train: ImageSplit  # the official training split (train + val come from it)

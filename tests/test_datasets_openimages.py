@@ -1,0 +1,86 @@
+"""The OpenImages reader on a tiny dataset in the official V6 layout (the label CSVs, class descriptions, trainable
+classes, images by id): verified positives and negatives, the label mask, `--observe given`, masked test mAP."""
+
+import json
+
+import numpy as np
+import pytest
+
+from cli_support import run_cli
+from extract_support import write_jpeg
+from spml_cache import cache, datasets
+from spml_cache.errors import SpmlError
+
+CLASSES = {"/m/01": "Cat", "/m/02": "Dog", "/m/03": "Owl", "/m/04": "Jaguar", "/m/05": "Jaguar", "/m/09": "Unused"}
+TRAINABLE = ["/m/01", "/m/02", "/m/03", "/m/04", "/m/05"]
+
+
+def verified_labels(k: int) -> list[tuple[str, int]]:
+    """Image k's verified labels: a deterministic mix of present (1) and absent (0); some classes unverified."""
+    return [(label, int((k + i) % 3 == 0)) for i, label in enumerate(TRAINABLE) if (k * 7 + i) % 4 != 0]
+
+
+def write_openimages(root, num_train=30, num_test=12):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "oidv6-class-descriptions.csv").write_text(
+        "LabelName,DisplayName\n" + "".join(f"{k},{v}\n" for k, v in CLASSES.items()))
+    (root / "oidv6-classes-trainable.txt").write_text("\n".join(TRAINABLE) + "\n")
+    expected = {}
+    for split, prefix, count, offset in (("train", "oidv6-", num_train, 0), ("test", "", num_test, 100)):
+        lines = ["ImageID,Source,LabelName,Confidence"]
+        for k in range(offset, offset + count):
+            image = f"{k:016x}"
+            write_jpeg(root / split / f"{image}.jpg", seed=k)
+            labels = verified_labels(k)
+            lines += [f"{image},verification,{label},{confidence}" for label, confidence in labels]
+            lines.append(f"{image},verification,/m/09,1")  # not trainable: left out
+            expected[f"{split}/{image}.jpg"] = dict(labels)
+        (root / f"{prefix}{split}-annotations-human-imagelabels.csv").write_text("\n".join(lines) + "\n")
+    return expected
+
+
+def test_verified_positives_and_negatives_become_labels_and_mask(tmp_path):
+    expected = write_openimages(tmp_path / "openimages")
+    images = datasets.read("openimages", tmp_path)  # found under root/openimages
+    assert images.classes == ["Cat", "Dog", "Owl", "Jaguar (/m/04)", "Jaguar (/m/05)"]  # a shared name disambiguated
+    for split in (images.train, images.test):
+        for row, image_id in enumerate(split.ids):
+            verified = expected[image_id]
+            for column, label in enumerate(TRAINABLE):
+                assert split.mask[row, column] == (label in verified)
+                assert split.labels[row, column] == verified.get(label, 0)
+
+
+def test_the_layout_is_found_and_described(tmp_path):
+    write_openimages(tmp_path / "openimages", num_train=4, num_test=2)
+    done = run_cli("datasets", "--root", str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "openimages" in done.stdout and "oidv6-class-descriptions.csv" in done.stdout
+    assert "train 4, test 2 images, 5 classes" in done.stdout
+
+
+def test_a_missing_labels_file_is_one_line(tmp_path):
+    write_openimages(tmp_path, num_train=4, num_test=2)
+    (tmp_path / "oidv6-train-annotations-human-imagelabels.csv").unlink()
+    with pytest.raises(SpmlError, match=r"missing .*oidv6-train-annotations-human-imagelabels\.csv"):
+        datasets.read("openimages", tmp_path)
+
+
+def test_extract_then_linear_on_the_verified_labels(tmp_path):
+    write_openimages(tmp_path / "openimages")
+    done = run_cli("extract", "openimages", "--root", str(tmp_path), "--out", "oi.h5", "--weights", "none",
+                   "--resolution", "32", "--workers", "0", "--device", "cpu", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    features = cache.load(tmp_path / "oi.h5")
+    assert features.test.label_mask is not None and 0 < features.test.label_mask.mean() < 1
+    done = run_cli("linear", "--cache", "oi.h5", "--loss", "bce_observed", "--observe", "given", "--lr", "1e-2",
+                   "--batch-size", "8", "--epochs", "1", "--out", "runs", "--device", "cpu", "--workers", "0",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(next((tmp_path / "runs").rglob("results.json")).read_text())
+    assert results["partial_test_labels"]["classes_left_out"] == 0
+    assert "bce_observed@given" in results["losses"]
+    run_dir = next((tmp_path / "runs").rglob("results.json")).parent
+    trained_on = np.load(run_dir / "labels.npz")["train_observed@given"]
+    verified = np.where(features.train.label_mask == 1, 2 * features.train.labels.astype(np.int8) - 1, 0)
+    np.testing.assert_array_equal(trained_on, verified)  # exactly the human-verified labels, nothing else
