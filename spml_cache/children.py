@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from contextlib import contextmanager
 import os
 import signal
 import sys
@@ -27,6 +28,29 @@ def die_with_parent(parent_pid: int) -> None:
             pass
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+@contextmanager
+def interrupts_held_back():
+    """Ctrl-C held back (blocked, not lost) while worker processes start. A child inherits the block, so a SIGINT
+    to the process group in its first milliseconds stays pending until its initializer ignores it
+    (`ignore_interrupts`) instead of killing it with a traceback; the parent gets its own copy on leaving."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def ignore_interrupts() -> None:
+    """In a worker: Ctrl-C reaches the whole process group, and the parent handles it (it stops the workers);
+    one held back while the worker started is dropped here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _init_loader_worker(worker_id: int, parent_pid: int) -> None:

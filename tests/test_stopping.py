@@ -155,3 +155,39 @@ def test_one_writer_per_cache(tmp_path):
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
     torch.manual_seed(0)
     assert extract("voc", tmp_path / "data", out=out, weights="none", resolution=32, workers=0).status == "written"
+
+
+def _slow_starting_worker(started) -> None:
+    started.set()
+    time.sleep(0.5)  # a worker still in its first moments, before its initializer has run
+    from spml_cache.children import ignore_interrupts
+
+    ignore_interrupts()
+    time.sleep(0.2)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
+@pytest.mark.parametrize("held", [True, False])
+def test_a_ctrl_c_while_a_worker_starts_is_held_until_it_ignores_it(held):
+    """The race behind a traceback on Ctrl-C right after `linear` starts its workers: a SIGINT reaching a child
+    before its initializer ignores it. Started with interrupts held back, the child drops it and ends cleanly;
+    without, the same SIGINT kills it (the check is not blind)."""
+    import contextlib
+    import multiprocessing
+
+    from spml_cache.children import interrupts_held_back
+
+    context = multiprocessing.get_context("fork")
+    started = context.Event()
+    holding = interrupts_held_back() if held else contextlib.nullcontext()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a child inherits it: SIGINT raises
+    try:
+        with holding:
+            child = context.Process(target=_slow_starting_worker, args=(started,))
+            child.start()
+        assert started.wait(10)
+        os.kill(child.pid, signal.SIGINT)  # the child alone
+        child.join(10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert child.exitcode == (0 if held else 1)

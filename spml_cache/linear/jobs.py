@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spml_cache import cache as cache_file
-from spml_cache.children import die_with_parent
+from spml_cache.children import die_with_parent, ignore_interrupts, interrupts_held_back
 from spml_cache.errors import SpmlError
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job, SeedRun
@@ -91,7 +91,9 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
                                initargs=(source, str(device), settings.val_labels, progress, os.getpid()))
     try:
-        pending = {pool.submit(_run_job, job, settings, used[job.loss], starts.get(job.loss)): job for job in jobs}
+        with interrupts_held_back():  # the first submit starts the workers
+            pending = {pool.submit(_run_job, job, settings, used[job.loss], starts.get(job.loss)): job
+                       for job in jobs}
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             while not progress.empty():
@@ -143,7 +145,7 @@ def _start_worker(source, device: str, val_labels: str, progress, parent_pid: in
     """The training data of each rule: inherited (fork), or read from the cache file and given each rule's
     observed rows (spawn)."""
     die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
+    ignore_interrupts()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler (a SIGTERM to the group) is not a worker's
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool
     if isinstance(source, tuple):
