@@ -71,6 +71,22 @@ class FeatureSet:
         (both are stored L2-normalised). Only on a cache with a text side (`has_text_side`)."""
         return _cosine(getattr(self, split).image_embeddings, self.text_embeddings)
 
+    def require_text_side(self, names: list[str]) -> None:
+        """One line naming the cache and the fix where losses that read the text side (`names`) meet a cache
+        without one."""
+        if names and not self.has_text_side:
+            named = ", ".join(names)
+            raise SpmlError(f"{self.path} has no text side (class text embeddings), which --loss {named} needs:"
+                            f" extract the cache from a CLIP backbone (spml-cache extract {self.dataset} --backbone"
+                            f" clip:ViT-B-16/openai), or leave {named} out of --loss")
+
+    def train_similarities(self) -> dict[str, np.ndarray | None]:
+        """What a loss that reads the text side is built with: `train_similarity` [N_train, C] and
+        `train_crop_similarity` [N_train, G*G, C] (None where the cache lacks them)."""
+        if not self.has_text_side:
+            return {"train_similarity": None, "train_crop_similarity": None}
+        return {"train_similarity": self.similarity("train"), "train_crop_similarity": self.crop_similarity("train")}
+
     def crop_similarity(self, split: str) -> np.ndarray | None:
         """float32 [N, G*G, C]: the same for each crop of the grid; None when the cache stores no crops."""
         crops = getattr(self, split).crop_embeddings

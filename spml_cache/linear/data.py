@@ -23,6 +23,9 @@ class LinearData:
     val_targets: torch.Tensor  # [N_val, C]: full labels, or the observed positives with --val-labels observed
     test_labels: torch.Tensor  # uint8 [N_test, C]
     dataset: str
+    # the cache's text side, for the losses that read it: [N, C] and [N, G*G, C] image-text similarities, or None
+    train_similarity: torch.Tensor | None = None
+    train_crop_similarity: torch.Tensor | None = None
 
     @classmethod
     def from_features(cls, features: FeatureSet, device: torch.device, val_labels: str = "clean") -> "LinearData":
@@ -30,6 +33,7 @@ class LinearData:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
         val = features.val.labels if val_labels == "clean" else (features.val.observed == 1).astype(np.uint8)
+        text = {key: None if value is None else on_device(value) for key, value in features.train_similarities().items()}
         return cls(
             train_features=on_device(features.train.features),
             train_observed=on_device(features.train.observed),
@@ -39,6 +43,7 @@ class LinearData:
             val_targets=on_device(val),
             test_labels=on_device(features.test.labels),
             dataset=features.dataset,
+            **text,
         )
 
     def under_rule(self, train_observed: np.ndarray, val_observed: np.ndarray, val_labels: str = "clean"
