@@ -141,12 +141,13 @@ def gpr_value(pseudo, *, epoch, num_epochs, wT, bT, lambda1, lambda2, reg, k, q2
     return total / LOGITS.size + reg * ((positives / 3 - k) / 5) ** 2
 
 
-@pytest.mark.parametrize("dataset, epoch", [("voc", 1), ("voc", 6), ("coco", 4)])
-def test_gpr_global_only_matches_the_equation(dataset, epoch):
-    loss = build("gpr", dataset=dataset)
+@pytest.mark.parametrize("dataset, epoch, threshold", [("voc", 1, None), ("voc", 6, 0.3), ("coco", 4, 0.2)])
+def test_gpr_global_only_matches_the_equation(dataset, epoch, threshold):
+    loss = build("gpr", dataset=dataset, **({"threshold": threshold} if threshold else {}))
     hp = loss.hparams
     pseudo = aevlp_labels(hp["temperature"], hp["eta"], hp["threshold"], hp["top_k"], int(hp["negative_ratio"] * 5))
     assert loss.pseudo_label[0].tolist() == pseudo
+    assert threshold is None or {1, -1} <= {label for row in pseudo for label in row}  # both kinds
     loss.start_epoch(epoch, 8)
     expected = gpr_value(pseudo, epoch=epoch, num_epochs=8, wT=hp["wT"], bT=hp["bT"], lambda1=hp["lambda1"],
                          lambda2=hp["lambda2"], reg=hp["reg"], k=hp["k"])

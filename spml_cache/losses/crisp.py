@@ -52,7 +52,7 @@ class ClassPriorsRisk(Loss):
         " priors estimator and the unbiased risk)"
     defaults = {"warmup": 1, "delta": 0.01, "tau": 0.01}
     bounds = {"delta": (0.0, 1.0, "()"), "tau": (0.0, float("inf"), "[)"), "warmup": (0.0, float("inf"), "[)")}
-    state = "prior [K, C]: class priors estimated before each epoch (and estimating [K]: past the warm-up)"
+    # no per-example state (`state`): the per-class buffers prior [K, C] and estimating [K] (past the warm-up)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
