@@ -232,3 +232,45 @@ def test_the_cache_reads_its_text_side(tmp_path):
         file["val"]["image_embeddings"][0] *= 2  # no longer L2-normalised
     with pytest.raises(SpmlError, match=r"/val/image_embeddings holds rows that are not L2-normalised"):
         cache.load(clip)
+
+
+# --- stage two and the report on a cache with (and without) a text side ----------------------------------------
+
+
+def test_linear_trains_the_text_side_losses_and_reports_the_zero_shot_row(tmp_path):
+    import json
+
+    from cli_support import run_cli
+    from linear_support import add_text_side, write_synthetic_cache
+
+    clip = add_text_side(write_synthetic_cache(tmp_path / "voc-clip-224.h5", train=40, val=16, test=20, classes=4,
+                                               dim=8), grid=2)
+    done = run_cli("linear", "--cache", str(clip), "--loss", "vlpl,gpr,crisp", "--lr", "1e-2", "--batch-size", "8",
+                   "--epochs", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    results = json.loads((run_dir / "results.json").read_text())
+    assert list(results["losses"]) == ["vlpl", "gpr", "crisp"]
+    assert all(entry["test_map"] is not None for entry in results["losses"].values())
+    zero_shot = results["reference"]["zero_shot"]
+    expected = cache.load(clip)
+    from spml_cache.metrics import mean_average_precision
+    assert zero_shot["test_map"] == pytest.approx(mean_average_precision(expected.similarity("test"), expected.test.labels))
+    assert zero_shot["backbone"] == "clip:ViT-B-16/openai" and 0 <= zero_shot["val_map"] <= 100
+    table = run_cli("report", "--runs", "runs", "--format", "md", cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    (row,) = [line for line in table.stdout.splitlines() if line.startswith("| zero-shot (reference)")]
+    assert f"{zero_shot['test_map']:.2f}" in row and "**" not in row  # never marked as the best loss
+
+
+def test_linear_refuses_a_text_side_loss_on_a_cache_without_one(tmp_path):
+    from cli_support import run_cli
+    from linear_support import write_synthetic_cache
+
+    plain = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=20, val=8, test=8, classes=4, dim=8)
+    done = run_cli("linear", "--cache", str(plain), "--loss", "an,gpr", "--lr", "1e-2", "--batch-size", "8",
+                   "--epochs", "1", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert str(plain) in line and "--loss gpr needs" in line and "--backbone clip:ViT-B-16/openai" in line
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
