@@ -7,7 +7,9 @@ threshold minimises the upper confidence bound `[q_U(z) + (1 + tau) (sqrt(log(4/
 sqrt(log(4/delta) / 2 N))] / q_P(z)`, and the prior is `q_U / q_P` there (clipped to [0, 1]; 0 for a class
 without observed positives). The risk per class is the non-negative positive-unlabeled risk with the observed
 positives as the positive sample and the batch as the unlabeled one:
-`pi mean_P nl(p) + max(0, mean_U nl(1 - p) - pi mean_P nl(1 - p))`, averaged over the classes. The first `warmup`
+`pi mean_P nl(p) + max(0, mean_U nl(1 - p) - pi mean_P nl(1 - p))`, averaged over the classes, where a batch
+estimates `mean_P` over all the class's observed positives as the sum over its own divided by `B * n_P / N`
+(unbiased; the batch's own mean would not be). The first `warmup`
 epochs train with AN instead (the priors need a model that already ranks). Observed negatives (`z = -1`,
 partial labels only) add `nl(1 - p)` as known negatives. Reconstructed from the paper's description: the exact
 form of its risk could not be checked against code in time (`reconstructed`).
@@ -62,6 +64,12 @@ class ClassPriorsRisk(Loss):
         if self.warmup != int(self.warmup):
             raise SpmlError(f"loss 'crisp': warmup={self.warmup} must be a whole number of epochs: fix --hp warmup=")
         self.set_hparam("warmup", int(self.warmup))
+        # each class's share of observed positives in the training set: a batch's positives estimate the mean over
+        # all of them as sum / (B * share), an unbiased estimate (their mean in the batch would weigh a class's
+        # positives less the rarer they are, by the chance that a batch holds one at all)
+        share = (self.train_observed == 1).sum(dim=0).double() / self.train_observed.shape[0]
+        self.register_buffer("positive_share", share.clamp(min=1 / self.train_observed.shape[0]).float(),
+                             persistent=False)
         self.register_buffer("prior", torch.zeros(self.num_heads, self.num_classes))
         self.register_buffer("estimating", torch.zeros(self.num_heads))  # per head: 0 in the AN warm-up, 1 after
 
@@ -84,7 +92,7 @@ class ClassPriorsRisk(Loss):
         estimating = (self.estimating if stacked else self.estimating[0]).to(logits.dtype)
         positive = (observed == 1).to(logits.dtype)
         nl_p, nl_1mp = neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps)
-        per_positive = positive / positive.sum(dim=-2, keepdim=True).clamp(min=1)  # mean over the class's positives
+        per_positive = positive / (positive.shape[-2] * self.positive_share.to(logits.dtype))  # see __init__
         positive_risk = (prior * per_positive * nl_p).sum(dim=-2)
         negative_risk = nl_1mp.mean(dim=-2) - (prior * per_positive * nl_1mp).sum(dim=-2)
         risk = (positive_risk + negative_risk.clamp(min=0)).mean(dim=-1)
