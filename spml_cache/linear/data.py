@@ -23,7 +23,8 @@ class LinearData:
     val_targets: torch.Tensor  # [N_val, C]: full labels, or the observed positives with --val-labels observed
     test_labels: torch.Tensor  # uint8 [N_test, C]
     dataset: str
-    # the cache's text side, for the losses that read it: [N, C] and [N, G*G, C] image-text similarities, or None
+    # the cache's text side, for the losses that read it: [N, C] and [N, G*G, C] image-text similarities (on the
+    # host), or None
     train_similarity: torch.Tensor | None = None
     train_crop_similarity: torch.Tensor | None = None
 
@@ -33,7 +34,9 @@ class LinearData:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
         val = features.val.labels if val_labels == "clean" else (features.val.observed == 1).astype(np.uint8)
-        text = {key: None if value is None else on_device(value) for key, value in features.train_similarities().items()}
+        # on the host: a loss reads them once, when it is built (the crops' [N, G*G, C] would cost device memory)
+        text = {key: None if value is None else torch.from_numpy(value) for key, value in
+                features.train_similarities().items()}
         return cls(
             train_features=on_device(features.train.features),
             train_observed=on_device(features.train.observed),

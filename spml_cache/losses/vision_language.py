@@ -67,8 +67,8 @@ class VisionLanguagePseudoLabels(Loss):
         super().__init__(**kwargs)
         if self.train_observed is None:
             raise SpmlError(f"loss '{self.name}' keeps per-example state: build it with train_observed=[N_train, C]")
-        scores = class_softmax(self.train_similarity, self.temperature)
-        pseudo = (scores > self.threshold) & (self.train_observed == 0)
+        scores = class_softmax(self.train_similarity.cpu(), self.temperature)  # built on the host, moved with .to()
+        pseudo = (scores > self.threshold) & (self.train_observed.cpu() == 0)
         self.register_buffer("pseudo_positive", _for_heads(pseudo, self.num_heads), persistent=False)
 
     def forward(self, logits, observed, *, labels=None, index=None):
@@ -153,10 +153,11 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
         self.set_hparam("top_k", int(self.top_k))
         authors = self.fidelity is Fidelity.AUTHORS
         negatives = 0 if authors else int(self.negative_ratio * self.num_classes)
-        labels = aevlp_pseudo_labels(self.train_similarity, self.train_crop_similarity, self.train_observed,
-                                     temperature=self.temperature, eta=self.eta, threshold=self.threshold,
-                                     top_k=self.top_k, negatives=negatives)
-        labels[self.train_observed != 0] = 0  # an observed label wins
+        crops = None if self.train_crop_similarity is None else self.train_crop_similarity.cpu()
+        observed = self.train_observed.cpu()  # built on the host, moved with .to()
+        labels = aevlp_pseudo_labels(self.train_similarity.cpu(), crops, observed, temperature=self.temperature,
+                                     eta=self.eta, threshold=self.threshold, top_k=self.top_k, negatives=negatives)
+        labels[observed != 0] = 0  # an observed label wins
         self.register_buffer("pseudo_label", _for_heads(labels, self.num_heads), persistent=False)
 
     def forward(self, logits, observed, *, labels=None, index=None):
