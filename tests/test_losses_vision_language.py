@@ -238,39 +238,37 @@ def test_the_cache_reads_its_text_side(tmp_path):
 
 
 def test_linear_trains_the_text_side_losses_and_reports_the_zero_shot_row(tmp_path):
-    import json
+    from linear_support import add_text_side, quiet, write_synthetic_cache
 
-    from cli_support import run_cli
-    from linear_support import add_text_side, write_synthetic_cache
+    from spml_cache.linear import run_linear
+    from spml_cache.metrics import mean_average_precision
+    from spml_cache.report.collect import collect_runs
+    from spml_cache.report.tables import build_table, to_markdown
 
     clip = add_text_side(write_synthetic_cache(tmp_path / "voc-clip-224.h5", train=40, val=16, test=20, classes=4,
                                                dim=8), grid=2)
-    done = run_cli("linear", "--cache", str(clip), "--loss", "vlpl,gpr,crisp", "--lr", "1e-2", "--batch-size", "8",
-                   "--epochs", "2", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
-    results = json.loads((run_dir / "results.json").read_text())
+    run = run_linear(cache=clip, losses=["vlpl", "gpr", "crisp"], lrs=[1e-2], batch_sizes=[8], epochs=2,
+                     out=tmp_path / "runs", device="cpu", console=quiet())
+    results = run.results
     assert list(results["losses"]) == ["vlpl", "gpr", "crisp"]
     assert all(entry["test_map"] is not None for entry in results["losses"].values())
     zero_shot = results["reference"]["zero_shot"]
     expected = cache.load(clip)
-    from spml_cache.metrics import mean_average_precision
     assert zero_shot["test_map"] == pytest.approx(mean_average_precision(expected.similarity("test"), expected.test.labels))
     assert zero_shot["backbone"] == "clip:ViT-B-16/openai" and 0 <= zero_shot["val_map"] <= 100
-    table = run_cli("report", "--runs", "runs", "--format", "md", cwd=tmp_path)
-    assert table.returncode == 0, table.stderr
-    (row,) = [line for line in table.stdout.splitlines() if line.startswith("| zero-shot (reference)")]
+    table = to_markdown(build_table(collect_runs([tmp_path / "runs"])))
+    (row,) = [line for line in table.splitlines() if line.startswith("| zero-shot (reference)")]
     assert f"{zero_shot['test_map']:.2f}" in row and "**" not in row  # never marked as the best loss
 
 
-def test_linear_refuses_a_text_side_loss_on_a_cache_without_one(tmp_path):
-    from cli_support import run_cli
+def test_linear_refuses_a_text_side_loss_on_a_cache_without_one(tmp_path, monkeypatch, capsys):
+    from cli_support import run_main
     from linear_support import write_synthetic_cache
 
     plain = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=20, val=8, test=8, classes=4, dim=8)
-    done = run_cli("linear", "--cache", str(plain), "--loss", "an,gpr", "--lr", "1e-2", "--batch-size", "8",
-                   "--epochs", "1", cwd=tmp_path)
-    assert done.returncode == 1
-    (line,) = done.stderr.strip().splitlines()
+    code, stderr = run_main("linear", "--cache", str(plain), "--loss", "an,gpr", "--lr", "1e-2", "--batch-size", "8",
+                            "--epochs", "1", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1
+    (line,) = stderr.strip().splitlines()
     assert str(plain) in line and "--loss gpr needs" in line and "--backbone clip:ViT-B-16/openai" in line
     assert not (tmp_path / "runs").exists()  # refused before anything was written
