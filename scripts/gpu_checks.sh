@@ -41,10 +41,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 python3 -c "import torch, torchvision, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'torchvision', torchvision.__version__, 'numpy', numpy.__version__)" >> "$out/gpu.txt"
 
-# COCO's 26 losses in three runs of about equal work (ROLE and the weight penalties are the heaviest steps)
+# COCO's 27 losses (all but those that read a text side) in three runs of about equal work (ROLE and the weight penalties are the heaviest steps)
 COCO_1=role+l1r+l2r+bce+bce_ls+iun+an+an_ls+an_ls_neg
 COCO_2=opml_sp+em_apl+wan+entmin+pr+epr+em+focal+asl
-COCO_3=hill+splc+ll_r+ll_ct+ll_cp+gr+zlpr+opml+bce_observed
+COCO_3=hill+splc+ll_r+ll_ct+ll_cp+gr+zlpr+opml+bce_observed+crisp
 
 cuda_tests() {  # part name, test files: every test runs (no -x), each result printed as it ends
   local part=$1

@@ -72,3 +72,30 @@ def interrupted_run(out: Path, cache_path: Path, monkeypatch, parts: int, **grid
     monkeypatch.setattr(KeptParts, "keep", keep)
     (run_dir,) = (Path(out) / "voc").iterdir()
     return run_dir
+
+
+def add_text_side(path: Path, *, grid: int | None = None, width: int = 6, seed: int = 0) -> Path:
+    """Hand-add a CLIP cache's text side to a cache (the contract of docs/internals.md, "The text side"): class
+    text embeddings and, per split, image embeddings that lean towards the image's classes (and a crop grid's)."""
+    import h5py
+
+    rng = np.random.default_rng(seed)
+
+    def unit(array: np.ndarray) -> np.ndarray:
+        return (array / np.linalg.norm(array, axis=-1, keepdims=True)).astype(np.float32)
+
+    with h5py.File(path, "r+") as file:
+        classes = int(file.attrs["num_classes"])
+        text = unit(rng.standard_normal((classes, width)))
+        file.create_group("text").create_dataset("embeddings", data=text)
+        file["text"].attrs["templates"] = json.dumps(["a photo of a {}."])
+        file.attrs["backbone"] = "clip:ViT-B-16/openai"
+        for split in ("train", "val", "test"):
+            labels = file[split]["labels"][...].astype(np.float32)
+            file[split].create_dataset("image_embeddings",
+                                       data=unit(labels @ text + 0.5 * rng.standard_normal((len(labels), width))))
+            if grid:
+                crops = labels[:, None, :] @ text + rng.standard_normal((len(labels), grid * grid, width))
+                file[split].create_dataset("crop_embeddings", data=unit(crops))
+                file[split]["crop_embeddings"].attrs["grid"] = grid
+    return path

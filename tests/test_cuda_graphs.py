@@ -7,6 +7,8 @@ stopped. Marked `cuda`: skipped where no CUDA GPU is visible."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -32,7 +34,10 @@ def tiny_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tiny_cache):
-    return LinearData.from_features(cache.load(tiny_cache), torch.device("cuda"))
+    data = LinearData.from_features(cache.load(tiny_cache), torch.device("cuda"))
+    # a hand-added text side, so that the losses that read one (vlpl, gpr) train here too
+    similarity = torch.rand(data.num_train, data.num_classes, generator=torch.Generator().manual_seed(3)) * 0.3
+    return dataclasses.replace(data, train_similarity=similarity.to(data.train_features.device))
 
 
 def seed_runs(names, data, fidelity="exact"):

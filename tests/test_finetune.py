@@ -413,3 +413,15 @@ def test_authors_fidelity_is_recorded_and_takes_coles_code_linear_init_epochs(wo
         assert setup.settings.epochs == 10 and setup.settings.fidelity == fidelity
     with pytest.raises(SpmlError, match="--fidelity 'nearly'"):
         finetune.finetune(init="best", from_run=world.linear, loss="role", fidelity="nearly", **common(world))
+
+
+def test_a_text_side_loss_fine_tunes_on_a_clip_cache_and_is_refused_without_one(world, tmp_path):
+    from linear_support import add_text_side
+
+    with pytest.raises(SpmlError, match=r"voc.h5 has no text side .*--loss vlpl needs.*--backbone clip:ViT-B-16/openai"):
+        finetune.finetune(init="imagenet", loss="vlpl", cache_path=world.cache, **common(world, out=tmp_path))
+    clip = tmp_path / "voc-clip.h5"
+    clip.write_bytes(Path(world.cache).read_bytes())
+    add_text_side(clip)
+    results = finetune.finetune(init="imagenet", loss="vlpl", cache_path=clip, **common(world, out=tmp_path, epochs=1))
+    assert results["losses"]["vlpl"]["test_map"] is not None

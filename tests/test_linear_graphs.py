@@ -7,6 +7,8 @@ On a GPU, tests/test_cuda.py runs the real graphs against the eager path.
 
 from __future__ import annotations
 
+import dataclasses
+
 from contextlib import nullcontext
 
 import numpy as np
@@ -86,7 +88,10 @@ class CheckedGraph:
 def data(tmp_path_factory):
     # 45 training rows: batches of 4 leave a partial one of 1, batches of 8 one of 5
     path = write_synthetic_cache(tmp_path_factory.mktemp("graphs") / "voc.h5", train=45, val=20, test=24)
-    return LinearData.from_features(cache.load(path), torch.device("cpu"))
+    data = LinearData.from_features(cache.load(path), torch.device("cpu"))
+    # a hand-added text side, so that the losses that read one (vlpl, gpr) train here too
+    similarity = torch.rand(data.num_train, data.num_classes, generator=torch.Generator().manual_seed(3)) * 0.3
+    return dataclasses.replace(data, train_similarity=similarity.to(data.train_features.device))
 
 
 def seed_run(name, data, fidelity="exact"):

@@ -33,9 +33,17 @@ LABELS, OBSERVED, TRAIN_LOGITS, BATCH_LOGITS = make_data()
 INDEX = torch.tensor([1, 3, 6, 7])
 
 
+def text_side(name, rows, classes):
+    """A stand-in for the cache's text side, for the losses that need one: fixed image-text similarities."""
+    if not losses.get(name).needs_similarity:
+        return {}
+    return {"train_similarity": torch.rand(rows, classes, generator=torch.Generator().manual_seed(1)) * 0.3}
+
+
 def build(name, num_heads=1, **kwargs):
     kwargs.setdefault("dataset", "voc")
-    return losses.build(name, num_classes=C, num_heads=num_heads, train_observed=OBSERVED, seed=0, **kwargs)
+    return losses.build(name, num_classes=C, num_heads=num_heads, train_observed=OBSERVED, seed=0,
+                        **text_side(name, N, C), **kwargs)
 
 
 def advance(loss, heads):
@@ -80,7 +88,8 @@ def test_builds_for_every_dataset_with_resolved_hparams(name):
     observed = torch.zeros(N, 40, dtype=torch.int8)  # 40 classes: room for CUB's k = 31.4
     observed[torch.arange(N), torch.arange(N)] = 1
     for dataset in DATASETS:
-        loss = losses.build(name, num_classes=40, dataset=dataset, train_observed=observed)
+        loss = losses.build(name, num_classes=40, dataset=dataset, train_observed=observed,
+                            **text_side(name, N, 40))
         assert set(loss.hparams) == set(loss.defaults)
         assert all(value is not None for value in loss.hparams.values())
         for key, value in loss.dataset_defaults.get(dataset, {}).items():
@@ -132,6 +141,7 @@ def test_shapes_and_stacked_heads_equal_separate_heads(name):
 STOP_GRADIENT = {
     "role": "cross_q = BCE(q, stopgrad(p)) moves with the logits in value only",
     "gr": "k(p) and v(p) are computed from the detached p",
+    "gpr": "GR's k(p) and v(p), and the pseudo-positives' weight 1 - clip(v), from the detached p",
 }
 
 
@@ -217,8 +227,10 @@ def test_cli_losses_json(tmp_path):
     for row in rows:
         assert set(row) == {
             "name", "description", "reference", "defaults", "dataset_defaults", "state", "oracle",
-            "needs_train_logits", "reconstructed", "authors", "paper_grid", "per_head", "observed_negative",
+            "needs_train_logits", "reconstructed", "needs_similarity", "authors", "paper_grid", "per_head",
+            "observed_negative",
         }
+    assert by_name["vlpl"]["needs_similarity"] is True and by_name["crisp"]["needs_similarity"] is False
     assert by_name["ll_r"]["paper_grid"]["values"] == {"delta": [0.001, 0.002, 0.003, 0.004, 0.005]}
     assert "issue 8" in by_name["ll_r"]["paper_grid"]["source"] and by_name["an"]["paper_grid"] is None
     assert by_name["gr"]["authors"] == {"log_eps": 1e-7, "early_stop": ["drop", 2.0], "drop_last": False,

@@ -58,6 +58,8 @@ def variants():
 
 def build(name: str, per_head: bool) -> losses.Loss:
     hparams = dict(PHASES.get(name, {}))
+    if losses.get(name).needs_similarity:  # the cache's text side: fixed image-text similarities
+        hparams["train_similarity"] = torch.rand(N_TRAIN, C, generator=torch.Generator().manual_seed(2)) * 0.3
     if per_head:  # a second value for every per-head key: the loss then holds them as [K, 1, 1] tensors
         resolved = losses.build(name, num_classes=C, dataset="voc", train_observed=OBSERVED, **hparams).hparams
         hparams = {**hparams, **{key: [resolved[key], resolved[key] * 0.5 if resolved[key] else 0.5]

@@ -48,7 +48,8 @@ TERM_AT_OBSERVED_NEGATIVE = {
 # oracles, which read the full labels instead of z.
 SAME_AS_UNOBSERVED = ("pr", "zlpr", "opml", "bce", "bce_ls", "iun")
 # Read with the rest of their terms in their family's file (test_losses_estimating.py restates z = -1 there).
-RESTATED_ELSEWHERE = ("epr", "role", "opml_sp")  # opml_sp: below
+RESTATED_ELSEWHERE = ("epr", "role", "opml_sp", "vlpl", "gpr", "crisp")  # opml_sp: below; the text-side losses and
+# crisp: tests/test_losses_vision_language.py, tests/test_losses_crisp.py
 
 
 def derivative(f, x, h=1e-5):

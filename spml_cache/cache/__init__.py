@@ -8,7 +8,9 @@ Inside a partial file the arrays are allocated when the file is created, so writ
 HDF5 metadata: a process killed between batches leaves a file that opens and resumes. A partial file also
 holds `/{split}/bad` (rows whose image could not be decoded), which finalisation turns into dropped rows, and
 `/{split}/recomputed` (rows recomputed in fp32 after non-finite features in fp16/bf16), counted in `recomputed_fp32`.
-`load` refuses non-finite features and labels outside their value sets, naming the rows.
+`load` refuses non-finite features and labels outside their value sets, naming the rows. A CLIP cache also holds a
+text side (class text embeddings, every split's image embeddings, optionally a crop grid's), which `load` reads
+into the FeatureSet when present (docs/internals.md, "The text side").
 """
 
 from spml_cache.cache.reading import describe_rows, invalid_rows, load, read_header, stored_rules, verify

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -182,6 +183,52 @@ def _label_mask(path: Path, name: str, raw: dict[str, np.ndarray]) -> np.ndarray
         raise SpmlError(f"{path}: /{name}/{MASK} has shape {mask.shape}, labels {raw['labels'].shape}: rebuild the"
                         " cache (extract --force)")
     return None if mask is None else mask.astype(np.uint8, copy=False)
+TEXT_GROUP = "text"  # /text/embeddings: float32 [C, E] class prompt embeddings of a CLIP cache (its text side)
+NORM_TOLERANCE = 1e-2  # stored embeddings are L2-normalised: a norm further from 1 is a damaged or foreign array
+
+
+def _embeddings(path: Path, where: str, dataset, shape: tuple) -> np.ndarray:
+    """One stored embedding array, checked: its shape (None: any size there), finite, rows of unit norm."""
+    fix = f"re-extract it (spml-cache extract {dataset} --backbone clip:ViT-B-16/openai --force)"
+    with _open(path) as file:
+        array = file[where][...].astype(np.float32, copy=False)
+    if array.ndim != len(shape) or any(want is not None and got != want for got, want in zip(array.shape, shape)):
+        wanted = "[" + ", ".join("*" if want is None else str(want) for want in shape) + "]"
+        raise SpmlError(f"{path}: {where} has shape {list(array.shape)}, expected {wanted}: {fix}")
+    flat = array.reshape(-1, array.shape[-1]) if array.size else array.reshape(0, 1)
+    if len(invalid_rows(flat)):
+        raise SpmlError(f"{path}: {where} is not finite (NaN or inf): {fix}")
+    norms = np.linalg.norm(flat, axis=1)
+    if len(norms) and np.abs(norms - 1).max() > NORM_TOLERANCE:
+        raise SpmlError(f"{path}: {where} holds rows that are not L2-normalised (norms {norms.min():.3g} to"
+                        f" {norms.max():.3g}): {fix}")
+    return array
+
+
+def _text_side(path: Path, attrs: dict, lengths: dict[str, int]) -> tuple[np.ndarray | None, dict]:
+    """The class text embeddings and each split's image (and crop) embeddings, where the cache has a text side:
+    `(text [C, E] or None, {split: {"image_embeddings": ..., "crop_embeddings": ...}})`."""
+    with _open(path) as file:
+        if TEXT_GROUP not in file or "embeddings" not in file[TEXT_GROUP]:
+            return None, {name: {} for name in SPLITS}
+        crops = {name: "crop_embeddings" in file[name] for name in SPLITS}
+        grids = {name: plain(file[name]["crop_embeddings"].attrs.get("grid", 0)) for name in SPLITS if crops[name]}
+        has_images = {name: "image_embeddings" in file[name] for name in SPLITS}
+    dataset = attrs.get("dataset", "DATASET")
+    text = _embeddings(path, f"/{TEXT_GROUP}/embeddings", dataset, (int(attrs["num_classes"]), None))
+    width = text.shape[1]
+    sides = {}
+    for name in SPLITS:
+        if not has_images[name]:
+            raise SpmlError(f"{path} has class text embeddings but no /{name}/image_embeddings: re-extract it"
+                            f" (spml-cache extract {dataset} --backbone clip:ViT-B-16/openai --force)")
+        side = {"image_embeddings": _embeddings(path, f"/{name}/image_embeddings", dataset, (lengths[name], width))}
+        if crops[name]:
+            grid = int(grids[name] or 0)
+            side["crop_embeddings"] = _embeddings(path, f"/{name}/crop_embeddings", dataset,
+                                                  (lengths[name], grid * grid if grid else None, width))
+        sides[name] = side
+    return text, sides
 
 
 def load(path: Path | str) -> FeatureSet:
@@ -205,8 +252,11 @@ def load(path: Path | str) -> FeatureSet:
                 rules=_stored_rules(path, name, group, raw["labels"].shape),
                 label_mask=_label_mask(path, name, raw),
             )
+    text, sides = _text_side(path, attrs, {name: len(split) for name, split in splits.items()})
+    splits = {name: replace(split, **sides[name]) for name, split in splits.items()}
     classes = class_names(attrs)
-    return FeatureSet(splits["train"], splits["val"], splits["test"], classes, attrs, str(attrs["dataset"]), path)
+    return FeatureSet(splits["train"], splits["val"], splits["test"], classes, attrs, str(attrs["dataset"]), path,
+                      text_embeddings=text)
 
 
 def verify(features: FeatureSet) -> None:

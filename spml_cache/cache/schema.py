@@ -46,7 +46,10 @@ class CachedSplit:
     ids: list[str]
     observed: np.ndarray | None  # int8 [N, C] (train, val); None for test
     rules: dict[str, np.ndarray] = field(default_factory=dict)  # {rule text: int8 [N, C]}, stored other rules
-    label_mask: np.ndarray | None = None  # uint8 [N, C], 1 where the label is annotated; None: every label is
+    label_mask: np.ndarray | None = None  # uint8 [N, C], 1 where the label is annotated; None: all of them are
+    # A CLIP cache's image side (docs/internals.md, "The text side"): L2-normalised embeddings, None when absent.
+    image_embeddings: np.ndarray | None = None  # float32 [N, E]
+    crop_embeddings: np.ndarray | None = None  # float32 [N, G*G, E]: a G x G grid of crops (`extract --crops G`)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -61,6 +64,45 @@ class FeatureSet:
     attrs: dict
     dataset: str
     path: Path
+    text_embeddings: np.ndarray | None = None  # float32 [C, E], L2-normalised class prompts; None: no text side
+
+    @property
+    def has_text_side(self) -> bool:
+        """Whether the cache holds class text embeddings and every split's image embeddings."""
+        return self.text_embeddings is not None
+
+    def similarity(self, split: str) -> np.ndarray:
+        """float32 [N, C]: cosine similarity of each image embedding of `split` with each class's text embedding
+        (both are stored L2-normalised). Only on a cache with a text side (`has_text_side`)."""
+        return _cosine(getattr(self, split).image_embeddings, self.text_embeddings)
+
+    def require_text_side(self, names: list[str]) -> None:
+        """One line naming the cache and the fix where losses that read the text side (`names`) meet a cache
+        without one."""
+        if names and not self.has_text_side:
+            named = ", ".join(names)
+            raise SpmlError(f"{self.path} has no text side (class text embeddings), which --loss {named} needs:"
+                            f" extract the cache from a CLIP backbone (spml-cache extract {self.dataset} --backbone"
+                            f" clip:ViT-B-16/openai), or leave {named} out of --loss")
+
+    def train_similarities(self) -> dict[str, np.ndarray | None]:
+        """What a loss that reads the text side is built with: `train_similarity` [N_train, C] and
+        `train_crop_similarity` [N_train, G*G, C] (None where the cache lacks them)."""
+        if not self.has_text_side:
+            return {"train_similarity": None, "train_crop_similarity": None}
+        return {"train_similarity": self.similarity("train"), "train_crop_similarity": self.crop_similarity("train")}
+
+    def crop_similarity(self, split: str) -> np.ndarray | None:
+        """float32 [N, G*G, C]: the same for each crop of the grid; None when the cache stores no crops."""
+        crops = getattr(self, split).crop_embeddings
+        return None if crops is None or self.text_embeddings is None else _cosine(crops, self.text_embeddings)
+
+
+def _cosine(embeddings: np.ndarray | None, text: np.ndarray | None) -> np.ndarray:
+    if embeddings is None or text is None:
+        raise SpmlError("this cache has no text side (image and class text embeddings): extract it with"
+                        " --backbone clip:ViT-B-16/openai")
+    return np.matmul(embeddings, text.T, dtype=np.float32)
 
 
 def default_cache_dir() -> Path:

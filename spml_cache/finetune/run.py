@@ -100,7 +100,8 @@ def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
     features, settings = setup.features, setup.settings
     built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
                          train_observed=torch.from_numpy(features.train.observed), seed=seed,
-                         fidelity=settings.fidelity, **settings.hparams)
+                         fidelity=settings.fidelity, **settings.hparams,
+                         **(features.train_similarities() if losses.get(settings.loss).needs_similarity else {}))
     return built.to(device)
 
 

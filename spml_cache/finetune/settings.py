@@ -269,10 +269,13 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
         raise SpmlError(f"--head-lr-mult {head_lr_mult}: must be positive")
     # the linear head's values, then --hp; resolved as the linear stage does
     given = losses.Overrides.given([loss], options.hparams or {})[loss]
+    reads_text = losses.get(loss).needs_similarity
+    features.require_text_side([loss] if reads_text else [])
     hparams = losses.resolve_hparams(
         loss, {**(start.hparams if start else {}), **given}, num_classes=len(features.classes),
         dataset=features.dataset, train_observed=torch.from_numpy(features.train.observed),
         expected_positives=features.attrs.get("expected_positives"),
+        **(features.train_similarities() if reads_text else {}),
     )
     return FinetuneSettings(
         init="best" if start is not None else "imagenet", loss=loss, dataset=features.dataset,

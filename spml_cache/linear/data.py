@@ -35,6 +35,10 @@ class LinearData:
     test_mask: torch.Tensor | None = None
     val_scored: np.ndarray | None = None
     test_scored: np.ndarray | None = None
+    # the cache's text side, for the losses that read it: [N, C] and [N, G*G, C] image-text similarities (on the
+    # host), or None
+    train_similarity: torch.Tensor | None = None
+    train_crop_similarity: torch.Tensor | None = None
 
     @classmethod
     def from_features(cls, features: FeatureSet, device: torch.device, val_labels: str = "clean") -> "LinearData":
@@ -44,6 +48,9 @@ class LinearData:
         val = features.val.labels if val_labels == "clean" else (features.val.observed == 1).astype(np.uint8)
         val_mask = features.val.label_mask if val_labels == "clean" else None
         test_mask = features.test.label_mask
+        # on the host: a loss reads them once, when it is built (the crops' [N, G*G, C] would cost device memory)
+        text = {key: None if value is None else torch.from_numpy(value) for key, value in
+                features.train_similarities().items()}
         return cls(
             train_features=on_device(features.train.features),
             train_observed=on_device(features.train.observed),
@@ -57,6 +64,7 @@ class LinearData:
             test_mask=None if test_mask is None else on_device(test_mask),
             val_scored=_scored(val, val_mask),
             test_scored=_scored(features.test.labels, test_mask),
+            **text,
         )
 
     def under_rule(self, train_observed: np.ndarray, val_observed: np.ndarray, val_labels: str = "clean"

@@ -52,7 +52,8 @@ class HeadStack:
                                   start=(start.weight, start.bias) if start else None)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
-            num_heads=len(lrs), train_observed=data.train_observed.cpu(), seed=seed, fidelity=fidelity, **hparams,
+            num_heads=len(lrs), train_observed=data.train_observed.cpu(), seed=seed, fidelity=fidelity,
+            train_similarity=data.train_similarity, train_crop_similarity=data.train_crop_similarity, **hparams,
         ).to(device)
         self.drop_last, self.early_stop = self.loss.drops_last, self.loss.early_stop  # the fidelity's rules
         if start:

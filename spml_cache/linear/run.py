@@ -84,8 +84,10 @@ def run_linear(
     check_val_split(features.val.labels, str(features.path))
     if resume is not None or from_run is not None:
         verify(features)  # what goes on, or starts from a head and its state, must read the very same arrays
+    settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
     units, notes = settings.units(observed, features.train.labels)
+    notes = text_notes + notes
     used = resolved_hparams(settings, features)
     starts = start_heads(from_run, settings.losses, features)
     if resume is not None and config["cache_id"] != cache_id(features.attrs):
@@ -135,7 +137,7 @@ def run_linear(
             runs.append_metrics(run_dir, [line for part in kept.values() for r in part.records
                                           for line in r.metric_lines()])
             results = _train_and_select(run_dir, settings, units, used, starts, features, data, target, workers,
-                                        kept, console, graphs, observed, rules, ranks)
+                                        kept, console, graphs, observed, rules, ranks, zero_shot(features))
         except KeyboardInterrupt:
             parts = len(units) * len(settings.seeds) * len(settings.batch_sizes)
             what = "(loss, rule, seed, batch size)" if several else "(loss, seed, batch size)"
@@ -171,7 +173,7 @@ def _from_other_ranks(ranks: Ranks | None):
 
 def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used, starts, features, data, target,
                       workers, kept: dict[tuple, Part], console, graphs=True, observed=None, rules=None,
-                      ranks: Ranks | None = None) -> dict:
+                      ranks: Ranks | None = None, reference: dict | None = None) -> dict:
     """Train what is not in `kept` ({(result key, seed, batch size): Part}) of every unit ({result key: (loss,
     rule)}), select each once its every part is done, write the results (`rules`: results.json's summary of
     each rule, when the run has others than `single`). Under torchrun this is rank 0, and the other processes'
@@ -222,7 +224,7 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
         run_dir, stage="linear", features=features, losses={key: entries[key] for key in units},
         checkpoints={key: checkpoints[key] for key in units if key in checkpoints},
         fidelity=settings.fidelity, **({"rules": rules} if rules else {}),
-        **_partial_test_labels(data),
+        **_partial_test_labels(data), **({"reference": reference} if reference else {}),
     )
 
 
@@ -230,6 +232,18 @@ def _partial_test_labels(data: dict) -> dict:
     """results.json's word on a partially labelled test split (every rule's data shares it), else nothing."""
     partial = next(iter(data.values())).partial_test_labels
     return {"partial_test_labels": partial} if partial else {}
+
+
+def zero_shot(features) -> dict | None:
+    """A cache with a text side: the reference scores of its image-text similarity alone, no training
+    (`{"zero_shot": {"val_map", "test_map", "backbone"}}`, mAP against the full labels, over the annotated ones
+    where they are partial); None without one."""
+    if not features.has_text_side:
+        return None
+    maps = {f"{split}_map": mean_average_precision(features.similarity(split), getattr(features, split).labels,
+                                                   getattr(features, split).label_mask)
+            for split in ("val", "test")}
+    return {"zero_shot": {**maps, "backbone": features.attrs.get("backbone")}}
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ an interrupted run was started with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -69,8 +69,20 @@ class LinearSettings:
 
     @property
     def every_loss(self) -> bool:
-        """`--loss all`."""
-        return self.losses == loss_registry.names()
+        """`--loss all` (on a cache without a text side: every loss that does not read one)."""
+        return self.losses in (loss_registry.names(), loss_registry.names(similarity=False))
+
+    def for_cache(self, features: FeatureSet) -> tuple["LinearSettings", list[str]]:
+        """These settings on `features`, and notes: on a cache without a text side, the losses that read one are
+        refused when named, left out of `--loss all` (with a note)."""
+        needing = [name for name in self.losses if loss_registry.get(name).needs_similarity]
+        if features.has_text_side or not needing:
+            return self, []
+        if not self.every_loss:
+            features.require_text_side(needing)
+        kept = [name for name in self.losses if name not in needing]
+        return replace(self, losses=kept), [f"--loss all: {', '.join(needing)} left out ({features.path} has no text"
+                                            " side; a CLIP cache has one: extract --backbone clip:ViT-B-16/openai)"]
 
     def units(self, observed: dict[str, Observed], train_labels) -> tuple[dict[str, tuple[str, str]], list[str]]:
         """What the run trains, `{result key: (loss, rule text)}` (rule by rule, losses in order), and notes.
@@ -121,12 +133,14 @@ def resolve_losses(names: str | Sequence[str]) -> list[str]:
 def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[dict]]:
     """Per loss, every combination of hyperparameters its heads train with (one without a sweep), each checked
     by building the loss once."""
+    text = features.train_similarities() if any(
+        loss_registry.get(name).needs_similarity for name in settings.losses) else {}
     return {
         name: [
             loss_registry.resolve_hparams(
                 name, combo, num_classes=len(features.classes), dataset=features.dataset,
                 train_observed=torch.from_numpy(features.train.observed),
-                expected_positives=features.attrs.get("expected_positives"),
+                expected_positives=features.attrs.get("expected_positives"), **text,
             )
             for combo in settings.overrides.combinations(name)
         ]

@@ -24,6 +24,8 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
     generalized,
     pairwise,
     partial,
+    crisp,
+    vision_language,
 )
 
 __all__ = [
@@ -36,12 +38,14 @@ _FLAG_TEXTS = {
     "oracle": "oracle (reads the full labels)",
     "needs_train_logits": "scores the training set every epoch",
     "reconstructed": "reconstructed (no public code)",
+    "needs_similarity": "needs the cache's text side (a CLIP cache)",
 }
 
 
-def names() -> list[str]:
-    """Registered loss names, in the order of docs/losses.md."""
-    return list(_REGISTRY)
+def names(similarity: bool = True) -> list[str]:
+    """Registered loss names, in the order of docs/losses.md; `similarity=False` (a cache without a text side)
+    leaves out the losses that need one (`needs_similarity`)."""
+    return [name for name, cls in _REGISTRY.items() if similarity or not cls.needs_similarity]
 
 
 def get(name: str) -> type[Loss]:
@@ -58,7 +62,8 @@ def build(name: str, *, num_classes: int, num_train: int | None = None, dataset:
 
 
 def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: str, train_observed: torch.Tensor,
-                    expected_positives: float | None = None) -> dict:
+                    expected_positives: float | None = None, train_similarity: torch.Tensor | None = None,
+                    train_crop_similarity: torch.Tensor | None = None) -> dict:
     """The hyperparameters loss `name` trains with: its defaults, its dataset's, then `overrides`; checked by
     building it once. A dataset without a published `k` (expected positives per image) takes
     `expected_positives`, the value measured on its own labels."""
@@ -67,7 +72,7 @@ def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: st
     if "k" in cls.defaults and "k" not in overrides and "k" not in published and expected_positives is not None:
         overrides["k"] = float(expected_positives)
     loss = build(name, num_classes=num_classes, dataset=dataset, num_heads=1, train_observed=train_observed, seed=0,
-                 **overrides)
+                 train_similarity=train_similarity, train_crop_similarity=train_crop_similarity, **overrides)
     return dict(loss.hparams)
 
 
@@ -91,6 +96,7 @@ def describe() -> list[dict]:
                 "oracle": cls.oracle,
                 "needs_train_logits": cls.needs_train_logits,
                 "reconstructed": cls.reconstructed,
+                "needs_similarity": cls.needs_similarity,
                 "authors": {"log_eps": cls.authors_log_eps, "early_stop": cls.authors_early_stop,
                             "drop_last": cls.authors_drop_last, "defaults": cls.authors_defaults},
                 "paper_grid": {"values": dict(cls.paper_grid), "source": cls.paper_grid_source} if cls.paper_grid

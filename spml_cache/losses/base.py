@@ -150,6 +150,9 @@ class Loss(torch.nn.Module):
     # term in docs/losses.md's notation; every loss states it (`spml-cache losses` shows it). Where the paper has
     # none, the natural reading: an observed negative is a known 0, never an unknown.
     observed_negative: ClassVar[str] = ""
+    # Reads the cache's text side: `train_similarity`, each training row's cosine similarity with each class's text
+    # embedding (a CLIP cache); refused on a cache without one, left out of `--loss all` there.
+    needs_similarity: ClassVar[bool] = False
     # `--fidelity authors`: the eps the authors' code adds inside its logs (None: their code is stable from logits,
     # or there is no code), and the early stopping rule of the paper that proposes the loss: ("no_gain", 0) stops
     # at the first epoch whose val mAP does not improve, ("drop", d) once it falls d below its best.
@@ -180,6 +183,8 @@ class Loss(torch.nn.Module):
         train_observed: torch.Tensor | None = None,
         seed: int | Sequence[int] = 0,
         fidelity: Fidelity | str | None = None,
+        train_similarity: torch.Tensor | None = None,
+        train_crop_similarity: torch.Tensor | None = None,
         **hparams: float,
     ) -> None:
         super().__init__()
@@ -213,6 +218,9 @@ class Loss(torch.nn.Module):
         self.num_heads = num_heads
         self.seed = seed  # one int for every head, or one per head (ROLE's Theta init draws from it)
         self.train_observed = train_observed  # int8 [N_train, C] as given; stateful losses copy it into buffers
+        # float32 [N_train, C] and [N_train, G*G, C]: image-text cosine similarities (needs_similarity), or None
+        self.train_similarity, self.train_crop_similarity = self._similarities(
+            train_similarity, train_crop_similarity, num_train, num_classes)
         self.hparams = {**self.defaults, **(self.authors_defaults if authors else {}), **self.dataset_defaults.get(dataset or "", {}), **hparams}
         for key, value in self.hparams.items():
             values = list(value) if isinstance(value, (list, tuple)) else [value]
@@ -226,6 +234,25 @@ class Loss(torch.nn.Module):
                                 f" {num_heads} heads)")
             else:  # not saved with the state: a head's values travel in its results and best.pt entry
                 self.register_buffer(key, torch.tensor(values, dtype=torch.float32).view(-1, 1, 1), persistent=False)
+
+    def _similarities(self, similarity, crops, num_train: int | None, num_classes: int):
+        """The training rows' image-text similarities as float32 tensors, checked against the rows and classes."""
+        if similarity is None:
+            if self.needs_similarity:
+                raise SpmlError(f"loss '{self.name}' needs the cache's text side (image-text similarities of the"
+                                " training rows): extract the cache with --backbone clip:ViT-B-16/openai")
+            return None, None
+        similarity = torch.as_tensor(similarity).float()
+        rows = num_train if num_train is not None else similarity.shape[0]
+        if tuple(similarity.shape) != (rows, num_classes):
+            raise SpmlError(f"loss '{self.name}': train_similarity has shape {tuple(similarity.shape)}, expected"
+                            f" [{rows}, {num_classes}] (one row per training row, one column per class)")
+        if crops is not None:
+            crops = torch.as_tensor(crops).float()
+            if crops.dim() != 3 or crops.shape[0] != rows or crops.shape[2] != num_classes:
+                raise SpmlError(f"loss '{self.name}': train_crop_similarity has shape {tuple(crops.shape)},"
+                                f" expected [{rows}, G*G, {num_classes}]")
+        return similarity, crops
 
     def check_bound(self, key: str, value) -> None:
         """A value outside the hyperparameter's valid range is a clear error naming the flag."""

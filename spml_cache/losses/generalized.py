@@ -73,13 +73,18 @@ class GeneralizedRobust(Loss):
         assign_(self.mu, self.mu0 + (self.muT - self.mu0) * current)
         assign_(self.sigma, self.sigma0 + (self.sigmaT - self.sigma0) * current)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
+    def missing_terms(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`v(p)` and GR's term on a missing label, `v (k L2 + (1 - k) L3)`, for every entry (AEVLP's `gpr`
+        reuses both)."""
         p = torch.sigmoid(logits.detach())
         k = torch.sigmoid(self.w * p + self.b)  # soft pseudo-label: probability the missing label is positive
         v = torch.exp(-(p - self.mu).square() / (2 * self.sigma**2))
         loss_2 = generalized_ce(F.logsigmoid(logits), self.q2)  # (1 - p^q2)/q2, towards positive
         loss_3 = generalized_ce(F.logsigmoid(-logits), self.q3)  # (1 - (1-p)^q3)/q3, towards negative
-        missing = v * (k * loss_2 + (1 - k) * loss_3)
+        return v, v * (k * loss_2 + (1 - k) * loss_3)
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        _, missing = self.missing_terms(logits)
         nl_p, nl_1mp = neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps)
         terms = torch.where(observed == 1, nl_p, torch.where(observed == 0, missing, nl_1mp))
         return mean_over_entries(terms)

@@ -51,6 +51,9 @@ class Table:
     incomplete: list[Run] = field(default_factory=list)
 
 
+ZERO_SHOT = "zero-shot (reference)"  # the row of a CLIP cache's image-text similarity alone, no training
+
+
 def _cell(run: Run, loss: str) -> Cell:
     result = run.losses[loss]
     seeds = len(result.get("per_seed") or []) or 1
@@ -76,6 +79,7 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
             if published:
                 cell.paper, cell.source = published
         rows.append((loss, cells))
+    reference = _zero_shot_cells(columns, chosen)
     for column in columns:
         candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells]
         if candidates:
@@ -83,7 +87,21 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
         if paper and column.dataset in DATASET_LABELS and column.weights not in (None, "IMAGENET1K_V1"):
             notes.append(f"{column.label}: ResNet-50 weights '{column.weights}', the papers' IMAGENET1K_V1:"
                          " the comparison is not like for like")
+    rows += [(ZERO_SHOT, reference)] if reference else []  # after the best marks: never the best loss
     return Table(columns, rows, oracles & present, paper, notes, [run for run in runs if run.results is None])
+
+
+def _zero_shot_cells(columns: list[Column], chosen: dict[tuple[str, str], Run]) -> dict[str, Cell]:
+    """Per column, the zero-shot reference (test mAP of the image-text similarity) its newest run recorded."""
+    cells = {}
+    for column in columns:
+        found = [run for (label, _), run in chosen.items() if label == column.label
+                 and ((run.results or {}).get("reference") or {}).get("zero_shot")]
+        if found:
+            run = max(found, key=lambda r: (r.stamp, r.path.name))
+            cells[column.label] = Cell(mean=float(run.results["reference"]["zero_shot"]["test_map"]), std=None,
+                                       seeds=1, run=run.path)
+    return cells
 
 
 def cell_text(cell: Cell | None) -> str:
