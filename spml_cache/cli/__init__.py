@@ -104,9 +104,12 @@ def make_demo_data_command(
 def extract_command(
     dataset: str = typer.Argument(..., help="voc, coco, nus, cub or csv."),
     root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-<R>.h5)."),
-    weights: str = typer.Option("IMAGENET1K_V1", "--weights", help="IMAGENET1K_V1 (the papers'), IMAGENET1K_V2, a ResNet-50 .pth, or none (random)."),
-    resolution: int = typer.Option(448, "--resolution", help="Images are resized to R x R, aspect ratio ignored."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the backbone's - : / as _)."),
+    backbone: str = typer.Option("resnet50", "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG (docs/internals.md)."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default DEFAULT); timm: pretrained (default); clip: a tag (default: the name's); any: a local .pth, or none (random)."),
+    resolution: Optional[int] = typer.Option(None, "--resolution", help="The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and centre-cropped)."),
+    clip_features: str = typer.Option("post", "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
+    prompts: str = typer.Option("default", "--prompts", help="clip: the text templates, default ('a photo of a {}.'), vlpl, or a file with one template per line."),
     batch_size: int = typer.Option(64, "--batch-size", help="Images per forward pass."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
     device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
@@ -118,7 +121,8 @@ def extract_command(
     skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out images whose file is missing (recorded in the attrs)."),
     observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules to store beside single, a comma list: single, uniform:pos=K,neg=M, entry:P, keep-pos:F, per-class:N, largest, size (docs/protocol.md); a complete cache gets the ones it lacks."),
 ) -> None:
-    """Stage one: run the frozen ResNet-50 over a dataset once and write its features to an HDF5 cache.
+    """Stage one: run a frozen backbone (ResNet-50 by default) over a dataset once and write its features to an
+    HDF5 cache; a clip:ARCH/TAG backbone also writes its image embeddings and the class prompts' text embeddings.
 
     An interrupted run resumes from <out>.partial; a complete cache is not recomputed unless --force. Under
     torchrun --nproc-per-node N -m spml_cache extract ..., each process extracts every N-th row and rank 0 joins
@@ -132,7 +136,8 @@ def extract_command(
     from spml_cache.extract import extract
 
     report = extract(
-        dataset, require_root(root), out=out, weights=weights, resolution=resolution, batch_size=batch_size,
+        dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
+        clip_features=clip_features, prompts=prompts, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules,
     )
