@@ -47,8 +47,9 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     if extra:
         with torch.device("meta"):
             model = _create(name, extra)
-    if weights == PRETRAINED:
-        provenance = f"{cfg.get('architecture', name)}.{cfg['tag']}" if cfg.get("tag") else name
+    tagged = f"{cfg.get('architecture', name)}.{cfg['tag']}" if cfg.get("tag") else name
+    if weights in (PRETRAINED, tagged):  # the provenance a cache records reads back as the same weights
+        weights, provenance = PRETRAINED, tagged
     elif weights.lower() == "none":
         provenance = "none"
     elif Path(weights).expanduser().is_file():

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from spml_cache import backbone, cache, losses, observation, runs
+from spml_cache import backbones, cache, losses, observation, runs
+from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.errors import SpmlError
 from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
@@ -169,6 +170,11 @@ class Setup:
     processes: Processes
     workers: int
     notes: list[str]
+    preprocess: Preprocess | None = None  # the backbone's own; None: the papers' R x R squash at the resolution
+
+    def __post_init__(self) -> None:
+        if self.preprocess is None:
+            self.preprocess = Preprocess(self.settings.resolution)
 
 
 @dataclass(frozen=True)
@@ -212,16 +218,18 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     image_root, rows, skipped = usable_rows(features.dataset, Path(root), ids, settings.skip_missing)
     notes += [skipped] if skipped else []
     check_val_split(features.val.labels[rows["val"]], str(features.path))
-    trunk, provenance = backbone.build_trunk(settings.weights)
+    described = linear_init.trunk_backbone(features.attrs, settings.weights, settings.resolution)
+    trunk = backbones.build(described)
+    provenance = described.provenance
     if start is not None and provenance != features.attrs.get("weights"):
         notes.append(f"note: {features.path} was extracted with weights {features.attrs.get('weights')} but the trunk"
                      f" starts from {provenance}, so the start is not the linear stage's model (see --weights)")
-    head = nn.Linear(backbone.FEATURE_DIM, len(features.classes))
+    head = nn.Linear(described.feature_dim, len(features.classes))
     if start is not None:
         head.weight.data.copy_(start.weight)
         head.bias.data.copy_(start.bias)
     model = FineTuneModel(trunk, head)
-    return Setup(settings, features, image_root, rows, start, model, processes, workers, notes)
+    return Setup(settings, features, image_root, rows, start, model, processes, workers, notes, described.preprocess)
 
 
 def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
@@ -277,7 +285,8 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
     return FinetuneSettings(
         init="best" if start is not None else "imagenet", loss=loss, dataset=features.dataset,
         cache=str(Path(features.path).resolve()), from_run=start and str(start.run.resolve()),
-        weights=chosen("weights", linear_init.default_weights(features.attrs)), resolution=resolution, epochs=epochs,
+        weights=linear_init.trunk_backbone(features.attrs, chosen("weights", linear_init.default_weights(features.attrs)),
+                                           resolution).weights, resolution=resolution, epochs=epochs,
         lrs=lrs, batch_sizes=batch_sizes, seeds=list(range(options.seeds or 1)), head_lr_mult=head_lr_mult,
         skip_missing=bool(options.skip_missing), hparams=hparams, fidelity=Fidelity.check(options.fidelity), rule=rule,
     )
