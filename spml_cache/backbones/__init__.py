@@ -20,11 +20,14 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.errors import SpmlError
+
+if TYPE_CHECKING:  # the registry's names and defaults stay importable without torch (the report reads them)
+    from torch import nn
+
+    from spml_cache.backbones.preprocess import Preprocess
 
 DEFAULT = "resnet50"
 CLIP_FEATURES = ("post", "pre")  # after CLIP's projection (its README's code), before it (the paper's probes)
