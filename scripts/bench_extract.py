@@ -189,7 +189,7 @@ def measure(args) -> dict:
     name = device_name(device)
     images = args.images or (10_000 if device.type == "cuda" else 64)
     described = backbones.describe(args.backbone, args.weights, args.resolution)
-    resolution = described.preprocess.resolution
+    resolution = described.resolution
     print(f"device: {name}; {args.backbone}, {images} images at {resolution} px, batch {args.batch_size}, {precision}")
     torch.backends.cudnn.benchmark = True  # as extract sets it
     with warnings.catch_warnings():

@@ -190,3 +190,24 @@ def test_prompt_templates(tmp_path):
     with pytest.raises(SpmlError, match="--prompts nowhere: use default, vlpl"):
         backbones.prompts("nowhere")
     assert backbones.class_prompts(["potted_plant"], ["a {}."]) == [["a potted plant."]]
+
+
+def test_clip_crops_are_the_grid_of_the_loaded_square(tiny_clip):
+    described = backbones.describe(f"clip:{tiny_clip}", "none", crops=2)
+    assert described.preprocess.resolution == 64 and described.attrs()["resolution"] == 32
+    assert described.row_shapes() == {"features": (16,), "image_embeddings": (16,), "crop_embeddings": (4, 16)}
+    assert "cut into 2x2 crops of 32x32" in described.attrs()["resize"]
+    trunk = backbones.build(described).eval()
+    x = described.preprocess(images())
+    with torch.no_grad():
+        row = trunk(x)
+        assert row.shape == (2, 16 + 16 + 4 * 16)
+        model = trunk.model
+        whole = F.interpolate(x, size=(32, 32), mode="bilinear", antialias=True)
+        torch.testing.assert_close(row[:, :16], model.encode_image(whole))
+        top_right = x[:, :, :32, 32:]  # crop 1 in row-major order
+        torch.testing.assert_close(row[:, 32 + 16 : 32 + 32], F.normalize(model.encode_image(top_right), dim=-1))
+    with pytest.raises(SpmlError, match="--crops 1: use 2 or more"):
+        backbones.describe(f"clip:{tiny_clip}", "none", crops=1)
+    with pytest.raises(SpmlError, match="for clip:ARCH/TAG backbones only"):
+        backbones.describe("resnet18", "none", crops=2)

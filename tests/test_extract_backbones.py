@@ -67,25 +67,29 @@ def test_timm_and_torchvision_backbones_write_their_own_caches(data):
 def test_clip_backbone_writes_image_and_text_embeddings(data, tmp_path):
     (tmp_path / "prompts.txt").write_text("a photo of a {}.\na {} in the wild.\n")
     done = run(data, "--backbone", f"clip:{TINY_CLIP}", "--clip-features", "pre", "--prompts",
-               str(tmp_path / "prompts.txt"), "--batch-size", "4", clip=True)
+               str(tmp_path / "prompts.txt"), "--batch-size", "4", "--crops", "2", clip=True)
     assert done.returncode == 0, done.stderr
     path = data / "cache" / f"csv-clip_{TINY_CLIP.replace('-', '_')}-32.h5"
     with h5py.File(path) as file:
         attrs = {key: cache.plain(value) for key, value in file.attrs.items()}
         assert (attrs["backbone"], attrs["clip_features"], attrs["feature_dim"]) == (f"clip:{TINY_CLIP}", "pre", 32)
-        assert json.loads(attrs["templates"]) == ["a photo of a {}.", "a {} in the wild."]
+        assert json.loads(attrs["templates"]) == ["a photo of a {}.", "a {} in the wild."] and attrs["grid"] == 2
+        assert attrs["resolution"] == 32
         for split in cache.SPLITS:
             group = file[split]
             embeddings = group["image_embeddings"][...]
             assert group["features"].shape == (len(group["ids"]), 32) and embeddings.shape == (len(group["ids"]), 16)
             assert embeddings.dtype == np.float32
             np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, rtol=1e-5)
+            crops = group["crop_embeddings"][...]
+            assert crops.shape == (len(group["ids"]), 4, 16)
+            np.testing.assert_allclose(np.linalg.norm(crops, axis=2), 1.0, rtol=1e-5)
         text = file["text"]["embeddings"]
         assert text.shape == (2, 16) and json.loads(text.attrs["templates"]) == json.loads(attrs["templates"])
         np.testing.assert_allclose(np.linalg.norm(text[...], axis=1), 1.0, rtol=1e-5)
     register_tiny_clip(tmp_path)  # in this process too
     with pytest.raises(SpmlError, match="templates: .* --force"):  # other templates, another cache
-        extract("csv", data, out=path, backbone=f"clip:{TINY_CLIP}", weights="none", clip_features="pre",
+        extract("csv", data, out=path, backbone=f"clip:{TINY_CLIP}", weights="none", clip_features="pre", crops=2,
                 device="cpu", workers=0)
 
 

@@ -66,6 +66,11 @@ class Description:
         return slug(self.backbone)
 
     @property
+    def resolution(self) -> int:
+        """The backbone's input side R (with crops the loader's images are G x R: the whole and its G x G crops)."""
+        return self.preprocess.resolution // max(self.grid, 1)
+
+    @property
     def row_width(self) -> int:
         """Columns of one trunk output row: the features, then (CLIP) the embedding and the crops' embeddings."""
         return self.feature_dim + self.embed_dim * (1 + self.grid * self.grid)
@@ -81,10 +86,13 @@ class Description:
 
     def attrs(self) -> dict:
         """The cache's settings attrs that say what the features are (ResNet-50's exactly as they always were)."""
+        resize = self.preprocess.describe()
+        if self.grid:
+            resize += (f"; the whole resized to {self.resolution}x{self.resolution} (bilinear, antialiased) and cut"
+                       f" into {self.grid}x{self.grid} crops of {self.resolution}x{self.resolution}")
         attrs = {
-            "backbone": self.backbone, "weights": self.provenance, "resolution": self.preprocess.resolution,
-            "resize": self.preprocess.describe(), "mean": list(self.preprocess.mean), "std": list(self.preprocess.std),
-            "feature_dim": self.feature_dim,
+            "backbone": self.backbone, "weights": self.provenance, "resolution": self.resolution, "resize": resize,
+            "mean": list(self.preprocess.mean), "std": list(self.preprocess.std), "feature_dim": self.feature_dim,
         }  # fmt: skip
         if self.family == "clip":
             attrs["clip_features"] = self.clip_features

@@ -71,10 +71,11 @@ def describe(rest: str, weights: str | None, resolution: int | None, clip_featur
     cfg = {**config.get("preprocess_cfg", {}), **pretrained_cfg}
     mean, std = tuple(cfg.get("mean") or OPENAI_MEAN), tuple(cfg.get("std") or OPENAI_STD)
     interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
+    loaded = side * max(crops, 1)  # with crops: the image at G x R, cut into G x G crops of R by the trunk
     if cfg.get("resize_mode") == "squash":
-        preprocess = Preprocess(side, mean, std)
+        preprocess = Preprocess(loaded, mean, std)
     else:
-        preprocess = Preprocess.crop(side, 1.0, mean, std, interpolation)
+        preprocess = Preprocess.crop(loaded, 1.0, mean, std, interpolation)
     embed = int(config["embed_dim"])
     width = int(vision["width"]) if clip_features == "pre" else embed
     extra = {"arch": arch, "force_image_size": side if side != native else None}
@@ -83,20 +84,32 @@ def describe(rest: str, weights: str | None, resolution: int | None, clip_featur
 
 
 class ClipTrunk(nn.Module):
-    """CLIP's image tower giving rows of [features, normalised embedding]; `class_embeddings` is its text side."""
+    """CLIP's image tower giving rows of [features, normalised embedding] and, with a `grid` G, the normalised
+    embeddings of the G x G crops of its input (a G x R square: the whole image is that square resized to R);
+    `class_embeddings` is its text side."""
 
-    def __init__(self, model: nn.Module, arch: str, pre: bool) -> None:
+    def __init__(self, model: nn.Module, arch: str, pre: bool, grid: int = 0) -> None:
         super().__init__()
-        self.model, self.arch = model, arch
+        self.model, self.arch, self.grid = model, arch, grid
         self.proj = None
         if pre:  # the tower stops before its projection; the projection is applied here for the embedding
             self.proj = model.visual.proj
             model.visual.proj = None
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def _embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pooled = self.model.visual(images)
         embedding = pooled @ self.proj if self.proj is not None else pooled
-        return torch.cat([pooled, F.normalize(embedding.float(), dim=-1).to(pooled.dtype)], dim=1)
+        return pooled, F.normalize(embedding.float(), dim=-1).to(pooled.dtype)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if not self.grid:
+            return torch.cat(self._embed(images), dim=1)
+        count, grid, side = len(images), self.grid, images.shape[-1] // self.grid
+        whole = F.interpolate(images, size=(side, side), mode="bilinear", antialias=True, align_corners=False)
+        crops = images.reshape(count, 3, grid, side, grid, side).permute(0, 2, 4, 1, 3, 5)  # row-major crops
+        crops = crops.reshape(count * grid * grid, 3, side, side).contiguous(memory_format=torch.channels_last)
+        _, crop_embeddings = self._embed(crops)
+        return torch.cat([*self._embed(whole), crop_embeddings.reshape(count, -1)], dim=1)
 
     @torch.inference_mode()
     def class_embeddings(self, prompts: list[list[str]]) -> np.ndarray:
@@ -127,7 +140,7 @@ def build(description: Description) -> nn.Module:
             root.setLevel(level)
         warnings.warn(f"--weights none: clip:{arch} is randomly initialised; its features are not CLIP's",
                       backbone.RandomWeightsWarning, stacklevel=2)
-        return ClipTrunk(model, arch, pre)
+        return ClipTrunk(model, arch, pre, description.grid)
     source = str(Path(weights).expanduser()) if Path(weights).expanduser().is_file() else weights
     try:
         model = open_clip.create_model(arch, pretrained=source, require_pretrained=True, **options)
@@ -140,4 +153,4 @@ def build(description: Description) -> nn.Module:
         raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights are not in the hub cache {cache}{offline}"
                         f" and could not be fetched ({type(err).__name__}): download them once where there is a"
                         " network (HF_HOME says where they go), or pass --weights PATH to a local checkpoint") from None
-    return ClipTrunk(model, arch, pre)
+    return ClipTrunk(model, arch, pre, description.grid)

@@ -110,6 +110,7 @@ def extract_command(
     resolution: Optional[int] = typer.Option(None, "--resolution", help="The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and centre-cropped)."),
     clip_features: str = typer.Option("post", "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
     prompts: str = typer.Option("default", "--prompts", help="clip: the text templates, default ('a photo of a {}.'), vlpl, or a file with one template per line."),
+    crops: int = typer.Option(0, "--crops", help="clip: also the embeddings of a G x G grid of crops of each image (G >= 2; GPR's crop pseudo-labels)."),
     batch_size: int = typer.Option(64, "--batch-size", help="Images per forward pass."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
     device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
@@ -137,7 +138,7 @@ def extract_command(
 
     report = extract(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
-        clip_features=clip_features, prompts=prompts, batch_size=batch_size,
+        clip_features=clip_features, prompts=prompts, crops=crops, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules,
     )

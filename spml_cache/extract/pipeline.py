@@ -174,7 +174,7 @@ def extract(
     described = backbones.describe(backbone, weights, resolution, clip_features, crops)
     templates = backbones.prompts(prompts) if described.embed_dim else None
     settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
-    path = output_path(out, images.dataset, described.preprocess.resolution, described.slug)
+    path = output_path(out, images.dataset, described.resolution, described.slug)
     own, writing = (shard.rows(rows), shard.path(path)) if shard else (rows, path)  # what this process writes
     partial_file = cache.partial_path(writing)
     counts = {name: len(split) for name, split in rows.items()}
