@@ -31,7 +31,8 @@ runpy.run_module("spml_cache", run_name="__main__")
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_numbered_csv_dataset(tmp_path_factory.mktemp("backbones"), 9, first_test=6, classes=("cat", "potted_plant"))
+    folder = tmp_path_factory.mktemp("backbones")
+    return write_numbered_csv_dataset(folder, 9, first_test=6, classes=("cat", "potted_plant"))
 
 
 def run(folder, *args: str, clip: bool = False) -> subprocess.CompletedProcess:
@@ -57,7 +58,8 @@ def test_timm_and_torchvision_backbones_write_their_own_caches(data):
     timm_cache = cache.load(data / "cache" / "csv-timm_resnet10t-32.h5")
     attrs = timm_cache.attrs
     assert (attrs["backbone"], attrs["weights"], attrs["feature_dim"]) == ("timm:resnet10t", "none", 512)
-    assert attrs["resize"] == "shorter side 37, bicubic, antialiased, centre crop 32x32" and "clip_features" not in attrs
+    assert attrs["resize"] == "shorter side 37, bicubic, antialiased, centre crop 32x32"
+    assert "clip_features" not in attrs and "timm_version" in attrs
     assert timm_cache.train.features.shape[1] == 512
     with h5py.File(data / "cache" / "csv-resnet18-32.h5") as file:
         assert file["test"]["features"].shape == (3, 512) and "text" not in file

@@ -56,11 +56,11 @@ class Preprocess:
         out = torch.empty((len(images), 3, side, side), dtype=torch.uint8, device=device)
         for index, image in enumerate(images):
             image = image.to(device)
-            if mode == InterpolationMode.BICUBIC:  # uint8 bicubic overshoots: compute in float, round, clamp
+            if mode == InterpolationMode.BILINEAR and image.device.type == "cpu":  # the native uint8 kernel
+                resized = TF.resize(image, [self.resize], interpolation=mode, antialias=True)
+            else:  # bicubic overshoots, and a GPU has no uint8 kernel: float, rounded to 8-bit levels, clamped
                 resized = TF.resize(image.float(), [self.resize], interpolation=mode, antialias=True)
                 resized = resized.round_().clamp_(0, 255).to(torch.uint8)
-            else:
-                resized = TF.resize(image, [self.resize], interpolation=mode, antialias=True)
             out[index] = TF.center_crop(resized, [side, side])
         return out
 

@@ -16,10 +16,11 @@ from spml_cache.cache.schema import (
     CONTENT_ATTR, COPY_BLOCK_ROWS, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
     partial_path, plain,
 )
-from spml_cache.cache.columns import (
-    ROW_DATASETS, TEXT_GROUP, RowShapes, read_wide as _read_wide, row_shapes, width as _width, write_text as _write_text,
-    write_wide as _write_wide,
-)
+from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
+from spml_cache.cache.columns import read_wide as _read_wide
+from spml_cache.cache.columns import width as _width
+from spml_cache.cache.columns import write_text as _write_text
+from spml_cache.cache.columns import write_wide as _write_wide
 from spml_cache.errors import SpmlError
 
 def _check_rows(name: str, rows: SplitRows, num_classes: int) -> None:

@@ -289,7 +289,7 @@ def finetune_command(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Dataset name, to find its newest linear run and default cache."),
     root: Optional[Path] = typer.Option(None, "--root", help="Dataset root the cache was extracted from; images are read from ROOT/id (default: $SPML_DATA)."),
     loss: Optional[str] = typer.Option(None, "--loss", help="Loss to fine-tune with (spml-cache losses lists them); its head is the one taken; loss@rule (an@entry:0.1) takes its head under that observation rule, and trains on that rule's labels."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Trunk init: IMAGENET1K_V1, IMAGENET1K_V2, none or a .pth (default: what made the cache); must match the cache for an exact LinearInit."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Trunk init, for the cache's backbone: a weights tag (IMAGENET1K_V1, ...), none or a .pth (default: what made the cache); must match the cache for an exact LinearInit."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs (default 10, or the loss's recipe: GR 8 on VOC/COCO)."),
     lr: Optional[str] = typer.Option(None, "--lr", help="Comma-separated learning rates, or 'grid' for 1e-2,1e-3,1e-4,1e-5 (default 1e-5,1e-4)."),
     batch_size: Optional[str] = typer.Option(None, "--batch-size", help="Comma-separated global batch sizes (default 8,16); shared by torchrun's processes."),

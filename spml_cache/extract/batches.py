@@ -166,7 +166,8 @@ def run_batches(partial, paths, trunk, *, preprocess: Preprocess, width: int, ba
         try:
             if feed_thread:
                 feed = Feed(loader, decode, device=device, dtype=dtype, rows=largest,
-                            resolution=preprocess.resolution, pad=pad_batches, normalise=preprocess.normalise)  # fmt: skip
+                            resolution=preprocess.resolution, pad=pad_batches,
+                            normalise=preprocess.normalise)  # fmt: skip
                 try:
                     for fed in feed:
                         if fed.error is not None:

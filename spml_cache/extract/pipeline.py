@@ -22,6 +22,7 @@ a row non-finite even in fp32 is treated as a bad image.
 
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -73,10 +74,12 @@ class ExtractReport:
 # --- provenance ------------------------------------------------------------------------------------------
 
 
-def run_attrs(device: torch.device) -> dict:
-    """Provenance of the process that finished the cache."""
+def run_attrs(device: torch.device, family: str = "tv") -> dict:
+    """Provenance of the process that finished the cache (and the version of the backbone's library)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {
+    library = {"timm": "timm", "clip": "open_clip"}.get(family)
+    versions = {f"{library}_version": importlib.import_module(library).__version__} if library else {}
+    return {**versions,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "package_version": spml_cache.__version__,
         "torch_version": torch.__version__,
@@ -245,7 +248,8 @@ def extract(
             report.left_out = partial.num_bad() - bad_before
             report.recomputed = partial.recomputed()
             if shard is None:
-                final, report.skipped = partial.finalise(run_attrs(torch_device), rule_store.for_finalise(rows))
+                final, report.skipped = partial.finalise(run_attrs(torch_device, described.family),
+                                                         rule_store.for_finalise(rows))
         except (OSError, RuntimeError) as err:
             if DiskFull.caused(err):  # h5py's own words for it are two lines of HDF5 internals
                 raise DiskFull(partial_file) from None
@@ -256,8 +260,8 @@ def extract(
         done = {"extracted": report.extracted, "left_out": report.left_out, "resumed": report.resumed,
                 "seconds": report.seconds, "not_finite": left_out}
         with locks.held(path, f"the cache {path}") if shard.main else nullcontext():
-            joined = shards.join(shard, path, settings, rows, described.row_shapes(), run_attrs(torch_device), done,
-                                 rule_store.for_finalise(rows), text)
+            joined = shards.join(shard, path, settings, rows, described.row_shapes(),
+                                 run_attrs(torch_device, described.family), done, rule_store.for_finalise(rows), text)
         shard.ranks.leave()
         if joined is None:
             return None  # rank 0 reports for every rank

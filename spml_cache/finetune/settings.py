@@ -285,11 +285,16 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
     return FinetuneSettings(
         init="best" if start is not None else "imagenet", loss=loss, dataset=features.dataset,
         cache=str(Path(features.path).resolve()), from_run=start and str(start.run.resolve()),
-        weights=linear_init.trunk_backbone(features.attrs, chosen("weights", linear_init.default_weights(features.attrs)),
-                                           resolution).weights, resolution=resolution, epochs=epochs,
+        weights=_weights(features.attrs, chosen("weights", linear_init.default_weights(features.attrs)), resolution),
+        resolution=resolution, epochs=epochs,
         lrs=lrs, batch_sizes=batch_sizes, seeds=list(range(options.seeds or 1)), head_lr_mult=head_lr_mult,
         skip_missing=bool(options.skip_missing), hparams=hparams, fidelity=Fidelity.check(options.fidelity), rule=rule,
     )
+
+
+def _weights(cache_attrs: dict, weights: str | None, resolution: int) -> str:
+    """The trunk's weights as the backbone names them (None: its default); refuses a backbone not fine-tuned here."""
+    return linear_init.trunk_backbone(cache_attrs, weights, resolution).weights
 
 
 def describe_start(head: runs.LinearHead | None, settings: FinetuneSettings) -> str:
