@@ -56,9 +56,9 @@ class Preprocess:
         out = torch.empty((len(images), 3, side, side), dtype=torch.uint8, device=device)
         for index, image in enumerate(images):
             image = image.to(device)
-            if mode == InterpolationMode.BILINEAR and image.device.type == "cpu":  # the native uint8 kernel
+            if image.device.type == "cpu":  # torch's uint8 kernels (made to match PIL's, which the libraries use)
                 resized = TF.resize(image, [self.resize], interpolation=mode, antialias=True)
-            else:  # bicubic overshoots, and a GPU has no uint8 kernel: float, rounded to 8-bit levels, clamped
+            else:  # no uint8 kernel on a GPU: float, rounded to 8-bit levels and clamped (bicubic overshoots)
                 resized = TF.resize(image.float(), [self.resize], interpolation=mode, antialias=True)
                 resized = resized.round_().clamp_(0, 255).to(torch.uint8)
             out[index] = TF.center_crop(resized, [side, side])
