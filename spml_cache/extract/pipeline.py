@@ -158,9 +158,9 @@ def extract(
     """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring.
     `observe`: observation rules whose masks to store beside `single`'s (extract/rules.py); a complete cache
     that lacks some gets them without recomputing its features. `backbone`, `weights` (None: the backbone's
-    default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/.
-    Under torchrun every process extracts its share
-    of the rows and rank 0 joins them (shards.py); the other ranks return None, rank 0 the report of the whole.
+    default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
+    torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks
+    return None, rank 0 the report of the whole.
 
     `pad_batches` and `feed_thread` are internal (no flag): None is on for a GPU, off for the CPU; the tests
     force them on the CPU to show the cache does not depend on them."""
@@ -214,7 +214,8 @@ def extract(
         if resume and not partial_file.exists():
             raise SpmlError(f"{path} was finished by another process meanwhile: run the command again")
         # before the first write: h5py has crashed outright creating a file on a full disk
-        room = estimated_size(own, len(images.classes), described.row_width) * (2 if shard and shard.main else 1)  # rank 0 joins
+        room = estimated_size(own, len(images.classes), described.row_width)
+        room *= 2 if shard and shard.main else 1  # rank 0 joins
         require_room(path, room - (partial_file.stat().st_size if resume else 0))
         trunk = trunk.eval().requires_grad_(False).to(torch_device, memory_format=torch.channels_last)
         text = _text_side(trunk, images.classes, templates)

@@ -147,7 +147,7 @@ class FinetuneSettings:
 
 
 class FineTuneModel(nn.Module):
-    """The ResNet-50 trunk (to the pooled 2048-d vector) and the linear head: logits `[B, C]`."""
+    """The backbone's trunk (to its pooled vector, 2048-d for ResNet-50) and the linear head: logits `[B, C]`."""
 
     def __init__(self, trunk: nn.Module, head: nn.Linear) -> None:
         super().__init__()
