@@ -211,3 +211,14 @@ def test_clip_crops_are_the_grid_of_the_loaded_square(tiny_clip):
         backbones.describe(f"clip:{tiny_clip}", "none", crops=1)
     with pytest.raises(SpmlError, match="for clip:ARCH/TAG backbones only"):
         backbones.describe("resnet18", "none", crops=2)
+
+
+def test_clip_weights_missing_offline_are_one_line_naming_the_hub_repository(monkeypatch, tmp_path, capfd):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    described = backbones.describe("clip:RN50/openai", clip_features="post")
+    assert described.provenance == "openai" and described.embed_dim == 1024
+    with pytest.raises(SpmlError, match=r"\(timm/resnet50_clip.openai\) are not in the hub cache") as error:
+        backbones.build(described)
+    assert "\n" not in str(error.value) and "ERROR" not in capfd.readouterr().err

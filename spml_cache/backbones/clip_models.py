@@ -11,6 +11,7 @@ std). Weights: the tag (default: the one in the name; open_clip fetches it into 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 import os
 import warnings
 from pathlib import Path
@@ -125,32 +126,41 @@ class ClipTrunk(nn.Module):
         return torch.stack(rows).cpu().numpy().astype(np.float32)
 
 
+@contextmanager
+def _quiet():
+    """open_clip logs on the root logger (a random init, a failed download): quiet while it builds."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 def build(description: Description) -> nn.Module:
     arch, weights = description.extra["arch"], description.weights
     options = {"force_image_size": description.extra.get("force_image_size")}
     pre = description.clip_features == "pre"
     if weights.lower() == "none":
-        root = logging.getLogger()
-        level, root.level = root.level, logging.ERROR  # open_clip logs "initialized randomly": we warn below
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                model = open_clip.create_model(arch, pretrained=None, **options)
-        finally:
-            root.setLevel(level)
+        with _quiet(), torch.random.fork_rng(devices=[]):  # open_clip logs "initialized randomly": we warn below
+            torch.manual_seed(0)
+            model = open_clip.create_model(arch, pretrained=None, **options)
         warnings.warn(f"--weights none: clip:{arch} is randomly initialised; its features are not CLIP's",
                       backbone.RandomWeightsWarning, stacklevel=2)
         return ClipTrunk(model, arch, pre, description.grid)
     source = str(Path(weights).expanduser()) if Path(weights).expanduser().is_file() else weights
     try:
-        model = open_clip.create_model(arch, pretrained=source, require_pretrained=True, **options)
+        with _quiet():  # its own log lines would come before our one line
+            model = open_clip.create_model(arch, pretrained=source, require_pretrained=True, **options)
     except Exception as err:  # hub, network, file format errors: all mean "these weights cannot be loaded"
         if source != weights:
             raise SpmlError(f"--weights {weights}: not an open_clip checkpoint for {arch} ({type(err).__name__}:"
                             f" {str(err).splitlines()[0][:160] if str(err) else ''})") from None
         cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
         offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights are not in the hub cache {cache}{offline}"
-                        f" and could not be fetched ({type(err).__name__}): download them once where there is a"
+        hub = (open_clip.get_pretrained_cfg(arch, weights) or {}).get("hf_hub") or "its hub repository"
+        raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights ({hub.rstrip('/')}) are not in the hub cache"
+                        f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there is a"
                         " network (HF_HOME says where they go), or pass --weights PATH to a local checkpoint") from None
     return ClipTrunk(model, arch, pre, description.grid)
