@@ -117,6 +117,10 @@ def test_timm_model_records_its_pretrained_config():
     assert described.preprocess == Preprocess(32, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 37, "bicubic")
     assert backbones.describe("timm:resnet10t", "pretrained").provenance == "resnet10t.c3_in1k"
     assert backbones.describe("timm:resnet10t", "pretrained").preprocess.resolution == 176  # its input_size
+    for tag in ("c3_in1k", "resnet10t.c3_in1k"):  # a tag, or the provenance a cache records: the same weights
+        assert backbones.describe("timm:resnet10t", tag).extra["source"] == "resnet10t.c3_in1k"
+    with pytest.raises(SpmlError, match="not a pretrained tag of timm:resnet10t"):
+        backbones.describe("timm:resnet10t", "bogus")
     trunk = backbones.build(described).eval()
     with torch.no_grad():
         assert trunk(described.preprocess(images())).shape == (2, described.feature_dim)

@@ -39,24 +39,25 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
         hint = f" (e.g. {', '.join(close)})" if close else ""
         raise SpmlError(f"--backbone timm:{name}: timm has no such model{hint}; timm.list_models() lists them")
     weights = weights or PRETRAINED
+    source = _tagged(name, weights) or name  # `--weights TAG`: that tag's weights (and its preprocessing)
     with torch.device("meta"):
-        model = _create(name, {})
+        model = _create(source, {})
     cfg = dict(model.pretrained_cfg)
     side = resolution or int(cfg["input_size"][-1])
     extra = {"img_size": side} if side != int(cfg["input_size"][-1]) and cfg.get("fixed_input_size") else {}
     if extra:
         with torch.device("meta"):
-            model = _create(name, extra)
+            model = _create(source, extra)
     tagged = f"{cfg.get('architecture', name)}.{cfg['tag']}" if cfg.get("tag") else name
-    if weights in (PRETRAINED, tagged):  # the provenance a cache records reads back as the same weights
+    if weights == PRETRAINED or source != name:  # a tag, or the provenance a cache records, reads back the same
         weights, provenance = PRETRAINED, tagged
     elif weights.lower() == "none":
         provenance = "none"
     elif Path(weights).expanduser().is_file():
         provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
     else:
-        raise SpmlError(f"--weights {weights}: no such file; for timm:{name} use pretrained (its tag's weights),"
-                        " none, or a path to a .pth state dict")
+        raise SpmlError(f"--weights {weights}: no such file, and not a pretrained tag of timm:{name}; use pretrained"
+                        " (the name's tag's weights), a tag (timm.list_pretrained() lists them), none, or a .pth path")
     interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
     mean, std = cfg.get("mean", backbone.IMAGENET_MEAN), cfg.get("std", backbone.IMAGENET_STD)
     if cfg.get("crop_mode") == "squash":
@@ -64,7 +65,18 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     else:
         preprocess = Preprocess.crop(side, float(cfg.get("crop_pct") or 1.0), mean, std, interpolation)
     return Description(f"timm:{name}", "timm", weights, provenance, preprocess, _width(model),
-                       extra={"create": extra, "hub": cfg.get("hf_hub_id") or cfg.get("url") or name})
+                       extra={"create": extra, "source": source, "hub": cfg.get("hf_hub_id") or cfg.get("url") or name})
+
+
+def _tagged(name: str, weights: str) -> str | None:
+    """The tagged timm name `weights` stands for: a tag of `name`'s architecture (`fb_in22k`), or a tagged name
+    of it (`convnext_tiny.fb_in22k`, what a cache records); None otherwise."""
+    architecture = name.split(".")[0]
+    for candidate in (weights, f"{architecture}.{weights}"):
+        if candidate.split(".")[0] == architecture and "." in candidate and candidate in timm.list_pretrained(
+                f"{architecture}.*"):
+            return candidate
+    return None
 
 
 def _load_file(model: nn.Module, path: Path, name: str) -> None:
@@ -81,6 +93,7 @@ def _load_file(model: nn.Module, path: Path, name: str) -> None:
 def build(description: Description) -> nn.Module:
     name, weights = description.backbone.split(":", 1)[1], description.weights
     extra = description.extra.get("create", {})
+    source = description.extra.get("source", name)
     if weights.lower() == "none":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -90,7 +103,7 @@ def build(description: Description) -> nn.Module:
         return model
     if weights == PRETRAINED:
         try:
-            return _create(name, extra, pretrained=True)
+            return _create(source, extra, pretrained=True)
         except Exception as err:  # hub errors, missing files offline, network errors: all mean "no weights here"
             cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
             offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
