@@ -30,6 +30,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     require_root,
 )
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
+from spml_cache import backbones
 from spml_cache.errors import Interrupted, SpmlError
 
 app = typer.Typer(
@@ -105,11 +106,11 @@ def extract_command(
     dataset: str = typer.Argument(..., help="voc, coco, nus, cub or csv."),
     root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the backbone's - : / as _)."),
-    backbone: str = typer.Option("resnet50", "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG (docs/internals.md)."),
+    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG (docs/internals.md)."),
     weights: Optional[str] = typer.Option(None, "--weights", help="resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default DEFAULT); timm: pretrained (default) or a tag; clip: a tag (default: the name's); any: a local .pth, or none (random)."),
     resolution: Optional[int] = typer.Option(None, "--resolution", help="The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and centre-cropped)."),
-    clip_features: str = typer.Option("post", "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
-    prompts: str = typer.Option("default", "--prompts", help="clip: the text templates, default ('a photo of a {}.'), vlpl, or a file with one template per line."),
+    clip_features: str = typer.Option(backbones.DEFAULT_CLIP_FEATURES, "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
+    prompts: str = typer.Option(backbones.DEFAULT_PROMPTS, "--prompts", help="clip: the text templates, default ('a photo of a {}.'), vlpl, or a file with one template per line."),
     crops: int = typer.Option(0, "--crops", help="clip: also the embeddings of a G x G grid of crops of each image (G >= 2; GPR's crop pseudo-labels)."),
     batch_size: int = typer.Option(64, "--batch-size", help="Images per forward pass."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
