@@ -84,7 +84,7 @@ def test_clip_backbone_writes_image_and_text_embeddings(data, tmp_path):
             assert embeddings.dtype == np.float32
             np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, rtol=1e-5)
             crops = group["crop_embeddings"][...]
-            assert crops.shape == (len(group["ids"]), 4, 16)
+            assert crops.shape == (len(group["ids"]), 4, 16) and group["crop_embeddings"].attrs["grid"] == 2
             np.testing.assert_allclose(np.linalg.norm(crops, axis=2), 1.0, rtol=1e-5)
         text = file["text"]["embeddings"]
         assert text.shape == (2, 16) and json.loads(text.attrs["templates"]) == json.loads(attrs["templates"])

@@ -67,7 +67,9 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
         for name in SPLITS:
             rows, group = splits[name], file.create_group(name)
             for name, shape in shapes.items():
-                _allocated(group, name, (len(rows), *shape), np.float32)
+                allocated = _allocated(group, name, (len(rows), *shape), np.float32)
+                if name == "crop_embeddings":  # [N, G*G, E]: the grid's side G on the dataset
+                    allocated.attrs["grid"] = round(shape[0] ** 0.5)
             group.create_dataset("labels", data=rows.labels.astype(np.uint8))
             group.create_dataset("ids", data=np.array(rows.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
             if rows.observed is not None:
