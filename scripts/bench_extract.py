@@ -14,6 +14,9 @@ them distinct, the rest copies under other names) as a CSV dataset in a temporar
   not; with `--compile`, torch.compile'd too, its compile time counted apart), each with its largest deviation
   from fp32 features of the same batch: max over rows of max |f - f32| / max |f32| (fp32 with TF32 off).
 
+`--backbone NAME` measures any registered backbone (extract's `--backbone`: resnet50 by default, timm:NAME,
+clip:ARCH/TAG, ...) at its own preprocessing and resolution unless `--resolution` is given.
+
 Examples:
     python scripts/bench_extract.py                     # a GPU: 10,000 images at 448 px, batch 64
     python scripts/bench_extract.py --images 96 --resolution 224 --batch-size 16 --trunk-batches 2   # a CPU
@@ -43,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import spml_cache  # noqa: E402
-from spml_cache import backbone  # noqa: E402
+from spml_cache import backbone, backbones  # noqa: E402
 from spml_cache.devices import resolve_device  # noqa: E402
 from spml_cache.extract import PRECISIONS, extract  # noqa: E402
 
@@ -90,14 +93,15 @@ def slug(device: torch.device, name: str) -> str:
     return "cpu" if device.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def decode_rate(blobs: list[bytes], resolution: int, batch_size: int, device: torch.device, dtype) -> float:
-    """images/s of decode + resize + normalise from bytes in memory (one untimed batch first: nvjpeg's start)."""
+def decode_rate(blobs: list[bytes], preprocess, batch_size: int, device: torch.device, dtype) -> float:
+    """images/s of decode + resize + normalise from bytes in memory (one untimed batch first: nvjpeg's start);
+    `preprocess`: the backbone's (backbones.preprocess.Preprocess)."""
     batches = [blobs[i : i + batch_size] for i in range(0, len(blobs), batch_size)]
-    backbone.normalise(backbone.resize(backbone.decode_jpegs(batches[0], device), resolution, device), dtype)
+    preprocess(backbone.decode_jpegs(batches[0], device), device, dtype)
     sync(device)
     start = time.perf_counter()
     for batch in batches:
-        backbone.normalise(backbone.resize(backbone.decode_jpegs(batch, device), resolution, device), dtype)
+        preprocess(backbone.decode_jpegs(batch, device), device, dtype)
     sync(device)
     return len(blobs) / (time.perf_counter() - start)
 
@@ -170,7 +174,8 @@ def end_to_end(folder, out, args, precision, **internal) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", backbone.RandomWeightsWarning)
         report = extract(
-            "csv", folder, out=out, weights=args.weights, resolution=args.resolution, batch_size=args.batch_size,
+            "csv", folder, out=out, backbone=args.backbone, weights=args.weights, resolution=args.resolution,
+            batch_size=args.batch_size,
             workers=args.workers, device=args.device, precision=precision, force=True, **internal,
         )  # fmt: skip
     return {"images": report.extracted, "seconds": round(report.seconds, 3),
@@ -183,11 +188,13 @@ def measure(args) -> dict:
     dtype = PRECISIONS[precision]
     name = device_name(device)
     images = args.images or (10_000 if device.type == "cuda" else 64)
-    print(f"device: {name}; {images} images at {args.resolution} px, batch {args.batch_size}, {precision}")
+    described = backbones.describe(args.backbone, args.weights, args.resolution)
+    resolution = described.resolution
+    print(f"device: {name}; {args.backbone}, {images} images at {resolution} px, batch {args.batch_size}, {precision}")
     torch.backends.cudnn.benchmark = True  # as extract sets it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", backbone.RandomWeightsWarning)
-        trunk, provenance = backbone.build_trunk(args.weights)
+        trunk, provenance = backbones.build(described), described.provenance
     trunk = trunk.eval().requires_grad_(False).to(device)
     result = {
         "benchmark": "extract", "script": "scripts/bench_extract.py",
@@ -195,7 +202,9 @@ def measure(args) -> dict:
         "device": {"type": device.type, "name": name, "threads": torch.get_num_threads()},
         "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                      "spml_cache": spml_cache.__version__, "python": platform.python_version()},
-        "settings": {"images": images, "unique_images": min(images, args.unique), "resolution": args.resolution,
+        "settings": {"backbone": described.backbone, "feature_dim": described.feature_dim,
+                     "preprocess": described.preprocess.describe(),
+                     "images": images, "unique_images": min(images, args.unique), "resolution": resolution,
                      "batch_size": args.batch_size, "workers": args.workers, "precision": precision,
                      "weights": provenance, "trunk_batches": args.trunk_batches, "compile": args.compile},
     }  # fmt: skip
@@ -213,11 +222,10 @@ def measure(args) -> dict:
                 folder, Path(tmp) / "baseline.h5", args, precision, pad_batches=False, feed_thread=False
             )
         blobs = [path.read_bytes() for path in paths]
-        decode = decode_rate(blobs, args.resolution, args.batch_size, device, dtype)
+        decode = decode_rate(blobs, described.preprocess, args.batch_size, device, dtype)
         result["decode"] = {"images": len(blobs), "images_per_s": round(decode, 2)}
         print(f"  decode + resize + normalise: {decode:.1f} img/s")
-        batch = backbone.normalise(backbone.resize(backbone.decode_jpegs(blobs[: args.batch_size], device),
-                                                   args.resolution, device)).contiguous()  # fmt: skip
+        batch = described.preprocess(backbone.decode_jpegs(blobs[: args.batch_size], device), device).contiguous()
         if len(batch) < args.batch_size:
             batch = batch.repeat((args.batch_size + len(batch) - 1) // len(batch), 1, 1, 1)[: args.batch_size]
     alone = run_trunk(copy.deepcopy(trunk).to(memory_format=torch.channels_last), batch, dtype, True,
@@ -242,7 +250,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=0, help="JPEGs to generate (default 10000 on a GPU, 64 on a CPU)")
     parser.add_argument("--unique", type=int, default=256, help="distinct images among them; the rest are copies")
-    parser.add_argument("--resolution", type=int, default=448)
+    parser.add_argument("--backbone", default=backbones.DEFAULT, help="as extract's --backbone (default resnet50)")
+    parser.add_argument("--resolution", type=int, default=None, help="default: the backbone's own (448 for resnet50)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--trunk-batches", type=int, default=20, help="timed batches per trunk measurement")
     parser.add_argument("--workers", type=int, default=None, help="loader processes (default: extract's)")
@@ -265,7 +274,10 @@ def main(argv=None) -> None:
     args = parse(argv)
     result = measure(args)
     device = result["device"]
-    default = REPO / "docs" / "benchmarks" / f"extract-{slug(torch.device(device['type']), device['name'])}.json"
+    named = slug(torch.device(device["type"]), device["name"])
+    backbone_name = result.get("settings", {}).get("backbone", backbones.DEFAULT)
+    named += "" if backbone_name == backbones.DEFAULT else f"-{backbones.slug(backbone_name)}"
+    default = REPO / "docs" / "benchmarks" / f"extract-{named}.json"
     path = args.json or default
     print(f"wrote {write_json(result, path)}")
 

@@ -104,14 +104,21 @@ def weights_provenance(weights: str) -> str:
 
 def _fetch_enum_weights(name: str) -> Path:
     """The cached file of an enum weight, downloading it only when absent and failing fast when offline."""
-    path = checkpoint_path(name)
+    return fetch_checkpoint(torchvision.models.ResNet50_Weights[name].url, f"ImageNet weights {name}",
+                            "or pass --weights PATH to a local ResNet-50 .pth")
+
+
+def fetch_checkpoint(url: str, what: str, other_way: str) -> Path:
+    """The file `url` names under `$TORCH_HOME/hub/checkpoints`, downloaded only when absent (not with
+    SPML_OFFLINE); when missing and not fetched, one line naming the file to place there, or `other_way`."""
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
     if path.is_file():
         return path
     way_out = (
-        f"ImageNet weights {name} are not cached (expected {path}; the cache folder is TORCH_HOME="
+        f"{what} are not cached (expected {path}; the cache folder is TORCH_HOME="
         f"{os.environ.get('TORCH_HOME', '~/.cache/torch')})"
     )
-    fix = f"copy {path.name} there, or pass --weights PATH to a local ResNet-50 .pth"
+    fix = f"copy {path.name} there, {other_way}"
     if os.environ.get("SPML_OFFLINE"):
         raise SpmlError(f"{way_out} and SPML_OFFLINE is set: {fix}")
     previous = socket.getdefaulttimeout()
@@ -120,15 +127,18 @@ def _fetch_enum_weights(name: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         hash_prefix = re.search(r"-([a-f0-9]+)\.", path.name)
         # download_url_to_file writes a temporary file and moves it into place, so no half file is left.
-        torch.hub.download_url_to_file(
-            torchvision.models.ResNet50_Weights[name].url, str(path), hash_prefix and hash_prefix.group(1)
-        )
+        torch.hub.download_url_to_file(url, str(path), hash_prefix and hash_prefix.group(1))
     except (OSError, RuntimeError, ValueError) as err:
         reason = getattr(err, "reason", None) or err  # urllib's "<urlopen error ...>" wraps the reason
         raise SpmlError(f"{way_out} and could not be downloaded ({reason}): {fix}") from None
     finally:
         socket.setdefaulttimeout(previous)
     return path
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A `.pth` file's tensors (loaded with `weights_only=True`, unwrapped from a training checkpoint)."""
+    return _read_state_dict(path)
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -324,16 +334,19 @@ def resize(images: list[torch.Tensor], resolution: int, device: torch.device | s
 
 
 @functools.lru_cache(maxsize=4)
-def _mean_std_255(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _mean_std_255(device: torch.device, mean: tuple = IMAGENET_MEAN, std: tuple = IMAGENET_STD
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Made once per device: a fresh host-to-GPU copy every batch would wait for the GPU to catch up."""
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+    mean = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255
     return mean, std
 
 
-def normalise(batch: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 `[B, 3, R, R]` -> ImageNet mean/std normalised `dtype`, channels_last, on the batch's device."""
-    mean, std = _mean_std_255(batch.device)
+def normalise(batch: torch.Tensor, dtype: torch.dtype = torch.float32, mean: tuple = IMAGENET_MEAN,
+              std: tuple = IMAGENET_STD) -> torch.Tensor:
+    """uint8 `[B, 3, R, R]` -> mean/std normalised `dtype` (ImageNet's unless given), channels_last, on the
+    batch's device."""
+    mean, std = _mean_std_255(batch.device, tuple(mean), tuple(std))
     normalised = (batch.float() - mean) / std
     return normalised.to(dtype).contiguous(memory_format=torch.channels_last)
 

@@ -14,6 +14,7 @@ from spml_cache.cache.schema import (
     CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet,
     SplitRows, content_hash, partial_path, plain,
 )
+from spml_cache.cache.columns import TEXT_GROUP
 from spml_cache.errors import SpmlError
 
 REQUIRED_ATTRS = ("dataset", "classes", "num_classes")
@@ -183,7 +184,6 @@ def _label_mask(path: Path, name: str, raw: dict[str, np.ndarray]) -> np.ndarray
         raise SpmlError(f"{path}: /{name}/{MASK} has shape {mask.shape}, labels {raw['labels'].shape}: rebuild the"
                         " cache (extract --force)")
     return None if mask is None else mask.astype(np.uint8, copy=False)
-TEXT_GROUP = "text"  # /text/embeddings: float32 [C, E] class prompt embeddings of a CLIP cache (its text side)
 NORM_TOLERANCE = 1e-2  # stored embeddings are L2-normalised: a norm further from 1 is a damaged or foreign array
 
 

@@ -16,6 +16,8 @@ from spml_cache.cache.schema import (
     CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
     partial_path, plain,
 )
+from spml_cache.cache import columns
+from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
 from spml_cache.errors import SpmlError
 
 def _check_rows(name: str, rows: SplitRows, num_classes: int) -> None:
@@ -44,8 +46,11 @@ def _set_attrs(file: h5py.File, attrs: dict) -> None:
         file.attrs[key] = str(value) if isinstance(value, str) else value
 
 
-def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int, *, bad_rows: bool) -> h5py.File:
-    """A new file at `path` (replacing any) with every array allocated, no row done, `complete` false."""
+def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int | RowShapes, *, bad_rows: bool,
+            text: dict | None = None) -> h5py.File:
+    """A new file at `path` (replacing any) with every array allocated, no row done, `complete` false.
+    `feature_dim`: the features' width, or every per-row dataset's shape per row (`ROW_DATASETS`)."""
+    shapes = {"features": (feature_dim,)} if isinstance(feature_dim, int) else dict(feature_dim)
     num_classes = int(attrs["num_classes"])
     for name in SPLITS:
         _check_rows(name, splits[name], num_classes)
@@ -60,7 +65,10 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
         file.attrs["complete"] = False
         for name in SPLITS:
             rows, group = splits[name], file.create_group(name)
-            _allocated(group, "features", (len(rows), feature_dim), np.float32)
+            for name, shape in shapes.items():
+                allocated = _allocated(group, name, (len(rows), *shape), np.float32)
+                if name == "crop_embeddings":  # [N, G*G, E]: the grid's side G on the dataset
+                    allocated.attrs["grid"] = round(shape[0] ** 0.5)
             group.create_dataset("labels", data=rows.labels.astype(np.uint8))
             group.create_dataset("ids", data=np.array(rows.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
             if rows.observed is not None:
@@ -71,6 +79,7 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
             if bad_rows:
                 group.create_dataset("bad", data=np.zeros(len(rows), dtype=bool))
                 group.create_dataset("recomputed", data=np.zeros(len(rows), dtype=bool))
+        columns.write_text(file, text)
         file.flush()
     except BaseException:
         file.close()
@@ -131,13 +140,15 @@ def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     return final
 
 
-def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict) -> Path:
+def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, text: dict | None = None) -> Path:
     """Write a complete cache in one go (import-features, tests, benchmarks).
 
     Each split dict has `features` float32 [N, D], `labels` uint8 [N, C], `ids` list[str] and, for train and
     val, `observed` int8 [N, C] and optionally `rules` ({rule text: int8 [N, C]}, other observation rules); any
     split may have `label_mask` uint8 [N, C] (1 where annotated) when its labels are partial.
-    `attrs` are the root attrs (schema_version and complete are set here).
+    `attrs` are the root attrs (schema_version and complete are set here). A CLIP cache's splits also have
+    `image_embeddings` float32 [N, E] (and `crop_embeddings` [N, G*G, E]), and `text` is {"embeddings": float32
+    [C, E], "templates": [str]}.
     """
     path = Path(path)
     temporary = partial_path(path)
@@ -147,13 +158,20 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict) 
     dims = {np.asarray(d["features"]).shape[1] for d in given.values()}
     if len(dims) != 1:
         raise SpmlError(f"features of the splits have different widths {sorted(dims)}")
-    file = _create(temporary, attrs, splits, dims.pop(), bad_rows=False)
+    shapes = {key: np.asarray(train[key]).shape[1:] for key in ROW_DATASETS if key in train}
+    shapes["features"] = (dims.pop(),)
+    file = _create(temporary, attrs, splits, {key: shapes[key] for key in ROW_DATASETS if key in shapes},
+                   bad_rows=False, text=text)
     try:
         for name, split in given.items():
-            features = np.asarray(split["features"], dtype=np.float32)
-            if len(features) != len(splits[name]):
-                raise SpmlError(f"{name}: {len(features)} feature rows for {len(splits[name])} ids")
-            file[name]["features"][...] = features
+            for key in shapes:
+                array = np.asarray(split[key], dtype=np.float32)
+                if len(array) != len(splits[name]):
+                    raise SpmlError(f"{name}: {len(array)} {key.replace('_', ' ')[:-1]} rows for {len(splits[name])} ids")
+                if array.shape != (len(splits[name]), *shapes[key]):
+                    raise SpmlError(f"{name}: {key} has shape {array.shape}, expected"
+                                    f" {(len(splits[name]), *shapes[key])}")
+                file[name][key][...] = array
             file[name]["done"][...] = True
         rules = train.get("rules") or {}
         _write_rules(file, {rule: (mask, val["rules"][rule]) for rule, mask in rules.items()})
@@ -171,8 +189,11 @@ class PartialCache:
         self.file, self.final = file, final
 
     @classmethod
-    def create(cls, final: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int) -> "PartialCache":
-        return cls(_create(partial_path(final), attrs, splits, feature_dim, bad_rows=True), final)
+    def create(cls, final: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int | RowShapes,
+               text: dict | None = None) -> "PartialCache":
+        """`feature_dim`: the features' width, or the shape per row of each per-row dataset (a CLIP cache's
+        embeddings besides the features); `text`: a CLIP cache's class text embeddings and templates."""
+        return cls(_create(partial_path(final), attrs, splits, feature_dim, bad_rows=True, text=text), final)
 
     @classmethod
     def open(cls, final: Path) -> "PartialCache":
@@ -208,13 +229,15 @@ class PartialCache:
     ) -> None:
         """Store the features of `rows` (ascending) and mark them done; rows flagged `bad` get no features,
         rows flagged `recomputed` were computed again in fp32 after giving non-finite features in fp16/bf16.
+        `features` holds every per-row dataset's columns side by side (`row_shapes`): the features alone, or
+        for a CLIP cache the features then the embeddings.
 
         Features go in first and are flushed before `done` is set, so a kill in between redoes the rows.
         """
         group = self.file[split]
         for start, stop in _runs(rows):
             take = slice(np.searchsorted(rows, start), np.searchsorted(rows, start) + stop - start)
-            group["features"][start:stop] = features[take]
+            columns.write_wide(group, start, stop, features[take])
             if bad[take].any():
                 group["bad"][start:stop] = bad[take]
             if recomputed is not None and recomputed[take].any():
@@ -229,7 +252,7 @@ class PartialCache:
         extraction under torchrun divides them), a block of rows at a time: one contiguous write per block."""
         count = len(shards)
         for split in SPLITS:
-            total, dim = self.file[split]["features"].shape
+            total, dim = len(self.file[split]["features"]), columns.width(row_shapes(self.file[split]))
             for low in range(0, total, COPY_BLOCK_ROWS):
                 high = min(low + COPY_BLOCK_ROWS, total)
                 features = np.zeros((high - low, dim), dtype=np.float32)
@@ -241,7 +264,7 @@ class PartialCache:
                     group = shard.file[split]
                     if not group["done"][there].all():
                         raise SpmlError(f"{partial_path(shard.final)} has rows not yet extracted; resume the run")
-                    features[here], bad[here] = group["features"][there], group["bad"][there]
+                    features[here], bad[here] = columns.read_wide(group, there), group["bad"][there]
                     recomputed[here] = group["recomputed"][there]
                 self.write_rows(split, np.arange(low, high), features, bad, recomputed)
 
@@ -310,15 +333,18 @@ class PartialCache:
         }
         root_attrs = {key: plain(value) for key, value in source.attrs.items()} | attrs
         temporary = self.final.with_name(self.final.name + ".compact.partial")
-        target = _create(temporary, root_attrs, splits, source["train"]["features"].shape[1], bad_rows=False)
+        target = _create(temporary, root_attrs, splits, row_shapes(source["train"]), bad_rows=False)
         try:
             for split in SPLITS:
                 rows = keep[split]
                 for begin in range(0, len(rows), COPY_BLOCK_ROWS):
                     block = rows[begin : begin + COPY_BLOCK_ROWS]
                     lo, hi = int(block[0]), int(block[-1]) + 1  # one contiguous read, then pick the kept rows
-                    target[split]["features"][begin : begin + len(block)] = source[split]["features"][lo:hi][block - lo]
+                    for name in row_shapes(source[split]):
+                        target[split][name][begin : begin + len(block)] = source[split][name][lo:hi][block - lo]
                 target[split]["done"][...] = True
+            if TEXT_GROUP in source:
+                source.copy(source[TEXT_GROUP], target, name=TEXT_GROUP)
             store_rules(target)
         except BaseException:
             target.close()

@@ -30,6 +30,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     require_root,
 )
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
+from spml_cache import backbones
 from spml_cache.errors import Interrupted, SpmlError
 
 app = typer.Typer(
@@ -104,9 +105,13 @@ def make_demo_data_command(
 def extract_command(
     dataset: str = typer.Argument(..., help="voc, coco, nus, cub or csv."),
     root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-<R>.h5)."),
-    weights: str = typer.Option("IMAGENET1K_V1", "--weights", help="IMAGENET1K_V1 (the papers'), IMAGENET1K_V2, a ResNet-50 .pth, or none (random)."),
-    resolution: int = typer.Option(448, "--resolution", help="Images are resized to R x R, aspect ratio ignored."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the backbone's - : / as _)."),
+    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG (docs/internals.md)."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default DEFAULT); timm: pretrained (default) or a tag; clip: a tag (default: the name's); any: a local .pth, or none (random)."),
+    resolution: Optional[int] = typer.Option(None, "--resolution", help="The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and centre-cropped)."),
+    clip_features: str = typer.Option(backbones.DEFAULT_CLIP_FEATURES, "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
+    prompts: str = typer.Option(backbones.DEFAULT_PROMPTS, "--prompts", help="clip: the text templates, default ('a photo of a {}.'), vlpl, or a file with one template per line."),
+    crops: int = typer.Option(0, "--crops", help="clip: also the embeddings of a G x G grid of crops of each image (G >= 2; GPR's crop pseudo-labels)."),
     batch_size: int = typer.Option(64, "--batch-size", help="Images per forward pass."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
     device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
@@ -118,7 +123,8 @@ def extract_command(
     skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out images whose file is missing (recorded in the attrs)."),
     observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules to store beside single, a comma list: single, uniform:pos=K,neg=M, entry:P, keep-pos:F, per-class:N, largest, size (docs/protocol.md); a complete cache gets the ones it lacks."),
 ) -> None:
-    """Stage one: run the frozen ResNet-50 over a dataset once and write its features to an HDF5 cache.
+    """Stage one: run a frozen backbone (ResNet-50 by default) over a dataset once and write its features to an
+    HDF5 cache; a clip:ARCH/TAG backbone also writes its image embeddings and the class prompts' text embeddings.
 
     An interrupted run resumes from <out>.partial; a complete cache is not recomputed unless --force. Under
     torchrun --nproc-per-node N -m spml_cache extract ..., each process extracts every N-th row and rank 0 joins
@@ -132,7 +138,8 @@ def extract_command(
     from spml_cache.extract import extract
 
     report = extract(
-        dataset, require_root(root), out=out, weights=weights, resolution=resolution, batch_size=batch_size,
+        dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
+        clip_features=clip_features, prompts=prompts, crops=crops, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules,
     )
@@ -283,7 +290,7 @@ def finetune_command(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Dataset name, to find its newest linear run and default cache."),
     root: Optional[Path] = typer.Option(None, "--root", help="Dataset root the cache was extracted from; images are read from ROOT/id (default: $SPML_DATA)."),
     loss: Optional[str] = typer.Option(None, "--loss", help="Loss to fine-tune with (spml-cache losses lists them); its head is the one taken; loss@rule (an@entry:0.1) takes its head under that observation rule, and trains on that rule's labels."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Trunk init: IMAGENET1K_V1, IMAGENET1K_V2, none or a .pth (default: what made the cache); must match the cache for an exact LinearInit."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Trunk init, for the cache's backbone: a weights tag (IMAGENET1K_V1, ...), none or a .pth (default: what made the cache); must match the cache for an exact LinearInit."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs (default 10, or the loss's recipe: GR 8 on VOC/COCO)."),
     lr: Optional[str] = typer.Option(None, "--lr", help="Comma-separated learning rates, or 'grid' for 1e-2,1e-3,1e-4,1e-5 (default 1e-5,1e-4)."),
     batch_size: Optional[str] = typer.Option(None, "--batch-size", help="Comma-separated global batch sizes (default 8,16); shared by torchrun's processes."),

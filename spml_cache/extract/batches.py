@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from spml_cache import cache
-from spml_cache.backbone import FEATURE_DIM, ImageDecodeError, decode_jpegs, normalise, resize
+from spml_cache.backbone import ImageDecodeError, decode_jpegs
+from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.children import loader_worker_init
 from spml_cache.extract import writer
 from spml_cache.extract.feed import Feed
@@ -22,8 +23,8 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 
 
 
-def decode_batch(blobs, bad: np.ndarray, device, resolution: int, skip_bad: bool):
-    """(resized uint8 batch of the good images or None, error) for one batch; flags undecodable ones in `bad`.
+def decode_batch(blobs, bad: np.ndarray, device, preprocess: Preprocess, skip_bad: bool):
+    """(resized (`preprocess.images`) uint8 batch of the good images or None, error) for one batch; flags undecodable ones in `bad`.
 
     `error` is (position in the batch, reason) for the first bad image when not `skip_bad`, else None.
     """
@@ -38,7 +39,7 @@ def decode_batch(blobs, bad: np.ndarray, device, resolution: int, skip_bad: bool
             bad[j] = True
         else:
             images.append(image)
-    return (resize(images, resolution, device) if images else None), None
+    return (preprocess.images(images, device) if images else None), None
 
 
 class ImageBatches(torch.utils.data.Dataset):
@@ -50,8 +51,9 @@ class ImageBatches(torch.utils.data.Dataset):
     uint8 keeps the shared memory a quarter of float32's).
     """
 
-    def __init__(self, batches, paths: dict[str, list[Path]], resolution: int, decode_here: bool, skip_bad: bool):
-        self.batches, self.paths, self.resolution = batches, paths, resolution
+    def __init__(self, batches, paths: dict[str, list[Path]], preprocess: Preprocess, decode_here: bool,
+                 skip_bad: bool):
+        self.batches, self.paths, self.preprocess = batches, paths, preprocess
         self.decode_here, self.skip_bad = decode_here, skip_bad
 
     def __len__(self) -> int:
@@ -71,7 +73,7 @@ class ImageBatches(torch.utils.data.Dataset):
                 blobs.append(None)
         if not self.decode_here:
             return split, rows, blobs, bad, None
-        batch, error = decode_batch(blobs, bad, "cpu", self.resolution, self.skip_bad)
+        batch, error = decode_batch(blobs, bad, "cpu", self.preprocess, self.skip_bad)
         return split, rows, batch, bad, error
 
 
@@ -80,10 +82,10 @@ def _as_is(item):
 
 
 def spread(pooled: torch.Tensor, bad: np.ndarray, device) -> torch.Tensor:
-    """float32 [len(bad), 2048]: the good rows' pooled features in their places, zeros for the bad ones."""
+    """float32 [len(bad), width]: the good rows' trunk outputs in their places, zeros for the bad ones."""
     if not bad.any():
         return pooled
-    features = torch.zeros((len(bad), FEATURE_DIM), dtype=torch.float32, device=device)
+    features = torch.zeros((len(bad), pooled.shape[1]), dtype=torch.float32, device=device)
     if len(pooled):
         # Only with bad rows: an index copy to the GPU every batch would stall the pipeline.
         features[torch.from_numpy(np.flatnonzero(~bad)).to(device)] = pooled
@@ -94,26 +96,27 @@ def _autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
 
-def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype, pad_to: int = 0) -> torch.Tensor:
-    """float32 [len(bad), 2048]: the trunk's pooled features of the good rows (from their resized uint8
-    images), zeros for the bad ones; with `pad_to`, the trunk runs on the batch padded to that many rows by
-    repeating its last image, and only the good rows' features are kept."""
+def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype, pad_to: int = 0, *, preprocess: Preprocess,
+                width: int) -> torch.Tensor:
+    """float32 [len(bad), width]: the trunk's output rows of the good rows (from their resized uint8 images),
+    zeros for the bad ones; with `pad_to`, the trunk runs on the batch padded to that many rows by repeating its
+    last image, and only the good rows' outputs are kept."""
     with torch.inference_mode():
         if batch is None:
-            return spread(torch.empty((0, FEATURE_DIM)), bad, device)
+            return spread(torch.empty((0, width)), bad, device)
         inputs = batch.to(device, non_blocking=True)
         if pad_to > len(inputs):
             inputs = torch.cat([inputs, inputs[-1:].expand(pad_to - len(inputs), *inputs.shape[1:])])
         with _autocast(device, dtype):
-            pooled = trunk(normalise(inputs, dtype)).float()[: len(batch)]
+            pooled = trunk(preprocess.normalise(inputs, dtype)).float()[: len(batch)]
         return spread(pooled, bad, device)
 
 
-def fed_rows(trunk, fed, feed: Feed, device, dtype) -> torch.Tensor:
+def fed_rows(trunk, fed, feed: Feed, device, dtype, width: int) -> torch.Tensor:
     """`pooled_rows` for a batch from the feed thread, whose inputs are already normalised (and padded)."""
     with torch.inference_mode():
         if fed.num_good == 0:
-            return spread(torch.empty((0, FEATURE_DIM)), fed.bad, device)
+            return spread(torch.empty((0, width)), fed.bad, device)
         with _autocast(device, dtype):
             pooled = trunk(fed.inputs).float()[: fed.num_good]
         feed.release(fed)
@@ -128,10 +131,11 @@ def _bad_image(paths, partial, split, rows, error) -> SpmlError:
     )
 
 
-def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, device, precision, skip_bad, label,
+def run_batches(partial, paths, trunk, *, preprocess: Preprocess, width: int, batch_size, workers, device, precision, skip_bad, label,
                 pad_batches=None, feed_thread=None):  # fmt: skip
     """Extract every pending row of the partial cache; returns the number of rows computed and, per split,
-    the ids left out because their features were not finite even in fp32.
+    the ids left out because their features were not finite even in fp32. `preprocess`: the backbone's;
+    `width`: the columns of a trunk output row (`Description.row_width`).
 
     `pad_batches` (every trunk input padded to the run's batch size) and `feed_thread` (decoding in the
     feed thread) are on by default on a GPU only; the tests turn them on for the CPU."""
@@ -146,7 +150,7 @@ def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, devic
     largest = max((len(rows) for _, rows in batches), default=1)  # the one shape: batch_size unless fewer rows
     pad_to = largest if pad_batches else 0
     loader = torch.utils.data.DataLoader(
-        ImageBatches(batches, paths, resolution, decode_here=not (on_gpu or feed_thread), skip_bad=skip_bad),
+        ImageBatches(batches, paths, preprocess, decode_here=not (on_gpu or feed_thread), skip_bad=skip_bad),
         batch_size=None,
         num_workers=workers,
         collate_fn=_as_is,
@@ -154,19 +158,21 @@ def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, devic
         worker_init_fn=loader_worker_init(),
     )
     dtype = PRECISIONS[precision]
-    decode = lambda blobs, bad: decode_batch(blobs, bad, device, resolution, skip_bad)  # noqa: E731
-    rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, skip_bad=skip_bad)
+    decode = lambda blobs, bad: decode_batch(blobs, bad, device, preprocess, skip_bad)  # noqa: E731
+    rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, skip_bad=skip_bad,
+                                normalise=preprocess.normalise)
     with progress_bar(label, total=total, unit="img") as bar:
         advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
         try:
             if feed_thread:
-                feed = Feed(loader, decode, device=device, dtype=dtype, rows=largest, resolution=resolution,
-                            pad=pad_batches)  # fmt: skip
+                feed = Feed(loader, decode, device=device, dtype=dtype, rows=largest,
+                            resolution=preprocess.resolution, pad=pad_batches,
+                            normalise=preprocess.normalise)  # fmt: skip
                 try:
                     for fed in feed:
                         if fed.error is not None:
                             raise _bad_image(paths, partial, fed.split, fed.rows, fed.error)
-                        features = fed_rows(trunk, fed, feed, device, dtype)
+                        features = fed_rows(trunk, fed, feed, device, dtype, width)
                         advance(rows_out.put(fed.split, fed.rows, features, fed.bad, fed.images))
                 finally:
                     feed.close()
@@ -176,7 +182,8 @@ def run_batches(partial, paths, trunk, *, resolution, batch_size, workers, devic
                         payload, error = decode(payload, bad)
                     if error is not None:
                         raise _bad_image(paths, partial, split, rows, error)
-                    features = pooled_rows(trunk, payload, bad, device, dtype, pad_to)
+                    features = pooled_rows(trunk, payload, bad, device, dtype, pad_to, preprocess=preprocess,
+                                           width=width)
                     advance(rows_out.put(split, rows, features, bad, payload))
         finally:
             advance(rows_out.flush())

@@ -93,9 +93,11 @@ class Feed:
     inputs, and `close()` when done (see the module docstring)."""
 
     def __init__(self, loader, decode, *, device: torch.device, dtype: torch.dtype, rows: int, resolution: int,
-                 pad: bool) -> None:  # fmt: skip
-        """`decode(blobs, bad)` -> (resized uint8 batch of the good images or None, error), on `device`."""
+                 pad: bool, normalise=normalise) -> None:  # fmt: skip
+        """`decode(blobs, bad)` -> (resized uint8 batch of the good images or None, error), on `device`;
+        `normalise(batch, dtype)`: the backbone's (ImageNet mean and std unless given)."""
         self.decode, self.device, self.dtype, self.pad = decode, device, dtype, pad
+        self.normalise = normalise
         on_gpu = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if on_gpu else None
         new_event = torch.cuda.Event if on_gpu else _Done
@@ -205,7 +207,7 @@ class Feed:
         if self.stream is not None:
             slot.consumed.wait(self.stream)  # no-op until the slot has been used once
         count = len(images)
-        slot.inputs[:count].copy_(normalise(images, self.dtype))
+        slot.inputs[:count].copy_(self.normalise(images, self.dtype))
         if self.pad and count < len(slot.inputs):
             rest = slot.inputs[count:]
             rest.copy_(slot.inputs[count - 1 : count].expand_as(rest))

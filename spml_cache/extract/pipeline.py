@@ -1,4 +1,5 @@
-"""Stage one: run the frozen ResNet-50 trunk over a dataset once and write the HDF5 feature cache.
+"""Stage one: run a frozen backbone (backbones/: ResNet-50 by default) over a dataset once and write the HDF5
+feature cache; for a CLIP backbone also its normalised image embeddings and the class prompts' text embeddings.
 
 `extract` reads the dataset, applies the protocol to the *full* dataset, fills `<out>.partial` batch by batch
 and renames it to `<out>` when every row is done; re-running resumes from the partial file, and a complete
@@ -21,6 +22,7 @@ a row non-finite even in fp32 is treated as a bad image.
 
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -31,8 +33,8 @@ import torch
 import torchvision
 
 import spml_cache
-from spml_cache import cache, datasets, locks, protocol
-from spml_cache.backbone import FEATURE_DIM, build_trunk, weights_provenance
+from spml_cache import backbones, cache, datasets, locks, protocol
+from spml_cache.backbone import build_trunk
 from spml_cache.extract import shards, writer
 from spml_cache.extract.batches import PRECISIONS, run_batches
 from spml_cache.extract.plan import (
@@ -72,16 +74,34 @@ class ExtractReport:
 # --- provenance ------------------------------------------------------------------------------------------
 
 
-def run_attrs(device: torch.device) -> dict:
-    """Provenance of the process that finished the cache."""
+def run_attrs(device: torch.device, family: str = "tv") -> dict:
+    """Provenance of the process that finished the cache (and the version of the backbone's library)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {
+    library = {"timm": "timm", "clip": "open_clip"}.get(family)
+    versions = {f"{library}_version": importlib.import_module(library).__version__} if library else {}
+    return {**versions,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "package_version": spml_cache.__version__,
         "torch_version": torch.__version__,
         "torchvision_version": torchvision.__version__,
         "device": f"{device} ({name})" if device.type == "cuda" else "cpu",
     }
+
+
+def _trunk(described: backbones.Description):
+    """The backbone's trunk: ResNet-50's through `build_trunk` (what the tests hook), the others' through the
+    registry."""
+    if described.backbone == backbones.DEFAULT:
+        return build_trunk(described.weights)[0]
+    return backbones.build(described)
+
+
+def _text_side(trunk, classes: list[str], templates: list[str] | None) -> dict | None:
+    """A CLIP backbone's class text embeddings (its prompt ensemble per class), computed once on its device."""
+    if templates is None:
+        return None
+    embeddings = trunk.class_embeddings(backbones.class_prompts(list(classes), templates))
+    return {"embeddings": embeddings, "templates": templates}
 
 
 # --- the command -----------------------------------------------------------------------------------------
@@ -97,7 +117,7 @@ def _reported(report: ExtractReport, shard: shards.Shard | None) -> ExtractRepor
 
 
 def _check_options(resolution, batch_size, workers, precision, limit, on_bad_image) -> None:
-    if not 32 <= resolution <= 2048:
+    if resolution is not None and not 32 <= resolution <= 2048:
         raise SpmlError(f"--resolution {resolution}: use a side between 32 and 2048 pixels (the papers use 448)")
     if batch_size < 1:
         raise SpmlError(f"--batch-size {batch_size}: use at least 1")
@@ -116,8 +136,12 @@ def extract(
     root: Path,
     *,
     out: Path | None = None,
-    weights: str = "IMAGENET1K_V1",
-    resolution: int = 448,
+    backbone: str = backbones.DEFAULT,
+    weights: str | None = None,
+    resolution: int | None = None,
+    clip_features: str = backbones.DEFAULT_CLIP_FEATURES,
+    prompts: str = backbones.DEFAULT_PROMPTS,
+    crops: int = 0,
     batch_size: int = 64,
     workers: int | None = None,
     device: str = "auto",
@@ -133,8 +157,10 @@ def extract(
 ) -> ExtractReport | None:
     """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring.
     `observe`: observation rules whose masks to store beside `single`'s (extract/rules.py); a complete cache
-    that lacks some gets them without recomputing its features. Under torchrun every process extracts its share
-    of the rows and rank 0 joins them (shards.py); the other ranks return None, rank 0 the report of the whole.
+    that lacks some gets them without recomputing its features. `backbone`, `weights` (None: the backbone's
+    default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
+    torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks
+    return None, rank 0 the report of the whole.
 
     `pad_batches` and `feed_thread` are internal (no flag): None is on for a GPU, off for the CPU; the tests
     force them on the CPU to show the cache does not depend on them."""
@@ -148,15 +174,17 @@ def extract(
     images = datasets.read(dataset, root, skip_missing=skip_missing or dry_run)
     protocol_result = protocol.apply_protocol(images)
     rows = plan_rows(protocol_result, limit)
-    settings = settings_attrs(images, protocol_result.attrs, weights_provenance(weights), resolution, precision, limit)
-    path = output_path(out, images.dataset, resolution)
+    described = backbones.describe(backbone, weights, resolution, clip_features, crops)
+    templates = backbones.prompts(prompts) if described.embed_dim else None
+    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
+    path = output_path(out, images.dataset, described.resolution, described.slug)
     own, writing = (shard.rows(rows), shard.path(path)) if shard else (rows, path)  # what this process writes
     partial_file = cache.partial_path(writing)
     counts = {name: len(split) for name, split in rows.items()}
     report = ExtractReport(path, "dry run", counts, missing=list(images.skipped), device=str(torch_device),
                            precision=precision)
     report.notes = list(images.notes)
-    report.size_bytes = estimated_size(rows, len(images.classes))
+    report.size_bytes = estimated_size(rows, len(images.classes), described.row_width)
     rule_store = RuleStore(observe, images, settings)  # reads instance areas when a rule needs them
 
     refuse_foreign_file(path)
@@ -180,29 +208,32 @@ def extract(
         report.notes.append(f"would {'resume' if resume else 'write'} {partial_file} and rename it to {path.name}")
         return _reported(report, shard)
 
-    trunk, _ = build_trunk(weights)  # before creating anything: weights are the likeliest thing to be missing
+    trunk = _trunk(described)  # before creating anything: weights are the likeliest thing to be missing
     require_writable(path.parent)
     with locks.held(writing, f"the cache {writing}"):  # one writer: a second `extract --force` would swap its file in
         if resume and not partial_file.exists():
             raise SpmlError(f"{path} was finished by another process meanwhile: run the command again")
         # before the first write: h5py has crashed outright creating a file on a full disk
-        room = estimated_size(own, len(images.classes)) * (2 if shard and shard.main else 1)  # rank 0 joins
+        room = estimated_size(own, len(images.classes), described.row_width)
+        room *= 2 if shard and shard.main else 1  # rank 0 joins
         require_room(path, room - (partial_file.stat().st_size if resume else 0))
         trunk = trunk.eval().requires_grad_(False).to(torch_device, memory_format=torch.channels_last)
+        text = _text_side(trunk, images.classes, templates)
         if torch_device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # worth it: batches are padded to one input shape for the whole run
         if resume:
             partial = cache.PartialCache.open(writing)
         else:
             partial_file.unlink(missing_ok=True)
-            partial = cache.PartialCache.create(writing, settings, own, FEATURE_DIM)
+            partial = cache.PartialCache.create(writing, settings, own, described.row_shapes(), text)
         try:
             report.resumed, bad_before = partial.num_done(), partial.num_bad()
             paths = {name: [images.path(image_id) for image_id in own[name].ids] for name in cache.SPLITS}
             computing = time.perf_counter()
             try:
                 report.extracted, left_out = run_batches(
-                    partial, paths, trunk, resolution=resolution, batch_size=batch_size, device=torch_device,
+                    partial, paths, trunk, preprocess=described.preprocess, width=described.row_width,
+                    batch_size=batch_size, device=torch_device,
                     workers=default_workers(torch_device) if workers is None else workers, precision=precision,
                     skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}", pad_batches=pad_batches,
                     feed_thread=feed_thread,
@@ -218,7 +249,8 @@ def extract(
             report.left_out = partial.num_bad() - bad_before
             report.recomputed = partial.recomputed()
             if shard is None:
-                final, report.skipped = partial.finalise(run_attrs(torch_device), rule_store.for_finalise(rows))
+                final, report.skipped = partial.finalise(run_attrs(torch_device, described.family),
+                                                         rule_store.for_finalise(rows))
         except (OSError, RuntimeError) as err:
             if DiskFull.caused(err):  # h5py's own words for it are two lines of HDF5 internals
                 raise DiskFull(partial_file) from None
@@ -229,8 +261,8 @@ def extract(
         done = {"extracted": report.extracted, "left_out": report.left_out, "resumed": report.resumed,
                 "seconds": report.seconds, "not_finite": left_out}
         with locks.held(path, f"the cache {path}") if shard.main else nullcontext():
-            joined = shards.join(shard, path, settings, rows, FEATURE_DIM, run_attrs(torch_device), done,
-                                 rule_store.for_finalise(rows))
+            joined = shards.join(shard, path, settings, rows, described.row_shapes(),
+                                 run_attrs(torch_device, described.family), done, rule_store.for_finalise(rows), text)
         shard.ranks.leave()
         if joined is None:
             return None  # rank 0 reports for every rank

@@ -14,13 +14,14 @@ import h5py
 import numpy as np
 
 from spml_cache import cache
-from spml_cache.backbone import FEATURE_DIM, IMAGENET_MEAN, IMAGENET_STD
+from spml_cache.backbones import Description, templates_attr
 from spml_cache.errors import SpmlError
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
 SETTINGS = (
     "dataset", "classes", "backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim",
     "precision", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
+    "clip_features", "templates", "grid",  # CLIP caches only: absent from the others' settings and files
 )  # fmt: skip
 
 
@@ -37,18 +38,18 @@ def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
     return rows
 
 
-def settings_attrs(images, protocol_attrs: dict, weights: str, resolution: int, precision: str, limit: int) -> dict:
+def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
+                   templates: list[str] | None = None) -> dict:
+    """The cache's root attrs known before extraction; `templates`: a CLIP backbone's prompt templates."""
+    clip = {} if templates is None else {"templates": templates_attr(templates)}
+    if backbone.grid:
+        clip["grid"] = backbone.grid
     return {
         "dataset": images.dataset,
         "classes": json.dumps(list(images.classes)),
         "num_classes": len(images.classes),
-        "backbone": "resnet50",
-        "weights": weights,
-        "resolution": resolution,
-        "resize": f"{resolution}x{resolution}, bilinear, antialiased, no crop",
-        "mean": list(IMAGENET_MEAN),
-        "std": list(IMAGENET_STD),
-        "feature_dim": FEATURE_DIM,
+        **backbone.attrs(),
+        **clip,
         "precision": precision,
         "limit": limit,
         **{key: protocol_attrs[key] for key in ("split_seed", "val_frac", "observe_seed", "num_pos", "num_neg")},
@@ -81,8 +82,8 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     """What differs between the cache (or partial file) at `path` and this run, or None."""
     attrs, found = cache.read_header(path)
     for key in SETTINGS:
-        if not _same(attrs.get(key), settings[key]):
-            return f"{key}: {attrs.get(key)!r} in the file, {settings[key]!r} now"
+        if not _same(attrs.get(key), settings.get(key)):
+            return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
     dropped = json.loads(attrs.get("skipped_images") or "{}")
     for name in cache.SPLITS:
         gone = set(dropped.get(name, []))
@@ -97,19 +98,21 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     return None
 
 
-def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int) -> int:
-    """Bytes of the arrays (features dominate; ids counted at their UTF-8 length plus a pointer)."""
+def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width: int) -> int:
+    """Bytes of the arrays (features and embeddings dominate; ids counted at their UTF-8 length plus a pointer)."""
     total = 0
     for name, split in rows.items():
-        per_row = FEATURE_DIM * 4 + num_classes * (2 if split.observed is not None else 1) + 2
+        per_row = row_width * 4 + num_classes * (2 if split.observed is not None else 1) + 2
         total += len(split) * per_row + sum(len(i.encode()) + 16 for i in split.ids)
     return total
 
 
-def output_path(out: Path | None, dataset: str, resolution: int) -> Path:
-    path = cache.default_path(dataset, resolution) if out is None else Path(out).expanduser()
+def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:
+    """`--out` (a file, or a folder for the default name), else `<dataset>-<backbone slug>-<R>.h5` in the cache
+    folder."""
+    path = cache.default_path(dataset, resolution, backbone=slug) if out is None else Path(out).expanduser()
     if path.is_dir():
-        path = cache.default_path(dataset, resolution, folder=path)
+        path = cache.default_path(dataset, resolution, folder=path, backbone=slug)
     return path
 
 

@@ -85,12 +85,13 @@ def refuse_other_layouts(final: Path, shard: Shard | None, force: bool) -> None:
                     " --force to start over")
 
 
-def join(shard: Shard, final: Path, settings: dict, rows: dict[str, cache.SplitRows], feature_dim: int,
-         attrs: dict, done: dict, rule_masks=None) -> tuple[Path, dict, dict, dict] | None:
+def join(shard: Shard, final: Path, settings: dict, rows: dict[str, cache.SplitRows], feature_dim,
+         attrs: dict, done: dict, rule_masks=None, text: dict | None = None) -> tuple[Path, dict, dict, dict] | None:
     """Once every rank is done: rank 0 copies the shards into the cache `final` and removes them. `done` is this
     rank's {extracted, left_out, resumed, seconds, not_finite}; returns (cache path, ids dropped per split, rows
     recomputed in fp32 per split, the totals of every rank) on rank 0, None on the others. `rule_masks`: what
-    `PartialCache.finalise` stores beside `single` (extract/rules.py)."""
+    `PartialCache.finalise` stores beside `single` (extract/rules.py). `feature_dim` and `text`: as
+    `PartialCache.create` takes them (a CLIP cache's embeddings travel with the features)."""
     every = shard.ranks.gather(done)  # also the barrier: every shard is complete and closed
     if not shard.main:
         return None
@@ -100,7 +101,7 @@ def join(shard: Shard, final: Path, settings: dict, rows: dict[str, cache.SplitR
                             for split in cache.SPLITS}
     shards = [cache.PartialCache.open(shard.path(final, rank)) for rank in range(shard.world)]
     try:
-        full = cache.PartialCache.create(final, settings, rows, feature_dim)
+        full = cache.PartialCache.create(final, settings, rows, feature_dim, text)
         try:
             full.join_shards(shards)
             recomputed = full.recomputed()

@@ -91,9 +91,11 @@ class RowWriter:
     """Writes feature rows into the partial cache after checking they are finite (see the module docstring)."""
 
     def __init__(
-        self, partial: cache.PartialCache, trunk, *, paths: dict[str, list[Path]], reduced: bool, skip_bad: bool
+        self, partial: cache.PartialCache, trunk, *, paths: dict[str, list[Path]], reduced: bool, skip_bad: bool,
+        normalise=normalise,
     ) -> None:
         self.partial, self.trunk, self.paths = partial, trunk, paths
+        self.normalise = normalise  # the backbone's, for the fp32 recompute from the resized uint8 images
         self.reduced = reduced  # features come from fp16/bf16 autocast, so fp32 may still give finite ones
         self.skip_bad = skip_bad
         self.pending: _Batch | None = None
@@ -157,7 +159,7 @@ class RowWriter:
         device = batch.images.device
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             images = batch.images[torch.from_numpy(places).to(device)]
-            return self.trunk(normalise(images, torch.float32)).float().cpu().numpy()
+            return self.trunk(self.normalise(images, torch.float32)).float().cpu().numpy()
 
 
 def notes(recomputed: dict[str, int], left_out: dict[str, list[str]], precision: str) -> list[str]:

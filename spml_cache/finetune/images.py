@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spml_cache import backbone, datasets
+from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.children import loader_worker_init
 from spml_cache.datasets.base import find_missing
 from spml_cache.errors import SpmlError
@@ -118,14 +119,18 @@ def loader(files: ImageFiles, batches: Sampler, workers: int) -> DataLoader:
                       persistent_workers=workers > 0, worker_init_fn=loader_worker_init())
 
 
-def model_input(images: list[torch.Tensor], resolution: int, device: torch.device, flips: torch.Tensor | None = None):
-    """Decode (when given bytes) and preprocess on the device; mirror the rows where `flips` is set."""
+def model_input(images: list[torch.Tensor], preprocess: Preprocess | int, device: torch.device,
+                flips: torch.Tensor | None = None):
+    """Decode (when given bytes) and preprocess on the device (the backbone's `preprocess`; a side R: the papers'
+    R x R squash); mirror the rows where `flips` is set."""
     if images and images[0].dim() == 1:
         images = backbone.decode_jpegs(images, device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    batch = backbone.preprocess(images, resolution, device, dtype)
+    preprocess = Preprocess(preprocess) if isinstance(preprocess, int) else preprocess
+    batch = preprocess(images, device, dtype)
     if flips is not None:
-        # Mirroring commutes with the resize and the per-channel normalisation, so it can come last.
+        # Mirroring commutes with the resize and the per-channel normalisation, so it can come last (with a
+        # centre crop, up to the one-pixel shift of a crop whose margins differ by one).
         mask = flips.to(device).view(-1, 1, 1, 1)
         batch = torch.where(mask, batch.flip(-1), batch).contiguous(memory_format=torch.channels_last)
     return batch

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from spml_cache import backbone, locks, losses, metrics, runs
+from spml_cache import locks, losses, metrics, runs
 from spml_cache.devices import default_workers
 from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.finetune import checkpoints, parallel
@@ -199,7 +199,7 @@ def _config_model(setup: Setup, record: HeadRecord, checkpoint: dict | None):
     processes, features = setup.processes, setup.features
     model = copy.deepcopy(setup.initial)
     if setup.start is None:
-        model.head.weight.data, model.head.bias.data = initial_head(backbone.FEATURE_DIM, len(features.classes),
+        model.head.weight.data, model.head.bias.data = initial_head(model.head.in_features, len(features.classes),
                                                                     record.seed)
     # channels_last as the inputs (and the extraction) are: also what keeps DDP's gradient buckets aligned.
     model = parallel.synchronise_batchnorm(model.to(processes.device, memory_format=torch.channels_last), processes)
@@ -266,7 +266,7 @@ def _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, obse
         for step, (rows, images) in enumerate(train_loader):
             index = batches.order[step * batches.batch_size : (step + 1) * batches.batch_size].to(processes.device)
             total += train_step(trainer, model, loss_fn, optimizer, images, batches.flips[rows], observed[index],
-                                labels[index], index, setup.settings.resolution, processes)
+                                labels[index], index, setup.preprocess, processes)
             steps += 1
             if processes.main:
                 bar.advance(batches.batch_size)
@@ -283,12 +283,12 @@ def make_optimizer(model: FineTuneModel, loss_fn: losses.Loss, lr: float, head_l
 
 
 def train_step(trainer: nn.Module, model: FineTuneModel, loss_fn: losses.Loss, optimizer, images: list, flips,
-               observed: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, resolution: int,
+               observed: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, preprocess,
                processes: parallel.Processes) -> torch.Tensor:
     """One optimiser step on a global batch (`observed`, `labels`, `index` are the global batch's; `images` and
     `flips` this process's share): device-side preprocessing, bf16 autocast on GPU, the loss on the gathered
     logits, the head-only penalty. Returns the loss (detached)."""
-    x = data.model_input(images, resolution, processes.device, flips)
+    x = data.model_input(images, preprocess, processes.device, flips)
     with torch.autocast(processes.device.type, dtype=torch.bfloat16, enabled=processes.device.type == "cuda"):
         local_logits = trainer(x)
     logits = parallel.global_batch(local_logits.float(), processes)
@@ -310,7 +310,7 @@ def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | Non
     model.eval()
     outputs = [torch.zeros(0, model.head.out_features, device=device)]
     for _, images in data.loader(files, shards, setup.workers):
-        batch = data.model_input(images, setup.settings.resolution, device)
+        batch = data.model_input(images, setup.preprocess, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(batch).float()
         if device.type == "cuda":

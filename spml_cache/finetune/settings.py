@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from spml_cache import backbone, cache, losses, observation, runs
+from spml_cache import backbones, cache, losses, observation, runs
+from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.errors import SpmlError
 from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
@@ -146,7 +147,7 @@ class FinetuneSettings:
 
 
 class FineTuneModel(nn.Module):
-    """The ResNet-50 trunk (to the pooled 2048-d vector) and the linear head: logits `[B, C]`."""
+    """The backbone's trunk (to its pooled vector, 2048-d for ResNet-50) and the linear head: logits `[B, C]`."""
 
     def __init__(self, trunk: nn.Module, head: nn.Linear) -> None:
         super().__init__()
@@ -169,6 +170,11 @@ class Setup:
     processes: Processes
     workers: int
     notes: list[str]
+    preprocess: Preprocess | None = None  # the backbone's own; None: the papers' R x R squash at the resolution
+
+    def __post_init__(self) -> None:
+        if self.preprocess is None:
+            self.preprocess = Preprocess(self.settings.resolution)
 
 
 @dataclass(frozen=True)
@@ -212,16 +218,18 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     image_root, rows, skipped = usable_rows(features.dataset, Path(root), ids, settings.skip_missing)
     notes += [skipped] if skipped else []
     check_val_split(features.val.labels[rows["val"]], str(features.path))
-    trunk, provenance = backbone.build_trunk(settings.weights)
+    described = linear_init.trunk_backbone(features.attrs, settings.weights, settings.resolution)
+    trunk = backbones.build(described)
+    provenance = described.provenance
     if start is not None and provenance != features.attrs.get("weights"):
         notes.append(f"note: {features.path} was extracted with weights {features.attrs.get('weights')} but the trunk"
                      f" starts from {provenance}, so the start is not the linear stage's model (see --weights)")
-    head = nn.Linear(backbone.FEATURE_DIM, len(features.classes))
+    head = nn.Linear(described.feature_dim, len(features.classes))
     if start is not None:
         head.weight.data.copy_(start.weight)
         head.bias.data.copy_(start.bias)
     model = FineTuneModel(trunk, head)
-    return Setup(settings, features, image_root, rows, start, model, processes, workers, notes)
+    return Setup(settings, features, image_root, rows, start, model, processes, workers, notes, described.preprocess)
 
 
 def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
@@ -280,10 +288,16 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
     return FinetuneSettings(
         init="best" if start is not None else "imagenet", loss=loss, dataset=features.dataset,
         cache=str(Path(features.path).resolve()), from_run=start and str(start.run.resolve()),
-        weights=chosen("weights", linear_init.default_weights(features.attrs)), resolution=resolution, epochs=epochs,
+        weights=_weights(features.attrs, chosen("weights", linear_init.default_weights(features.attrs)), resolution),
+        resolution=resolution, epochs=epochs,
         lrs=lrs, batch_sizes=batch_sizes, seeds=list(range(options.seeds or 1)), head_lr_mult=head_lr_mult,
         skip_missing=bool(options.skip_missing), hparams=hparams, fidelity=Fidelity.check(options.fidelity), rule=rule,
     )
+
+
+def _weights(cache_attrs: dict, weights: str | None, resolution: int) -> str:
+    """The trunk's weights as the backbone names them (None: its default); refuses a backbone not fine-tuned here."""
+    return linear_init.trunk_backbone(cache_attrs, weights, resolution).weights
 
 
 def describe_start(head: runs.LinearHead | None, settings: FinetuneSettings) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from spml_cache import backbone, cache, runs
+from spml_cache import backbone, backbones, cache, runs
 from spml_cache.errors import SpmlError
 
 THETA_CLIP = 1e-5
@@ -20,10 +20,24 @@ def role_theta_handover(theta: torch.Tensor) -> torch.Tensor:
     return torch.logit(q).to(theta.dtype)
 
 
-def default_weights(cache_attrs: dict) -> str:
-    """The weights that made the cache when they have a name (what LinearInit needs), else IMAGENET1K_V1."""
+def default_weights(cache_attrs: dict) -> str | None:
+    """The weights that made the cache when they have a name (what LinearInit needs), else the backbone's
+    default (IMAGENET1K_V1 for ResNet-50; None: the registry's default for the others)."""
     weights = str(cache_attrs.get("weights", ""))
+    if cache_attrs.get("backbone", backbones.DEFAULT) != backbones.DEFAULT:
+        return None if weights.startswith("sha256:") or not weights else weights
     return weights if weights in (*backbone.WEIGHT_NAMES, "none") else "IMAGENET1K_V1"
+
+
+def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> backbones.Description:
+    """The backbone that made the cache (its `backbone` attr), with `weights`, at side `resolution`: what
+    fine-tuning trains end to end. CLIP's image towers are not trained here (one line says so)."""
+    name = str(cache_attrs.get("backbone", backbones.DEFAULT))
+    if backbones.family_of(name)[0] == "clip":
+        raise SpmlError(f"finetune: the cache's backbone {name} is a CLIP image tower, which spml-cache does not"
+                        " fine-tune end to end; train linear heads on its cache (spml-cache linear), or extract"
+                        " with a torchvision or timm backbone to fine-tune")
+    return backbones.describe(name, weights, resolution)
 
 
 def choose_head(from_run: Path | None, loss: str | None, dataset: str | None, cache_id: str | None,
@@ -57,10 +71,11 @@ def check_head(head: runs.LinearHead, features: cache.FeatureSet) -> None:
             " the cache that run used, or a linear run on this one"
         )
     rows, width = head.weight.shape
-    if rows != num_classes or width != backbone.FEATURE_DIM:
+    feature_dim = features.train.features.shape[1]
+    if rows != num_classes or width != feature_dim:
         raise SpmlError(
             f"{head.run / 'best.pt'}: the {head.loss} head is [{rows}, {width}] but {cache_path} has {num_classes}"
-            f" classes of {backbone.FEATURE_DIM}-d features: fine-tune with the cache that run used, or re-run"
+            f" classes of {feature_dim}-d features: fine-tune with the cache that run used, or re-run"
             " spml-cache linear on this one"
         )
     theta = head.loss_state.get("theta")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spml_cache import losses
+from spml_cache.backbones import DEFAULT as DEFAULT_BACKBONE
 from spml_cache.errors import SpmlError
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key
@@ -118,6 +119,7 @@ class Column:
     label: str
     weights: str | None = None  # the backbone weights that made the cache's features
     rule: str = DEFAULT_RULE  # the observation rule of the training labels
+    backbone: str = DEFAULT_BACKBONE  # the backbone that made the cache's features (its registry name)
 
 
 def in_spec_order(names) -> list[str]:
@@ -137,8 +139,15 @@ def loss_family(name: str) -> str:
     return losses.get(name).__module__.rpartition(".")[2] if name in losses.names() else "other"
 
 
-def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool, fidelity: str, rule: str) -> str:
+def run_backbone(run: Run) -> str:
+    """The backbone that made the run's cache (runs from before backbones had a choice: ResNet-50)."""
+    return str(run.config.get("cache_attrs", {}).get("backbone") or DEFAULT_BACKBONE)
+
+
+def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool, fidelity: str, rule: str,
+                  backbone: str = DEFAULT_BACKBONE) -> str:
     label = f"{DATASET_LABELS.get(dataset, dataset)} {STAGE_LABELS.get(stage, stage)}"
+    label += f" [{backbone}]" if backbone != DEFAULT_BACKBONE else ""
     label += " (authors' numerics)" if fidelity == Fidelity.AUTHORS else ""
     label += f" ({rule})" if rule != DEFAULT_RULE else ""
     return f"{label} (cache {cache_id[:8]})" if several_caches else label
@@ -147,21 +156,23 @@ def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool,
 def select_newest(runs: list[Run]) -> tuple[list[Column], dict[tuple[str, str], Run], list[str]]:
     """Columns, the newest complete run per (column label, loss), and notes on what was set aside."""
     complete = [run for run in runs if run.results is not None]
-    caches: dict[str, set[str]] = {}
+    caches: dict[tuple[str, str], set[str]] = {}  # per dataset and backbone: a backbone is a column of its own
     for run in complete:
-        caches.setdefault(run.dataset, set()).add(run.cache_id)
+        caches.setdefault((run.dataset, run_backbone(run)), set()).add(run.cache_id)
     notes = [
-        f"{ds}: runs from {len(ids)} different caches ({', '.join(sorted(i[:8] for i in ids))}): reported apart"
-        for ds, ids in sorted(caches.items())
+        f"{ds}{'' if bb == DEFAULT_BACKBONE else f' [{bb}]'}: runs from {len(ids)} different caches"
+        f" ({', '.join(sorted(i[:8] for i in ids))}): reported apart"
+        for (ds, bb), ids in sorted(caches.items())
         if len(ids) > 1
     ]
     columns: dict[str, Column] = {}
     history: dict[tuple[str, str], list[Run]] = {}
     for run in sorted(complete, key=lambda r: (r.stamp, r.path.name)):
-        label = _column_label(run.dataset, run.stage, run.cache_id, len(caches[run.dataset]) > 1, run.fidelity,
-                              run.rule)
+        backbone = run_backbone(run)
+        label = _column_label(run.dataset, run.stage, run.cache_id, len(caches[run.dataset, backbone]) > 1,
+                              run.fidelity, run.rule, backbone)
         weights = run.config.get("cache_attrs", {}).get("weights")
-        columns.setdefault(label, Column(run.dataset, run.stage, run.cache_id, label, weights, run.rule))
+        columns.setdefault(label, Column(run.dataset, run.stage, run.cache_id, label, weights, run.rule, backbone))
         for loss, result in run.losses.items():
             if "test_map" in result:
                 history.setdefault((label, loss), []).append(run)
@@ -178,6 +189,7 @@ def select_newest(runs: list[Run]) -> tuple[list[Column], dict[tuple[str, str], 
         key=lambda c: (
             stage_order.index(c.stage) if c.stage in stage_order else len(stage_order),
             list(DATASET_LABELS).index(c.dataset) if c.dataset in DATASET_LABELS else len(DATASET_LABELS),
+            c.backbone != DEFAULT_BACKBONE, c.backbone,  # the papers' ResNet-50 first, then the others by name
             c.rule != DEFAULT_RULE,  # a dataset's single-positive column first, then its rules'
             c.label,
         ),

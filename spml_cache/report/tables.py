@@ -21,7 +21,9 @@ from rich.text import Text
 
 from spml_cache.errors import SpmlError
 from spml_cache.observation import DEFAULT_RULE
-from spml_cache.report.collect import DATASET_LABELS, Column, Run, in_spec_order, oracle_losses, select_newest
+from spml_cache.report.collect import (
+    DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
+)
 from spml_cache.report.paper import PAPERS, paper_number
 
 
@@ -75,7 +77,8 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
             if run is None:
                 continue
             cells[column.label] = cell = _cell(run, loss)
-            published = paper and column.rule == DEFAULT_RULE and paper_number(column.stage, column.dataset, loss)
+            published = (paper and column.rule == DEFAULT_RULE and column.backbone == DEFAULT_BACKBONE
+                         and paper_number(column.stage, column.dataset, loss))  # the papers' are ResNet-50's
             if published:
                 cell.paper, cell.source = published
         rows.append((loss, cells))
@@ -84,7 +87,10 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
         candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells]
         if candidates:
             max(candidates, key=lambda c: c.mean).best = True
-        if paper and column.dataset in DATASET_LABELS and column.weights not in (None, "IMAGENET1K_V1"):
+        if paper and column.backbone != DEFAULT_BACKBONE:
+            notes.append(f"{column.label}: backbone {column.backbone}; the papers' numbers are ResNet-50's, so none"
+                         " is shown beside it")
+        elif paper and column.dataset in DATASET_LABELS and column.weights not in (None, "IMAGENET1K_V1"):
             notes.append(f"{column.label}: ResNet-50 weights '{column.weights}', the papers' IMAGENET1K_V1:"
                          " the comparison is not like for like")
     rows += [(ZERO_SHOT, reference)] if reference else []  # after the best marks: never the best loss

@@ -1,0 +1,175 @@
+"""The backbone registry: which network turns an image into the cache's pooled vector (stage one), and which
+trunk fine-tuning trains (stage three).
+
+A name picks a family:
+  resnet50 (the default: the papers' ResNet-50, 448 x 448 squash), resnet101, vit_b_16, convnext_base or any
+  other torchvision classification model (also as `tv:NAME`)        -> torchvision_models.py
+  timm:NAME (a timm model, its pretrained tag in the name: timm:convnext_base.fb_in22k)     -> timm_models.py
+  clip:ARCH/TAG (an open_clip model and its pretrained tag: clip:ViT-B-16/openai)          -> clip_models.py
+Each family says, before any weights are loaded (`describe`), what the cache will record: the canonical name,
+the weights' provenance, its own preprocessing and its feature width; then builds the trunk (`build`), an
+`nn.Module` mapping a normalised `[B, 3, R, R]` batch to `[B, row_width]`. For CLIP the row is the features
+followed by the L2-normalised image embedding (and the crops' embeddings with `crops`); `split_row` says which
+columns are which.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from spml_cache.errors import SpmlError
+
+if TYPE_CHECKING:  # the registry's names and defaults stay importable without torch (the report reads them)
+    from torch import nn
+
+    from spml_cache.backbones.preprocess import Preprocess
+
+DEFAULT = "resnet50"
+CLIP_FEATURES = ("post", "pre")  # after CLIP's projection (its README's code), before it (the paper's probes)
+DEFAULT_CLIP_FEATURES = "post"
+PROMPT_SETS = {
+    "default": ["a photo of a {}."],
+    # VLPL's shipped VOC and COCO text features are of the class name alone ("*_labelonly.npy")
+    "vlpl": ["{}"],
+}
+DEFAULT_PROMPTS = "default"
+# family prefix -> (module, the package it needs, the extra that installs it)
+FAMILIES = {
+    "tv": ("spml_cache.backbones.torchvision_models", "torchvision", None),
+    "timm": ("spml_cache.backbones.timm_models", "timm", "timm"),
+    "clip": ("spml_cache.backbones.clip_models", "open_clip", "clip"),
+}
+
+
+@dataclass(frozen=True)
+class Description:
+    """What a backbone is, known before its weights are loaded; its `attrs` go into the cache's settings."""
+
+    backbone: str  # the canonical registry name (the cache's `backbone` attr)
+    family: str  # tv, timm or clip
+    weights: str  # as given (a tag, a path, none), what `build` loads
+    provenance: str  # what the cache records as `weights`: a tag, sha256:<hex> of a file, or none
+    preprocess: Preprocess
+    feature_dim: int
+    embed_dim: int = 0  # CLIP: the width of its image and text embeddings; 0 otherwise
+    clip_features: str | None = None  # CLIP: pre or post (the projection)
+    grid: int = 0  # CLIP with crops: G, for G x G crops' embeddings per image
+    extra: dict = field(default_factory=dict, compare=False)  # the family's own build details
+
+    @property
+    def slug(self) -> str:
+        return slug(self.backbone)
+
+    @property
+    def resolution(self) -> int:
+        """The backbone's input side R (with crops the loader's images are G x R: the whole and its G x G crops)."""
+        return self.preprocess.resolution // max(self.grid, 1)
+
+    @property
+    def row_width(self) -> int:
+        """Columns of one trunk output row: the features, then (CLIP) the embedding and the crops' embeddings."""
+        return self.feature_dim + self.embed_dim * (1 + self.grid * self.grid)
+
+    def row_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each per-row dataset of a split and its shape per row, in the trunk output's column order."""
+        shapes = {"features": (self.feature_dim,)}
+        if self.embed_dim:
+            shapes["image_embeddings"] = (self.embed_dim,)
+        if self.grid:
+            shapes["crop_embeddings"] = (self.grid * self.grid, self.embed_dim)
+        return shapes
+
+    def attrs(self) -> dict:
+        """The cache's settings attrs that say what the features are (ResNet-50's exactly as they always were)."""
+        resize = self.preprocess.describe()
+        if self.grid:
+            resize += (f"; the whole resized to {self.resolution}x{self.resolution} (bilinear, antialiased) and cut"
+                       f" into {self.grid}x{self.grid} crops of {self.resolution}x{self.resolution}")
+        attrs = {
+            "backbone": self.backbone, "weights": self.provenance, "resolution": self.resolution, "resize": resize,
+            "mean": list(self.preprocess.mean), "std": list(self.preprocess.std), "feature_dim": self.feature_dim,
+        }  # fmt: skip
+        if self.family == "clip":
+            attrs["clip_features"] = self.clip_features
+        return attrs
+
+
+def slug(name: str) -> str:
+    """The name as the cache file names it: `-`, `:` and `/` become `_` (find_cache splits names at `-`)."""
+    return re.sub(r"[-:/]", "_", name)
+
+
+def family_of(name: str) -> tuple[str, str]:
+    """(family prefix, the name within the family): `timm:x` -> (timm, x), `tv:x` and `x` -> (tv, x)."""
+    prefix, colon, rest = name.partition(":")
+    if not colon:
+        return "tv", name
+    if prefix not in FAMILIES:
+        raise SpmlError(f"--backbone {name}: unknown family {prefix!r}; use a torchvision name (resnet50,"
+                        " vit_b_16, ...), timm:NAME or clip:ARCH/TAG")
+    return prefix, rest
+
+
+def _module(prefix: str):
+    module, package, extra = FAMILIES[prefix]
+    if os.environ.get("SPML_OFFLINE"):  # the project's offline switch is the hub's too (read when it is imported)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise SpmlError(f"--backbone {prefix}:...: needs the {package} package: pip install"
+                        f' "spml-cache[{extra}]"') from None
+    return importlib.import_module(module)
+
+
+def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | None = None,
+             clip_features: str = DEFAULT_CLIP_FEATURES, crops: int = 0) -> Description:
+    """The backbone `name` with `weights` (None: the family's default) at side `resolution` (None: its own)."""
+    if clip_features not in CLIP_FEATURES:
+        raise SpmlError(f"--clip-features {clip_features}: use post (after the projection) or pre (before it)")
+    prefix, rest = family_of(name)
+    if prefix != "clip" and crops:
+        raise SpmlError(f"--crops {crops}: crop embeddings are for clip:ARCH/TAG backbones only")
+    if crops and crops < 2:
+        raise SpmlError(f"--crops {crops}: use 2 or more (a G x G grid), or leave it out")
+    if prefix != "clip" and clip_features != DEFAULT_CLIP_FEATURES:
+        raise SpmlError(f"--clip-features {clip_features}: only for clip:ARCH/TAG backbones")
+    if prefix == "clip":
+        return _module(prefix).describe(rest, weights, resolution, clip_features, crops)
+    return _module(prefix).describe(rest, weights, resolution)
+
+
+def build(description: Description) -> nn.Module:
+    """The trunk, in train mode with gradients on (extraction freezes it); `RandomWeightsWarning` for none."""
+    return _module(description.family).build(description)
+
+
+def prompts(choice: str = DEFAULT_PROMPTS) -> list[str]:
+    """`--prompts default|vlpl|FILE`: the templates, each with one `{}` for the class name."""
+    if choice in PROMPT_SETS:
+        return list(PROMPT_SETS[choice])
+    from pathlib import Path
+
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise SpmlError(f"--prompts {choice}: use default, vlpl, or a text file with one template per line")
+    templates = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    wrong = [t for t in templates if t.count("{}") != 1]
+    if not templates or wrong:
+        raise SpmlError(f"--prompts {choice}: every line must hold one {{}} for the class name"
+                        + (f" ({wrong[0]!r} does not)" if wrong else " (the file is empty)"))
+    return templates
+
+
+def class_prompts(classes: list[str], templates: list[str]) -> list[list[str]]:
+    """Per class, its prompts: each template with the class name ('_' read as a space)."""
+    return [[template.replace("{}", name.replace("_", " ")) for template in templates] for name in classes]
+
+
+def templates_attr(templates: list[str]) -> str:
+    return json.dumps(list(templates))

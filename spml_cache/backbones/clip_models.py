@@ -1,0 +1,166 @@
+"""open_clip models as trunks (`clip:ARCH/TAG`, e.g. `clip:ViT-B-16/openai`), and their text side.
+
+The trunk's output row is the features, then the image embedding L2-normalised: the features are CLIP's image
+embedding itself (`post`, after the projection: what its README's code uses), or the pooled vector before the
+projection (`pre`: what the CLIP paper's linear probes use; ViT towers only). Preprocessing is the pretrained
+config's (open_clip's evaluation transform: shorter side to the input size, bicubic, centre crop, CLIP's mean and
+std). Weights: the tag (default: the one in the name; open_clip fetches it into the Hugging Face hub cache, which
+`HF_HUB_OFFLINE=1` keeps offline), a local checkpoint file, or `none` (random, seeded).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import open_clip
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spml_cache import backbone
+from spml_cache.backbones import Description
+from spml_cache.backbones.preprocess import Preprocess
+from spml_cache.errors import SpmlError
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _split(rest: str) -> tuple[str, str]:
+    arch, _, tag = rest.partition("/")
+    if arch not in open_clip.list_models():
+        close = [m for m in open_clip.list_models() if m.lower().startswith(arch[:5].lower())][:5]
+        raise SpmlError(f"--backbone clip:{rest}: open_clip has no model {arch!r}"
+                        + (f" (e.g. {', '.join(close)})" if close else "") + "; open_clip.list_models() lists them")
+    return arch, tag
+
+
+def _side(size) -> int:
+    return int(size if isinstance(size, int) else size[-1])
+
+
+def describe(rest: str, weights: str | None, resolution: int | None, clip_features: str, crops: int) -> Description:
+    arch, tag = _split(rest)
+    tags = open_clip.list_pretrained_tags_by_model(arch)
+    weights = weights or tag
+    if not weights:
+        raise SpmlError(f"--backbone clip:{arch}: name its pretrained tag, clip:{arch}/TAG ({', '.join(tags[:4])}"
+                        " ...), or pass --weights PATH or --weights none")
+    if weights in tags:
+        provenance = weights
+    elif weights.lower() == "none":
+        provenance = "none"
+    elif Path(weights).expanduser().is_file():
+        provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
+    else:
+        raise SpmlError(f"--weights {weights}: no such file, and not a tag of {arch} ({', '.join(tags[:6]) or 'none'}"
+                        "); pass a tag, a checkpoint path or none")
+    config = open_clip.get_model_config(arch)
+    vision = config["vision_cfg"]
+    is_vit = "timm_model_name" not in vision and isinstance(vision.get("layers"), int)
+    if clip_features == "pre" and not is_vit:
+        raise SpmlError(f"--clip-features pre: {arch}'s image tower has no separate projection here (ViT towers"
+                        " only); use --clip-features post")
+    native = _side(vision.get("image_size", 224))
+    side = resolution or native
+    pretrained_cfg = open_clip.get_pretrained_cfg(arch, weights) if weights in tags else {}
+    cfg = {**config.get("preprocess_cfg", {}), **pretrained_cfg}
+    mean, std = tuple(cfg.get("mean") or OPENAI_MEAN), tuple(cfg.get("std") or OPENAI_STD)
+    interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
+    loaded = side * max(crops, 1)  # with crops: the image at G x R, cut into G x G crops of R by the trunk
+    if cfg.get("resize_mode") == "squash":
+        preprocess = Preprocess(loaded, mean, std)
+    else:
+        preprocess = Preprocess.crop(loaded, 1.0, mean, std, interpolation)
+    embed = int(config["embed_dim"])
+    width = int(vision["width"]) if clip_features == "pre" else embed
+    extra = {"arch": arch, "force_image_size": side if side != native else None}
+    return Description(f"clip:{rest}", "clip", weights, provenance, preprocess, width, embed, clip_features, crops,
+                       extra=extra)
+
+
+class ClipTrunk(nn.Module):
+    """CLIP's image tower giving rows of [features, normalised embedding] and, with a `grid` G, the normalised
+    embeddings of the G x G crops of its input (a G x R square: the whole image is that square resized to R);
+    `class_embeddings` is its text side."""
+
+    def __init__(self, model: nn.Module, arch: str, pre: bool, grid: int = 0) -> None:
+        super().__init__()
+        self.model, self.arch, self.grid = model, arch, grid
+        self.proj = None
+        if pre:  # the tower stops before its projection; the projection is applied here for the embedding
+            self.proj = model.visual.proj
+            model.visual.proj = None
+
+    def _embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.model.visual(images)
+        embedding = pooled @ self.proj if self.proj is not None else pooled
+        return pooled, F.normalize(embedding.float(), dim=-1).to(pooled.dtype)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if not self.grid:
+            return torch.cat(self._embed(images), dim=1)
+        count, grid, side = len(images), self.grid, images.shape[-1] // self.grid
+        whole = F.interpolate(images, size=(side, side), mode="bilinear", antialias=True, align_corners=False)
+        crops = images.reshape(count, 3, grid, side, grid, side).permute(0, 2, 4, 1, 3, 5)  # row-major crops
+        crops = crops.reshape(count * grid * grid, 3, side, side).contiguous(memory_format=torch.channels_last)
+        _, crop_embeddings = self._embed(crops)
+        return torch.cat([*self._embed(whole), crop_embeddings.reshape(count, -1)], dim=1)
+
+    @torch.inference_mode()
+    def class_embeddings(self, prompts: list[list[str]]) -> np.ndarray:
+        """float32 [C, E]: per class, its prompts' text embeddings each normalised, averaged, normalised again
+        (CLIP's prompt ensembling)."""
+        tokenizer = open_clip.get_tokenizer(self.arch)
+        device = next(self.model.parameters()).device
+        rows = []
+        with torch.autocast(device.type, enabled=False):
+            for texts in prompts:
+                encoded = self.model.encode_text(tokenizer(texts).to(device)).float()
+                rows.append(F.normalize(F.normalize(encoded, dim=-1).mean(0), dim=0))
+        return torch.stack(rows).cpu().numpy().astype(np.float32)
+
+
+@contextmanager
+def _quiet():
+    """open_clip logs on the root logger (a random init, a failed download): quiet while it builds."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def build(description: Description) -> nn.Module:
+    arch, weights = description.extra["arch"], description.weights
+    options = {"force_image_size": description.extra.get("force_image_size")}
+    pre = description.clip_features == "pre"
+    if weights.lower() == "none":
+        with _quiet(), torch.random.fork_rng(devices=[]):  # open_clip logs "initialized randomly": we warn below
+            torch.manual_seed(0)
+            model = open_clip.create_model(arch, pretrained=None, **options)
+        warnings.warn(f"--weights none: clip:{arch} is randomly initialised; its features are not CLIP's",
+                      backbone.RandomWeightsWarning, stacklevel=2)
+        return ClipTrunk(model, arch, pre, description.grid)
+    source = str(Path(weights).expanduser()) if Path(weights).expanduser().is_file() else weights
+    try:
+        with _quiet():  # its own log lines would come before our one line
+            model = open_clip.create_model(arch, pretrained=source, require_pretrained=True, **options)
+    except Exception as err:  # hub, network, file format errors: all mean "these weights cannot be loaded"
+        if source != weights:
+            raise SpmlError(f"--weights {weights}: not an open_clip checkpoint for {arch} ({type(err).__name__}:"
+                            f" {str(err).splitlines()[0][:160] if str(err) else ''})") from None
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        hub = (open_clip.get_pretrained_cfg(arch, weights) or {}).get("hf_hub") or "its hub repository"
+        raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights ({hub.rstrip('/')}) are not in the hub cache"
+                        f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there is a"
+                        " network (HF_HOME says where they go), or pass --weights PATH to a local checkpoint") from None
+    return ClipTrunk(model, arch, pre, description.grid)

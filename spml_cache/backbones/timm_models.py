@@ -1,0 +1,117 @@
+"""timm models as trunks (`timm:NAME`, the pretrained tag in the name: `timm:convnext_base.fb_in22k`).
+
+`timm.create_model(NAME, num_classes=0)` ends at the model's pooled (pre-logits) vector. Preprocessing is the
+pretrained config's: input size, crop_pct, interpolation, mean and std (timm's evaluation transform). Weights:
+`pretrained` (the default: the tag's weights through timm, from the Hugging Face hub cache, which
+`HF_HUB_OFFLINE=1` keeps offline), a local `.pth` state dict, or `none` (random, seeded).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import timm
+import torch
+from torch import nn
+
+from spml_cache import backbone
+from spml_cache.backbones import Description
+from spml_cache.backbones.preprocess import Preprocess
+from spml_cache.errors import SpmlError
+
+PRETRAINED = "pretrained"
+STRIPPED_PREFIXES = ("module.", "model.", "trunk.", "backbone.")
+
+
+def _create(name: str, extra: dict, pretrained: bool = False) -> nn.Module:
+    return timm.create_model(name, pretrained=pretrained, num_classes=0, **extra)
+
+
+def _width(model: nn.Module) -> int:
+    return int(getattr(model, "head_hidden_size", None) or model.num_features)
+
+
+def describe(name: str, weights: str | None, resolution: int | None) -> Description:
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('.')[0][:6]}*")[:5]
+        hint = f" (e.g. {', '.join(close)})" if close else ""
+        raise SpmlError(f"--backbone timm:{name}: timm has no such model{hint}; timm.list_models() lists them")
+    weights = weights or PRETRAINED
+    source = _tagged(name, weights) or name  # `--weights TAG`: that tag's weights (and its preprocessing)
+    with torch.device("meta"):
+        model = _create(source, {})
+    cfg = dict(model.pretrained_cfg)
+    side = resolution or int(cfg["input_size"][-1])
+    extra = {"img_size": side} if side != int(cfg["input_size"][-1]) and cfg.get("fixed_input_size") else {}
+    if extra:
+        with torch.device("meta"):
+            model = _create(source, extra)
+    tagged = f"{cfg.get('architecture', name)}.{cfg['tag']}" if cfg.get("tag") else name
+    if weights == PRETRAINED or source != name:  # a tag, or the provenance a cache records, reads back the same
+        weights, provenance = PRETRAINED, tagged
+    elif weights.lower() == "none":
+        provenance = "none"
+    elif Path(weights).expanduser().is_file():
+        provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
+    else:
+        raise SpmlError(f"--weights {weights}: no such file, and not a pretrained tag of timm:{name}; use pretrained"
+                        " (the name's tag's weights), a tag (timm.list_pretrained() lists them), none, or a .pth path")
+    interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
+    mean, std = cfg.get("mean", backbone.IMAGENET_MEAN), cfg.get("std", backbone.IMAGENET_STD)
+    if cfg.get("crop_mode") == "squash":
+        preprocess = Preprocess(side, tuple(mean), tuple(std))
+    else:
+        preprocess = Preprocess.crop(side, float(cfg.get("crop_pct") or 1.0), mean, std, interpolation)
+    return Description(f"timm:{name}", "timm", weights, provenance, preprocess, _width(model),
+                       extra={"create": extra, "source": source, "hub": cfg.get("hf_hub_id") or cfg.get("url") or name})
+
+
+def _tagged(name: str, weights: str) -> str | None:
+    """The tagged timm name `weights` stands for: a tag of `name`'s architecture (`fb_in22k`), or a tagged name
+    of it (`convnext_tiny.fb_in22k`, what a cache records); None otherwise."""
+    architecture = name.split(".")[0]
+    for candidate in (weights, f"{architecture}.{weights}"):
+        if candidate.split(".")[0] == architecture and "." in candidate and candidate in timm.list_pretrained(
+                f"{architecture}.*"):
+            return candidate
+    return None
+
+
+def _load_file(model: nn.Module, path: Path, name: str) -> None:
+    state = backbone.read_state_dict(path)
+    for prefix in STRIPPED_PREFIXES:
+        if state and all(key.startswith(prefix) for key in state):
+            state = {key[len(prefix):]: value for key, value in state.items()}
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys:
+        raise SpmlError(f"--weights {path}: not a timm {name} state dict ({len(result.missing_keys)} trunk tensors"
+                        f" missing, e.g. {result.missing_keys[0]})")
+
+
+def build(description: Description) -> nn.Module:
+    name, weights = description.backbone.split(":", 1)[1], description.weights
+    extra = description.extra.get("create", {})
+    source = description.extra.get("source", name)
+    if weights.lower() == "none":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = _create(name, extra)
+        warnings.warn(f"--weights none: timm:{name} is randomly initialised; its features are not pretrained",
+                      backbone.RandomWeightsWarning, stacklevel=2)
+        return model
+    if weights == PRETRAINED:
+        try:
+            return _create(source, extra, pretrained=True)
+        except Exception as err:  # hub errors, missing files offline, network errors: all mean "no weights here"
+            cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+            offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+            raise SpmlError(
+                f"timm:{name}: its pretrained weights ({description.extra.get('hub')}) are not in the hub cache"
+                f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there"
+                " is a network (HF_HOME says where they go), or pass --weights PATH to a local .pth"
+            ) from None
+    model = _create(name, extra)
+    _load_file(model, Path(weights).expanduser(), name)
+    return model
