@@ -16,7 +16,10 @@ from spml_cache.cache.schema import (
     CONTENT_ATTR, COPY_BLOCK_ROWS, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
     partial_path, plain,
 )
+from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
+
+FEATURE_DTYPES = {"float32": np.float32, "float16": np.float16}  # how a cache may store its features
 
 def _check_rows(name: str, rows: SplitRows, num_classes: int) -> None:
     if rows.labels.shape != (len(rows), num_classes):
@@ -42,11 +45,16 @@ def _set_attrs(file: h5py.File, attrs: dict) -> None:
         file.attrs[key] = str(value) if isinstance(value, str) else value
 
 
-def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int, *, bad_rows: bool) -> h5py.File:
-    """A new file at `path` (replacing any) with every array allocated, no row done, `complete` false."""
+def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int, *, bad_rows: bool,
+            labels: str = sparse.DEFAULT_FORMAT, features: str = "float32") -> h5py.File:
+    """A new file at `path` (replacing any) with every array allocated, no row done, `complete` false.
+    `labels`: auto, dense or sparse (`sparse.resolve_format`); `features`: float32 or float16 storage."""
     num_classes = int(attrs["num_classes"])
     for name in SPLITS:
         _check_rows(name, splits[name], num_classes)
+    as_csr = sparse.resolve_format(labels, num_classes) == "sparse"
+    if features not in FEATURE_DTYPES:
+        raise SpmlError(f"feature storage {features!r}: use {' or '.join(FEATURE_DTYPES)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         file = h5py.File(path, "w")
@@ -58,11 +66,11 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
         file.attrs["complete"] = False
         for name in SPLITS:
             rows, group = splits[name], file.create_group(name)
-            _allocated(group, "features", (len(rows), feature_dim), np.float32)
-            group.create_dataset("labels", data=rows.labels.astype(np.uint8))
+            _allocated(group, "features", (len(rows), feature_dim), FEATURE_DTYPES[features])
+            sparse.store(group, "labels", rows.labels, as_csr, np.uint8)
             group.create_dataset("ids", data=np.array(rows.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
             if rows.observed is not None:
-                group.create_dataset("observed", data=rows.observed.astype(np.int8))
+                sparse.store(group, "observed", rows.observed, as_csr, np.int8)
             group.create_dataset("done", data=np.zeros(len(rows), dtype=bool))
             if bad_rows:
                 group.create_dataset("bad", data=np.zeros(len(rows), dtype=bool))
@@ -83,7 +91,7 @@ def _write_rules(file: h5py.File, masks: RuleMasks) -> None:
     """Each rule's train and val masks under /{split}/observed_rules/<rule text> (a rule there is replaced)."""
     for rule, pair in masks.items():
         for split, mask in zip(OBSERVED_SPLITS, pair):
-            labels = file[split]["labels"].shape
+            labels = sparse.stored_shape(file[split]["labels"])
             if mask.shape != labels:
                 raise SpmlError(f"{split}: the {rule} mask has shape {mask.shape}, labels {labels}")
             group = file[split].require_group(RULES_GROUP)
@@ -113,8 +121,9 @@ def add_rules(path: Path | str, masks: RuleMasks) -> Path:
 
 def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     file.attrs[CONTENT_ATTR] = content_hash({
-        name: (file[name]["features"], file[name]["labels"][...],
-               file[name]["observed"][...] if "observed" in file[name] else None, list(file[name]["ids"].asstr()[...]))
+        name: (file[name]["features"], sparse.read(file[name]["labels"], np.uint8),
+               sparse.read(file[name]["observed"], np.int8) if "observed" in file[name] else None,
+               list(file[name]["ids"].asstr()[...]))
         for name in SPLITS
     })
     file.attrs["complete"] = True
@@ -126,27 +135,33 @@ def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     return final
 
 
-def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict) -> Path:
+def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, labels: str = sparse.DEFAULT_FORMAT,
+          features: str = "float32") -> Path:
     """Write a complete cache in one go (import-features, tests, benchmarks).
 
-    Each split dict has `features` float32 [N, D], `labels` uint8 [N, C], `ids` list[str] and, for train and
-    val, `observed` int8 [N, C] and optionally `rules` ({rule text: int8 [N, C]}, other observation rules).
-    `attrs` are the root attrs (schema_version and complete are set here).
+    Each split dict has `features` float32 [N, D] (or a callable `(start, stop) -> rows`, for caches larger than
+    memory), `labels` uint8 [N, C], `ids` list[str] and, for train and val, `observed` int8 [N, C] and
+    optionally `rules` ({rule text: int8 [N, C]}, other observation rules); label matrices may be
+    `sparse.SparseLabels`. `attrs` are the root attrs (schema_version and complete are set here). `labels`: auto
+    (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse; `features`: float32 or float16 storage.
     """
     path = Path(path)
     temporary = partial_path(path)
     given = {"train": train, "val": val, "test": test}
-    splits = {name: SplitRows(list(d["ids"]), np.asarray(d["labels"]), d.get("observed")) for name, d in given.items()}
-    dims = {np.asarray(d["features"]).shape[1] for d in given.values()}
+    splits = {name: SplitRows(list(d["ids"]), d["labels"] if sparse.is_sparse(d["labels"]) else np.asarray(d["labels"]),
+                              d.get("observed")) for name, d in given.items()}
+    dims = {_width(d["features"]) for d in given.values()}
     if len(dims) != 1:
         raise SpmlError(f"features of the splits have different widths {sorted(dims)}")
-    file = _create(temporary, attrs, splits, dims.pop(), bad_rows=False)
+    file = _create(temporary, attrs, splits, dims.pop(), bad_rows=False, labels=labels, features=features)
     try:
         for name, split in given.items():
-            features = np.asarray(split["features"], dtype=np.float32)
-            if len(features) != len(splits[name]):
-                raise SpmlError(f"{name}: {len(features)} feature rows for {len(splits[name])} ids")
-            file[name]["features"][...] = features
+            stored, total = file[name]["features"], len(splits[name])
+            for start in range(0, max(total, 1), COPY_BLOCK_ROWS):
+                block = _feature_rows(split["features"], start, min(start + COPY_BLOCK_ROWS, total))
+                if start == 0 and not callable(split["features"]) and len(split["features"]) != total:
+                    raise SpmlError(f"{name}: {len(split['features'])} feature rows for {total} ids")
+                stored[start : start + len(block)] = block
             file[name]["done"][...] = True
         rules = train.get("rules") or {}
         _write_rules(file, {rule: (mask, val["rules"][rule]) for rule, mask in rules.items()})
@@ -157,6 +172,15 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict) 
     return _seal(file, temporary, path)
 
 
+def _width(features) -> int:
+    return int(features(0, 1).shape[1]) if callable(features) else np.asarray(features).shape[1]
+
+
+def _feature_rows(features, start: int, stop: int) -> np.ndarray:
+    rows = features(start, stop) if callable(features) else features[start:stop]
+    return np.asarray(rows, dtype=np.float32)
+
+
 class PartialCache:
     """An extraction in progress: `<name>.h5.partial`, filled batch by batch, then finalised."""
 
@@ -164,8 +188,10 @@ class PartialCache:
         self.file, self.final = file, final
 
     @classmethod
-    def create(cls, final: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int) -> "PartialCache":
-        return cls(_create(partial_path(final), attrs, splits, feature_dim, bad_rows=True), final)
+    def create(cls, final: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int,
+               labels: str = sparse.DEFAULT_FORMAT) -> "PartialCache":
+        """`labels`: auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse."""
+        return cls(_create(partial_path(final), attrs, splits, feature_dim, bad_rows=True, labels=labels), final)
 
     @classmethod
     def open(cls, final: Path) -> "PartialCache":
@@ -271,7 +297,8 @@ class PartialCache:
 
         def store_rules(file: h5py.File) -> None:  # from the rows kept
             if rules is not None:
-                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]), file[split]["labels"][...], None)
+                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]),
+                                         sparse.dense(sparse.read(file[split]["labels"], np.uint8), np.uint8), None)
                         for split in OBSERVED_SPLITS}
                 _write_rules(file, rules(kept))
 
@@ -294,14 +321,16 @@ class PartialCache:
         splits = {
             split: SplitRows(
                 [ids[split][i] for i in keep[split]],
-                source[split]["labels"][...][keep[split]],
-                source[split]["observed"][...][keep[split]] if split in OBSERVED_SPLITS else None,
+                _kept(sparse.read(source[split]["labels"], np.uint8), keep[split]),
+                _kept(sparse.read(source[split]["observed"], np.int8), keep[split]) if split in OBSERVED_SPLITS else None,
             )
             for split in SPLITS
         }
+        as_csr = sparse.stored_sparse(source["train"]["labels"])
         root_attrs = {key: plain(value) for key, value in source.attrs.items()} | attrs
         temporary = self.final.with_name(self.final.name + ".compact.partial")
-        target = _create(temporary, root_attrs, splits, source["train"]["features"].shape[1], bad_rows=False)
+        target = _create(temporary, root_attrs, splits, source["train"]["features"].shape[1], bad_rows=False,
+                         labels="sparse" if as_csr else "dense")
         try:
             for split in SPLITS:
                 rows = keep[split]
@@ -323,6 +352,10 @@ class PartialCache:
     def close(self) -> None:
         if self.file.id.valid:
             self.file.close()
+
+
+def _kept(matrix, rows: np.ndarray):
+    return matrix.take(rows) if sparse.is_sparse(matrix) else matrix[rows]
 
 
 def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
