@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
 from spml_cache.protocol import OBSERVE_SEED, observe_labels, split_train_val
 
@@ -325,7 +326,7 @@ class Observed:
 
 def without_positive(observed: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """bool [N]: the rows that have a true positive but no observed one."""
-    return (labels == 1).any(axis=1) & ~(observed == 1).any(axis=1)
+    return sparse.rows_with(labels, 1) & ~sparse.rows_with(observed, 1)
 
 
 def for_cache(features, rules: list[Rule]) -> dict[str, Observed]:

@@ -243,12 +243,19 @@ class StoredFeatures:
         return {"path": self.path, "split": self.split, "shape": self.shape, "_file": None}
 
 
-def feature_shapes(path: Path | str) -> tuple[dict[str, tuple[int, int]], np.dtype]:
-    """Each split's feature shape and their stored dtype, without reading them (to plan memory)."""
+def feature_shapes(path: Path | str) -> tuple[dict[str, tuple[int, int]], int, int]:
+    """Each split's feature shape, the bytes the label matrices take in memory and the class count, without
+    reading them (to plan memory)."""
+    def size(node) -> int:
+        return sum(part.nbytes for part in node.values()) if sparse.stored_sparse(node) else node.nbytes
+
     with _open(Path(path)) as file:
-        shapes = {name: tuple(file[name]["features"].shape) for name in SPLITS if name in file}
-        dtype = file["train"]["features"].dtype if "train" in file else np.dtype(np.float32)
-    return shapes, dtype
+        _validate(Path(path), file)
+        shapes = {name: tuple(file[name]["features"].shape) for name in SPLITS}
+        labels = sum(size(file[name][array]) for name in SPLITS for array in ("labels", "observed")
+                     if array in file[name])
+        num_classes = int(plain(file.attrs["num_classes"]))
+    return shapes, labels, num_classes
 
 
 def verify(features: FeatureSet) -> None:
