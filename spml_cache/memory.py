@@ -7,8 +7,6 @@ import os
 import re
 import resource
 
-import torch
-
 from spml_cache.errors import SpmlError
 
 FLAG = "--memory-budget"
@@ -31,9 +29,11 @@ def parse_size(text: str | int | None, flag: str = FLAG) -> int | None:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def free_memory(device: torch.device) -> int:
+def free_memory(device) -> int:
     """Bytes free now: a GPU's (`torch.cuda.mem_get_info`), else the machine's available RAM."""
     if device.type == "cuda":
+        import torch  # here: the command line parses sizes before the heavy imports
+
         return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as info:
@@ -45,7 +45,7 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def budget(given: str | int | None, device: torch.device) -> int:
+def budget(given: str | int | None, device) -> int:
     """`--memory-budget`, else `DEFAULT_SHARE` of the device's free memory."""
     parsed = parse_size(given)
     return parsed if parsed is not None else int(DEFAULT_SHARE * free_memory(device))

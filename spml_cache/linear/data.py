@@ -82,6 +82,12 @@ class LinearData:
         return isinstance(self.train_features, StoredFeatures)
 
     @property
+    def scores_at_once(self) -> bool:
+        """Val and test are in memory and every class is scored at once: one batched scoring, as with dense
+        labels (sparse ones made dense a split at a time)."""
+        return isinstance(self.eval_features, torch.Tensor) and self.class_block >= self.num_classes
+
+    @property
     def dense_in_memory(self) -> bool:
         """Every array a dense tensor: what a captured CUDA graph can index (graphs.py)."""
         arrays = (self.train_features, self.train_observed, self.train_labels, self.eval_features, self.val_targets,

@@ -21,7 +21,9 @@ from spml_cache.devices import to_host
 from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.head_matrix import HeadMatrix
-from spml_cache.linear.out_of_core import Batch, ChunkReader, blocked_average_precision, chunked_permutations
+from spml_cache.linear.out_of_core import (
+    Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets,
+)
 from spml_cache.linear.settings import LinearSettings, StartHead
 from spml_cache.losses.base import Fidelity
 from spml_cache.metrics import average_precision
@@ -329,10 +331,11 @@ class SeedRun:
         `stacks`, `[sum K, C]` each: one batched scoring when the data is dense and in memory, else a block of
         classes at a time (out_of_core.py; the same figures)."""
         data = self.data
-        if data.dense_in_memory and data.class_block >= data.num_classes:
+        if data.scores_at_once:
             scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in stacks]))
-            val = average_precision(scores[:, :val_rows], data.val_targets[:val_rows])
-            test = average_precision(scores[:, data.num_val : data.num_val + test_rows], data.test_labels[:test_rows])
+            val = average_precision(scores[:, :val_rows], dense_targets(data.val_targets, val_rows, data.device))
+            test = average_precision(scores[:, data.num_val : data.num_val + test_rows],
+                                     dense_targets(data.test_labels, test_rows, data.device))
             return val, test
         for stack in stacks:
             stack.adam.flush(stack.active)

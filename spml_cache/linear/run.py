@@ -27,7 +27,7 @@ from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job
 from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
 from spml_cache.linear.live import LiveTable
-from spml_cache.linear.out_of_core import load_within, train_map
+from spml_cache.linear.out_of_core import dense_targets, load_within, train_map
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_settings
 from spml_cache.metrics import mean_average_precision
@@ -266,11 +266,10 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: lis
         return loss_results(records, None, loss_registry.merged(combos), [], seconds), None
     hparams = next(c for c in combos if all(c[key] == value for key, value in selection.hparams.items()))
     best = selection.representative
-    if data.dense_in_memory and data.class_block >= data.num_classes:
-        train_maps = [
-            mean_average_precision(head_scores(r.best_state["head"], data.train_features), data.train_labels)
-            for r in selection.records
-        ]
+    if data.scores_at_once and not data.streams_train:
+        labels = dense_targets(data.train_labels, data.num_train, data.device)
+        train_maps = [mean_average_precision(head_scores(r.best_state["head"], data.train_features), labels)
+                      for r in selection.records]
         train = head_scores(best.best_state["head"], data.train_features)
         evaluated = head_scores(best.best_state["head"], data.eval_features)
         runs.write_scores(run_dir, name, train=train, val=evaluated[: data.num_val], test=evaluated[data.num_val :])
