@@ -193,7 +193,7 @@ def blocked_average_precision(heads: list, source, start: int, stop: int, target
     for low in range(0, num_classes, class_block):
         high = min(low + class_block, num_classes)
         if isinstance(source, torch.Tensor):
-            chunks = [source[i : i + 16384] for i in range(start, stop, 16384)]
+            chunks = [source[i : min(i + 16384, stop)] for i in range(start, stop, 16384)]
         else:
             chunks = source.chunks(start, stop)
         logits = [[] for _ in heads]
