@@ -281,6 +281,9 @@ def official_positions(attrs: dict, num_train: int, num_val: int) -> tuple[np.nd
 def draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, attrs: dict,
                 areas: tuple[Areas, Areas] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order)."""
+    if sparse.is_sparse(train_labels):
+        raise SpmlError(f"{FLAG} {rule}: this cache stores its labels sparse (many classes), and observation rules"
+                        f" are drawn from dense labels only so far: use {FLAG} single")
     if rule.entry.needs_areas and areas is None:
         raise SpmlError(f"{FLAG} {rule}: needs instance areas (VOC boxes), which this cache does not store: extract"
                         f" the dataset with {FLAG} {rule} (only the rule's masks are stored, no areas)")

@@ -1,7 +1,6 @@
 """Stage two out of core: the memory plan, the seeded chunk order, streamed training and class-blocked scoring
 against the in-memory run, and `--memory-budget` checked in one line."""
 
-import numpy as np
 import pytest
 import torch
 from cli_support import REPO, run_cli

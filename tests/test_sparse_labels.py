@@ -113,3 +113,22 @@ def test_sparse_and_dense_caches_give_the_same_linear_results(tmp_path, caches):
         dense, stored = results[0][name], results[1][name]
         for key in ("selected", "best_epoch", "val_map", "test_map", "train_map", "per_class_ap", "configs"):
             assert stored[key] == dense[key], (name, key)
+
+
+def test_dense_and_sparse_matrices_compare_by_value():
+    dense = random_labels(np.random.default_rng(1))
+    matrix = SparseLabels.from_dense(dense)
+    assert sparse.same(matrix, dense) and sparse.same(dense, matrix) and sparse.same(dense, dense.copy())
+    other = dense.copy()
+    other[0, 0] = 1 - other[0, 0]
+    assert not sparse.same(matrix, other)
+
+
+def test_observation_rules_on_sparse_labels_are_refused_in_one_line(caches):
+    from spml_cache import observation
+
+    loaded = cache.load(caches[1])
+    rule = observation.parse_rules("entry:0.5")[0]
+    with pytest.raises(SpmlError, match="--observe single") as error:
+        observation.for_cache(loaded, [rule])
+    assert "\n" not in str(error.value)

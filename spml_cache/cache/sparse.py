@@ -142,6 +142,14 @@ def rows_with(matrix, value: int) -> np.ndarray:
     return matrix.rows_with(value) if is_sparse(matrix) else (np.asarray(matrix) == value).any(axis=1)
 
 
+def same(first, second) -> bool:
+    """Whether two label matrices, each dense or sparse, hold the same values (a dense one made CSR to compare)."""
+    if not (is_sparse(first) or is_sparse(second)):
+        return np.array_equal(first, second)
+    first, second = (m if is_sparse(m) else SparseLabels.from_dense(m) for m in (first, second))
+    return first == second
+
+
 def count_positive(matrix) -> int:
     """How many entries of a dense or sparse label matrix are positive (> 0)."""
     return int((matrix.values > 0).sum()) if is_sparse(matrix) else int((np.asarray(matrix) > 0).sum())
