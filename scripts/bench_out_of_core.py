@@ -156,7 +156,7 @@ def big_part(args) -> dict:
                       "labels": "sparse (CSR)", "bytes": path.stat().st_size},
             "command": command[1:], "returncode": done.returncode, "seconds": round(seconds, 1),
             "memory_budget_bytes": budget, "peak_rss_bytes": peak, "peak_rss_under_budget": peak <= budget,
-            "notes": [line for line in done.stdout.splitlines() if "memory budget" in line],
+            "notes": [line for line in (done.stdout + done.stderr).splitlines() if "memory budget" in line],
             "test_map": results and results["test_map"], "val_map": results and results["val_map"]}
 
 

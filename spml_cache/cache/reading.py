@@ -225,8 +225,12 @@ class StoredFeatures:
         return self._file[self.split]["features"]
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows `start:stop` as float32 `[stop - start, D]` (one contiguous read)."""
-        return self._dataset()[start:stop].astype(np.float32, copy=False)
+        """Rows `start:stop` as float32 `[stop - start, D]` (one contiguous read, converted as it is read: no
+        float16 copy beside the result)."""
+        dataset = self._dataset()
+        if dataset.dtype == np.float32:
+            return dataset[start:stop]
+        return dataset.astype(np.float32)[start:stop]
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         if not isinstance(rows, slice) or rows.step not in (None, 1):

@@ -42,7 +42,7 @@ class LinearData:
 
         splits = (features.val.features, features.test.features)
         if isinstance(splits[0], StoredFeatures):
-            evaluated = RowSource(list(splits), device)
+            evaluated = RowSource(list(splits), device, plan.chunk_rows if plan and plan.chunk_rows else 16384)
         else:
             evaluated = on_device(np.concatenate(splits))
         return cls(

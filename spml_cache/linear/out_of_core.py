@@ -25,8 +25,10 @@ FLOAT_BYTES = 4
 # Bytes per (head, row, class) element while scoring: the scores and `metrics.average_precision`'s buffers
 # (int64 keys, int32 counts, a bool mask, ...), measured ~30; rounded up.
 SCORING_BYTES = 40
-# Per head and class per feature: weight, gradient, two Adam moments, the best epoch's copy and the logits' share.
-HEAD_COPIES = 6
+# Per head and class per feature: weight, gradient, two Adam moments, the best epoch's copy (made through one
+# temporary) and the logits' share; measured on the 500k x 5,000 benchmark (docs/benchmarks.md).
+HEAD_COPIES = 7
+MARGIN = 0.1  # of the budget, kept for what the plan does not count: ids, Python objects, transient copies
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class MemoryPlan:
     budget: int  # bytes
     train_in_memory: bool = True
     eval_in_memory: bool = True
-    chunk_rows: int = 0  # rows per chunk when the train features stream
+    chunk_rows: int = 0  # rows per chunk when features stream (training's chunk order, and scoring's reads)
     class_block: int = 0  # classes per scoring block; 0 = all
 
     @property
@@ -60,7 +62,8 @@ def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, head
     whose labels take `label_bytes`, in a process already holding `baseline` bytes."""
     dim = shapes["train"][1]
     num_train, num_val, num_test = (shapes[name][0] for name in ("train", "val", "test"))
-    left = budget - baseline - label_bytes - HEAD_COPIES * FLOAT_BYTES * heads * (dim + 1) * num_classes
+    heads_bytes = HEAD_COPIES * FLOAT_BYTES * heads * (dim + 1) * num_classes
+    left = int(budget * (1 - MARGIN)) - baseline - label_bytes - heads_bytes
     train, evaluated = num_train * dim * FLOAT_BYTES, (num_val + num_test) * dim * FLOAT_BYTES
     scoring = heads * num_classes * ((num_val + num_test) * FLOAT_BYTES + max(num_val, num_test) * SCORING_BYTES)
     train_scoring = num_classes * num_train * (FLOAT_BYTES + SCORING_BYTES)  # one head on the train rows (selection)
@@ -69,10 +72,10 @@ def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, head
     left = max(left, 0)
     train_in_memory = train <= left // 2
     eval_in_memory = evaluated <= left // 5
-    chunk_rows = max(1, min(num_train, left // 4 // (3 * dim * FLOAT_BYTES)))
+    chunk_rows = max(1, min(max(num_train, num_val, num_test), left // 4 // (3 * dim * FLOAT_BYTES)))
     per_class = heads * max(num_val, num_test) * (SCORING_BYTES + FLOAT_BYTES)
     class_block = int(max(1, min(num_classes, left // 4 // max(per_class, 1))))
-    return MemoryPlan(budget, train_in_memory, eval_in_memory, 0 if train_in_memory else int(chunk_rows), class_block)
+    return MemoryPlan(budget, train_in_memory, eval_in_memory, int(chunk_rows), class_block)
 
 
 def chunked_permutations(num_rows: int, chunk_rows: int, seed: int, epochs: int) -> torch.Tensor:
