@@ -224,13 +224,16 @@ class StoredFeatures:
             self._file = _open(self.path)
         return self._file[self.split]["features"]
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows `start:stop` as float32 `[stop - start, D]` (one contiguous read, converted as it is read: no
-        float16 copy beside the result)."""
-        dataset = self._dataset()
-        if dataset.dtype == np.float32:
-            return dataset[start:stop]
-        return dataset.astype(np.float32)[start:stop]
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `start:stop` as float32 `[stop - start, D]`: one contiguous read, converted as it is read (no
+        float16 copy beside it), into the first rows of `out` (float32, C-contiguous) when given: a buffer
+        reused from read to read keeps resident memory flat."""
+        dataset, rows = self._dataset(), stop - start
+        if out is None:
+            return dataset[start:stop] if dataset.dtype == np.float32 else dataset.astype(np.float32)[start:stop]
+        if rows:
+            dataset.read_direct(out, np.s_[start:stop], np.s_[0:rows])
+        return out[:rows]
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         if not isinstance(rows, slice) or rows.step not in (None, 1):

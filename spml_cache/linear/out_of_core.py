@@ -119,16 +119,21 @@ class ChunkReader:
     def __init__(self, source, chunk_rows: int, device: torch.device) -> None:
         self.source, self.chunk_rows, self.device = source, chunk_rows, device
         self.loaded: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, np.ndarray] = {}  # chunk -> the host buffer it was read into
+        self.free: list[np.ndarray] = []  # host buffers, reused
 
     def features(self, rows: torch.Tensor) -> torch.Tensor:
         chunks = torch.div(rows, self.chunk_rows, rounding_mode="floor")
         needed = sorted(set(chunks.tolist()))
         for chunk in [c for c in self.loaded if c not in needed]:
             del self.loaded[chunk]
+            self.free.append(self.buffers.pop(chunk))
         for chunk in needed:
             if chunk not in self.loaded:
                 low = chunk * self.chunk_rows
-                block = self.source.read(low, min(low + self.chunk_rows, len(self.source)))
+                buffer = self.free.pop() if self.free else np.empty((self.chunk_rows, self.source.shape[1]), np.float32)
+                self.buffers[chunk] = buffer
+                block = self.source.read(low, min(low + self.chunk_rows, len(self.source)), out=buffer)
                 self.loaded[chunk] = torch.from_numpy(block).to(self.device)
         if len(needed) == 1:
             return self.loaded[needed[0]].index_select(0, rows - needed[0] * self.chunk_rows)
@@ -151,17 +156,21 @@ class RowSource:
     def __len__(self) -> int:
         return self.shape[0]
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        pieces = []
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `start:stop` into the first rows of `out` (a new array when None)."""
+        out = np.empty((stop - start, self.shape[1]), np.float32) if out is None else out
         for part, low, high in zip(self.parts, self.bounds[:-1], self.bounds[1:]):
             a, b = max(start, low), min(stop, high)
             if a < b:
-                pieces.append(part.read(int(a - low), int(b - low)))
-        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+                part.read(int(a - low), int(b - low), out=out[a - start : b - start])
+        return out[: stop - start]
 
     def chunks(self, start: int, stop: int):
+        """The rows `start:stop` a chunk at a time, every chunk read into the same buffer: each is to be used
+        before the next is asked for."""
+        buffer = np.empty((min(self.chunk_rows, max(stop - start, 0)), self.shape[1]), np.float32)
         for low in range(start, stop, self.chunk_rows):
-            yield torch.from_numpy(self.read(low, min(low + self.chunk_rows, stop))).to(self.device)
+            yield torch.from_numpy(self.read(low, min(low + self.chunk_rows, stop), out=buffer)).to(self.device)
 
 
 def _columns(heads, low: int, high: int) -> torch.Tensor:
