@@ -96,3 +96,16 @@ def test_a_tiny_budget_streams_everything_end_to_end(tmp_path, small_cache):
 def test_losses_that_score_every_training_row_are_refused_out_of_core(tmp_path, small_cache):
     with pytest.raises(SpmlError, match="--memory-budget"):
         run(small_cache, tmp_path, memory_budget="1KB", losses="em_apl", lrs=[1e-2], batch_sizes=[8], epochs=1)
+
+
+def test_a_resumed_out_of_core_run_keeps_its_chunk_order(tmp_path, small_cache, monkeypatch):
+    from linear_support import interrupted_run
+
+    grid = dict(losses=["an", "bce"], lrs=[1e-2, 1e-3], batch_sizes=[8, 16], epochs=3, workers=1)
+    whole = run(small_cache, tmp_path / "whole", monkeypatch, (False, True, 32, 0), **grid)
+    run_dir = interrupted_run(tmp_path / "cut", small_cache, monkeypatch, 1, **grid)
+    monkeypatch.setattr(out_of_core, "plan", lambda budget, *args: MemoryPlan(budget))  # all would fit now
+    resumed = run_linear(resume=run_dir, console=quiet()).results["losses"]
+    for name in ("an", "bce"):
+        assert resumed[name]["test_map"] == whole[name]["test_map"]
+        assert resumed[name]["val_map"] == whole[name]["val_map"]

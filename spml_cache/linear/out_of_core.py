@@ -47,13 +47,12 @@ class MemoryPlan:
         return not (self.train_in_memory and self.eval_in_memory)
 
     def describe(self) -> str:
-        parts = [f"memory budget {memory.describe(self.budget)}:"]
-        parts.append("train features in memory" if self.train_in_memory
-                     else f"train features streamed from the cache in chunks of {self.chunk_rows:,} rows")
-        parts.append("val/test in memory" if self.eval_in_memory else "val/test streamed")
-        if self.class_block:
-            parts.append(f"scored {self.class_block:,} classes at a time")
-        return ", ".join(parts[:1] + [" ".join(parts[1:2])] + parts[2:]).replace(":,", ":")
+        """The one line a run prints when something streams."""
+        train = ("train features in memory" if self.train_in_memory
+                 else f"train features streamed from the cache in chunks of {self.chunk_rows:,} rows")
+        evaluated = "val/test in memory" if self.eval_in_memory else "val/test streamed"
+        blocks = f", scored {self.class_block:,} classes at a time" if self.class_block else ""
+        return f"memory budget {memory.describe(self.budget)}: {train}, {evaluated}{blocks}"
 
 
 def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, heads: int, label_bytes: int,
