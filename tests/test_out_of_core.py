@@ -41,6 +41,9 @@ def test_the_plan_streams_only_what_does_not_fit():
     assert not roomy.streams and roomy.class_block == 0
     tight = out_of_core.plan(12 * 2**20, shapes, 20, heads=4, label_bytes=0, baseline=2**20)
     assert not tight.train_in_memory and 1 <= tight.chunk_rows < 10_000 and 1 <= tight.class_block <= 20
+    assert tight.short == 0 and "more than the budget" not in tight.describe()
+    over = out_of_core.plan(2**20, shapes, 20, heads=4, label_bytes=0, baseline=2**20)
+    assert over.short > 0 and "more than the budget" in over.describe()
 
 
 def test_memory_budget_sizes_and_one_line_errors():

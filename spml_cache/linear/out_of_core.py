@@ -41,6 +41,7 @@ class MemoryPlan:
     eval_in_memory: bool = True
     chunk_rows: int = 0  # rows per chunk when features stream (training's chunk order, and scoring's reads)
     class_block: int = 0  # classes per scoring block; 0 = all
+    short: int = 0  # bytes the heads, labels and process need beyond the budget before any feature (0: none)
 
     @property
     def streams(self) -> bool:
@@ -52,7 +53,9 @@ class MemoryPlan:
                  else f"train features streamed from the cache in chunks of {self.chunk_rows:,} rows")
         evaluated = "val/test in memory" if self.eval_in_memory else "val/test streamed"
         blocks = f", scored {self.class_block:,} classes at a time" if self.class_block else ""
-        return f"memory budget {memory.describe(self.budget)}: {train}, {evaluated}{blocks}"
+        over = (f" (the heads, labels and process alone take {memory.describe(self.short)} more than the budget:"
+                " expect to exceed it; train fewer lrs or batch sizes at once)") if self.short else ""
+        return f"memory budget {memory.describe(self.budget)}: {train}, {evaluated}{blocks}{over}"
 
 
 def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, heads: int, label_bytes: int,
@@ -68,13 +71,13 @@ def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, head
     train_scoring = num_classes * num_train * (FLOAT_BYTES + SCORING_BYTES)  # one head on the train rows (selection)
     if train + evaluated + max(scoring, train_scoring) <= left:
         return MemoryPlan(budget)
-    left = max(left, 0)
+    short, left = max(-left, 0), max(left, 0)
     train_in_memory = train <= left // 2
     eval_in_memory = evaluated <= left // 5
     chunk_rows = max(1, min(max(num_train, num_val, num_test), left // 4 // (3 * dim * FLOAT_BYTES)))
     per_class = heads * max(num_val, num_test) * (SCORING_BYTES + FLOAT_BYTES)
     class_block = int(max(1, min(num_classes, left // 4 // max(per_class, 1))))
-    return MemoryPlan(budget, train_in_memory, eval_in_memory, int(chunk_rows), class_block)
+    return MemoryPlan(budget, train_in_memory, eval_in_memory, int(chunk_rows), class_block, short)
 
 
 def chunked_permutations(num_rows: int, chunk_rows: int, seed: int, epochs: int) -> torch.Tensor:
