@@ -125,9 +125,6 @@ def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
-Labels = "np.ndarray | SparseLabels"
-
-
 def is_sparse(matrix) -> bool:
     return isinstance(matrix, SparseLabels)
 

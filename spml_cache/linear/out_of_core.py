@@ -18,7 +18,6 @@ import torch
 
 from spml_cache import memory
 from spml_cache import cache
-from spml_cache.cache import sparse
 from spml_cache.metrics import average_precision
 
 FLOAT_BYTES = 4
@@ -225,10 +224,6 @@ def dense_targets(targets, rows: int, device: torch.device) -> torch.Tensor:
     if isinstance(targets, torch.Tensor):
         return targets[:rows]
     return torch.from_numpy(targets.columns(0, targets.num_classes, rows)).to(device)
-
-
-def is_sparse(matrix) -> bool:
-    return sparse.is_sparse(matrix)
 
 
 def load_within(path, budget: int, heads: int, chunk_rows: int | None = None):
