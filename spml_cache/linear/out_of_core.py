@@ -226,11 +226,13 @@ def dense_targets(targets, rows: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(targets.columns(0, targets.num_classes, rows)).to(device)
 
 
-def load_within(path, budget: int, heads: int, chunk_rows: int | None = None):
-    """The cache at `path` loaded for `budget` bytes (`plan`), `heads` heads trained at once: `(FeatureSet,
-    MemoryPlan)`, the features that do not fit left in the file. `chunk_rows`: a resumed run's chunk size."""
+def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows: int | None = None):
+    """The cache at `path` loaded for `budget` bytes of `device` (`plan`), `heads` heads trained at once:
+    `(FeatureSet, MemoryPlan)`, the features that do not fit left in the file. `chunk_rows`: a resumed run's
+    chunk size."""
     shapes, label_bytes, num_classes = cache.feature_shapes(path)
-    chosen = plan(budget, shapes, num_classes, heads, label_bytes, memory.resident())
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else memory.resident()
+    chosen = plan(budget, shapes, num_classes, heads, label_bytes, baseline)
     if chunk_rows:  # a resumed out-of-core run goes on in its own chunk order
         chosen = replace(chosen, train_in_memory=False, chunk_rows=chunk_rows)
     if not chosen.streams:

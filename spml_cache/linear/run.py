@@ -85,7 +85,8 @@ def run_linear(
     target = ranks.device(resolve_device(device)) if ranks else resolve_device(device)
     budget = memory.budget(memory_budget, target)
     chunk_rows = (config.get("out_of_core") or {}).get("chunk_rows") if resume is not None else None
-    features, plan = load_within(find_cache(cache, dataset, cache_dir), budget, settings.heads_at_once(), chunk_rows)
+    features, plan = load_within(find_cache(cache, dataset, cache_dir), budget, settings.heads_at_once(), target,
+                                 chunk_rows)
     if not plan.train_in_memory:
         workers = _streaming(settings, workers)
     check_val_split(features.val.labels, str(features.path))
