@@ -132,3 +132,10 @@ def test_observation_rules_on_sparse_labels_are_refused_in_one_line(caches):
     with pytest.raises(SpmlError, match="--observe single") as error:
         observation.for_cache(loaded, [rule])
     assert "\n" not in str(error.value)
+
+
+def test_selecting_on_observed_val_labels_is_the_same_sparse_or_dense(tmp_path, caches):
+    results = [run_linear(cache=path, losses="an", lrs=[1e-2], batch_sizes=[8], epochs=2, val_labels="observed",
+                          out=tmp_path / path.parent.name, workers=1, console=quiet()).results["losses"]["an"]
+               for path in caches]
+    assert results[1]["val_map"] == results[0]["val_map"] and results[1]["test_map"] == results[0]["test_map"]
