@@ -137,7 +137,8 @@ def big_part(args) -> dict:
     if not path.exists():
         start = time.perf_counter()
         build_big(path, args.rows, args.classes)
-        print(f"built {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - start:.0f} s", flush=True)
+        seconds = time.perf_counter() - start
+        print(f"built {path} ({path.stat().st_size / 2**30:.2f} GiB) in {seconds:.0f} s", flush=True)
     out = Path(tempfile.mkdtemp(prefix="bench-ooc-runs-"))
     command = [sys.executable, "-m", "spml_cache", "linear", "--cache", str(path), "--loss", args.loss, "--lr",
                args.lr, "--batch-size", args.batch_size, "--epochs", str(args.epochs), "--device", "cpu",

@@ -106,7 +106,8 @@ def test_float16_features_are_stored_half_and_read_as_float32(tmp_path, caches):
 def test_sparse_and_dense_caches_give_the_same_linear_results(tmp_path, caches):
     results = []
     for path in caches:
-        run = run_linear(cache=path, losses=["an", "bce", "role", "ll_r"], lrs=[1e-2, 1e-3], batch_sizes=[8, 16], epochs=3,
+        run = run_linear(cache=path, losses=["an", "bce", "role", "ll_r"], lrs=[1e-2, 1e-3], batch_sizes=[8, 16],
+                         epochs=3,
                          out=tmp_path / path.parent.name, workers=1, console=quiet())
         results.append(run.results["losses"])
     for name in ("an", "bce", "role", "ll_r"):

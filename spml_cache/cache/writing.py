@@ -322,7 +322,8 @@ class PartialCache:
             split: SplitRows(
                 [ids[split][i] for i in keep[split]],
                 _kept(sparse.read(source[split]["labels"], np.uint8), keep[split]),
-                _kept(sparse.read(source[split]["observed"], np.int8), keep[split]) if split in OBSERVED_SPLITS else None,
+                (_kept(sparse.read(source[split]["observed"], np.int8), keep[split])
+                 if split in OBSERVED_SPLITS else None),
             )
             for split in SPLITS
         }

@@ -55,7 +55,8 @@ class HeadStack:
                                   start=(start.weight, start.bias) if start else None)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
-            num_heads=len(lrs), train_observed=data.observed_for_loss(bool(loss_registry.get(name).state)), seed=seed, fidelity=fidelity, **hparams,
+            num_heads=len(lrs), train_observed=data.observed_for_loss(bool(loss_registry.get(name).state)), seed=seed,
+            fidelity=fidelity, **hparams,
         ).to(device)
         self.drop_last, self.early_stop = self.loss.drops_last, self.loss.early_stop  # the fidelity's rules
         if start:
