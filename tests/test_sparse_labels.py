@@ -140,3 +140,26 @@ def test_selecting_on_observed_val_labels_is_the_same_sparse_or_dense(tmp_path, 
                           out=tmp_path / path.parent.name, workers=1, console=quiet()).results["losses"]["an"]
                for path in caches]
     assert results[1]["val_map"] == results[0]["val_map"] and results[1]["test_map"] == results[0]["test_map"]
+
+
+def test_an_extraction_with_sparse_labels_drops_bad_rows_and_stays_sparse(tmp_path, caches):
+    loaded = cache.load(caches[0])
+    rows = {name: cache.SplitRows(getattr(loaded, name).ids, getattr(loaded, name).labels,
+                                  getattr(loaded, name).observed) for name in cache.SPLITS}
+    attrs = {key: value for key, value in loaded.attrs.items()
+             if key not in ("content_hash", "complete", "schema_version")}
+    final = tmp_path / "voc-resnet50-448.h5"
+    partial = cache.PartialCache.create(final, attrs, rows, feature_dim=16, labels="sparse")
+    for name in cache.SPLITS:
+        count = len(rows[name])
+        bad = np.zeros(count, dtype=bool)
+        bad[1] = name == "train"
+        partial.write_rows(name, np.arange(count), getattr(loaded, name).features, bad)
+    path, dropped = partial.finalise({"device": "cpu"})
+    assert dropped["train"] == [loaded.train.ids[1]]
+    stored = cache.load(path)
+    keep = [i for i in range(len(loaded.train)) if i != 1]
+    assert isinstance(stored.train.labels, SparseLabels)
+    assert np.array_equal(stored.train.labels.to_dense(np.uint8), loaded.train.labels[keep])
+    assert np.array_equal(stored.train.observed.to_dense(), loaded.train.observed[keep])
+    assert sparse.same(cache.read_header(path)[1]["val"].labels, loaded.val.labels)
