@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
 from spml_cache.protocol import OBSERVE_SEED, hide_unannotated, observe_labels, split_train_val
 
@@ -288,6 +289,9 @@ def draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, at
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order);
     with partial labels (`label_masks`, train and val, 1 where annotated) no unannotated entry is observed."""
+    if sparse.is_sparse(train_labels):
+        raise SpmlError(f"{FLAG} {rule}: this cache stores its labels sparse (many classes), and observation rules"
+                        f" are drawn from dense labels only so far: use {FLAG} single")
     train, val = _draw_splits(rule, train_labels, val_labels, attrs, areas)
     train_mask, val_mask = label_masks or (None, None)
     return hide_unannotated(train, train_mask), hide_unannotated(val, val_mask)
@@ -340,7 +344,7 @@ class Observed:
 
 def without_positive(observed: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """bool [N]: the rows that have a true positive but no observed one."""
-    return (labels == 1).any(axis=1) & ~(observed == 1).any(axis=1)
+    return sparse.rows_with(labels, 1) & ~sparse.rows_with(observed, 1)
 
 
 def for_cache(features, rules: list[Rule]) -> dict[str, Observed]:

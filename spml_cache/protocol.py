@@ -173,7 +173,8 @@ def apply_protocol(
 def check_val_split(val_labels: np.ndarray, source: str) -> None:
     """Selection ranks epochs and configs by val mAP: a val split of fewer than two rows, or without a single
     positive label, ranks nothing (every val mAP 0, the first epoch picked by chance); refuse it."""
-    rows, positives = len(val_labels), int(np.asarray(val_labels).sum())
+    values = val_labels.values if hasattr(val_labels, "indptr") else np.asarray(val_labels)  # a sparse matrix's
+    rows, positives = len(val_labels), int((values > 0).sum())
     if rows < 2 or positives == 0:
         what = f"{rows} row{'s' * (rows != 1)}" + ("" if rows < 2 else " and no positive label")
         raise SpmlError(f"{source}: its val split has {what}, so val mAP cannot select an epoch or a config: use a"

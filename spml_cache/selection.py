@@ -148,7 +148,8 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
         "val_map_std": float(np.std(val)),
         "test_map": float(np.mean(test)),
         "test_map_std": float(np.std(test)),
-        "train_map": float(np.mean(train_maps)),
+        # None when not measured (the train features streamed from the cache: linear/out_of_core.py)
+        "train_map": None if None in train_maps else float(np.mean(train_maps)),
         "per_class_ap": (100 * np.mean([r.best_test_ap for r in chosen], axis=0)).tolist(),
         "per_seed": [
             {"seed": r.seed, "best_epoch": r.best_epoch, "val_map": v, "test_map": t, "train_map": m}

@@ -15,6 +15,7 @@ from spml_cache.cache.schema import (
     SplitRows, content_hash, partial_path, plain,
 )
 from spml_cache.cache.columns import TEXT_GROUP
+from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
 
 REQUIRED_ATTRS = ("dataset", "classes", "num_classes")
@@ -47,9 +48,10 @@ def read_header(path: Path | str) -> tuple[dict, dict[str, SplitRows]]:
             if name not in file:
                 raise SpmlError(f"{path}: no /{name} group; re-extract it with --force")
             group = file[name]
-            observed = group["observed"][...] if "observed" in group else None
-            mask = group[MASK][...] if MASK in group else None
-            splits[name] = SplitRows(list(group["ids"].asstr()[...]), group["labels"][...], observed, mask)
+            observed = sparse.read(group["observed"], np.int8) if "observed" in group else None
+            mask = sparse.read(group[MASK], np.uint8) if MASK in group else None
+            splits[name] = SplitRows(list(group["ids"].asstr()[...]), sparse.read(group["labels"], np.uint8), observed,
+                                     mask)
     return attrs, splits
 
 
@@ -91,19 +93,18 @@ def _validate(path: Path, file: h5py.File) -> None:
             if name not in file or array not in file[name]:
                 raise SpmlError(f"{path}: /{name}/{array} is missing; re-extract the cache")
         group = file[name]
-        lengths = {array: group[array].shape[0] for array in needed}
+        lengths = {array: sparse.stored_shape(group[array])[0] for array in needed}
         if len(set(lengths.values())) != 1:
             described = ", ".join(f"{array} {length}" for array, length in lengths.items())
             raise SpmlError(f"{path}: the /{name} arrays disagree in length ({described}); re-extract the cache")
         for array in ("features", "labels") + (("observed",) if name in OBSERVED_SPLITS else ()):
-            if len(group[array].shape) != 2:
-                raise SpmlError(f"{path}: /{name}/{array} has shape {group[array].shape}, not one row per image"
-                                " [rows, columns]; re-extract the cache")
+            if len(sparse.stored_shape(group[array])) != 2:
+                raise SpmlError(f"{path}: /{name}/{array} has shape {sparse.stored_shape(group[array])}, not one row"
+                                " per image [rows, columns]; re-extract the cache")
         for array in ("labels",) + (("observed",) if name in OBSERVED_SPLITS else ()):
-            if group[array].shape[1] != num_classes:
-                raise SpmlError(
-                    f"{path}: /{name}/{array} has {group[array].shape[1]} columns, num_classes is {num_classes}"
-                )
+            if sparse.stored_shape(group[array])[1] != num_classes:
+                raise SpmlError(f"{path}: /{name}/{array} has {sparse.stored_shape(group[array])[1]} columns,"
+                                f" num_classes is {num_classes}")
         if not group["done"][...].all():
             raise SpmlError(f"{path}: /{name} has rows never written (done=false); re-extract the cache")
     widths = {name: file[name]["features"].shape[1] for name in SPLITS}
@@ -157,7 +158,12 @@ def _refuse_bad_values(path: Path, name: str, raw: dict[str, np.ndarray], ids: l
     for array, allowed in (("labels", range(0, 2)), ("observed", range(-1, 2)), (MASK, range(0, 2))):
         if array not in raw:
             continue
-        wrong = invalid_rows(raw[array], allowed)
+        matrix = raw[array]
+        if sparse.is_sparse(matrix):
+            outside = np.flatnonzero(~np.isin(matrix.values, np.asarray(allowed)))
+            wrong = np.unique(np.searchsorted(matrix.indptr, outside, side="right") - 1)
+        else:
+            wrong = invalid_rows(matrix, allowed)
         if len(wrong):
             values = ", ".join(map(str, allowed))
             raise SpmlError(
@@ -183,7 +189,9 @@ def _label_mask(path: Path, name: str, raw: dict[str, np.ndarray]) -> np.ndarray
     if mask is not None and mask.shape != raw["labels"].shape:
         raise SpmlError(f"{path}: /{name}/{MASK} has shape {mask.shape}, labels {raw['labels'].shape}: rebuild the"
                         " cache (extract --force)")
-    return None if mask is None else mask.astype(np.uint8, copy=False)
+    return None if mask is None or sparse.is_sparse(mask) else mask.astype(np.uint8, copy=False)
+
+
 NORM_TOLERANCE = 1e-2  # stored embeddings are L2-normalised: a norm further from 1 is a damaged or foreign array
 
 
@@ -231,8 +239,10 @@ def _text_side(path: Path, attrs: dict, lengths: dict[str, int]) -> tuple[np.nda
     return text, sides
 
 
-def load(path: Path | str) -> FeatureSet:
-    """Read and validate a complete cache into memory; refuses non-finite features and labels out of range."""
+def load(path: Path | str, in_memory: bool = True) -> FeatureSet:
+    """Read and validate a complete cache; refuses non-finite features and labels out of range. Labels stored
+    sparse come as `sparse.SparseLabels`. `in_memory` False: the features stay in the file, each split's a
+    `StoredFeatures` that reads rows on demand (checked block by block now)."""
     path = Path(path)
     with _open(path) as file:
         _validate(path, file)
@@ -240,15 +250,20 @@ def load(path: Path | str) -> FeatureSet:
         splits = {}
         for name in SPLITS:
             group = file[name]
-            raw = {array: group[array][...] for array in ("features", "labels", "observed", MASK) if array in group}
-            raw["features"] = raw["features"].astype(np.float32, copy=False)  # a float64 beyond float32 is an inf
+            raw = {"labels": sparse.read(group["labels"], np.uint8)}
+            if "observed" in group:
+                raw["observed"] = sparse.read(group["observed"], np.int8)
+            # a float64 beyond float32 is an inf
+            raw["features"] = group["features"][...].astype(np.float32, copy=False) if in_memory else group["features"]
+            if MASK in group:
+                raw[MASK] = sparse.read(group[MASK], np.uint8)
             ids = list(group["ids"].asstr()[...])
             _refuse_bad_values(path, name, raw, ids, attrs.get("dataset", "DATASET"))
             splits[name] = CachedSplit(
-                features=raw["features"],
-                labels=raw["labels"].astype(np.uint8, copy=False),
+                features=raw["features"] if in_memory else StoredFeatures(path, name, group["features"].shape),
+                labels=raw["labels"] if sparse.is_sparse(raw["labels"]) else raw["labels"].astype(np.uint8, copy=False),
                 ids=ids,
-                observed=raw["observed"].astype(np.int8, copy=False) if "observed" in raw else None,
+                observed=raw.get("observed"),
                 rules=_stored_rules(path, name, group, raw["labels"].shape),
                 label_mask=_label_mask(path, name, raw),
             )
@@ -257,6 +272,62 @@ def load(path: Path | str) -> FeatureSet:
     classes = class_names(attrs)
     return FeatureSet(splits["train"], splits["val"], splits["test"], classes, attrs, str(attrs["dataset"]), path,
                       text_embeddings=text)
+
+
+class StoredFeatures:
+    """One split's features left in the cache file: rows read (as float32) when asked for."""
+
+    def __init__(self, path: Path, split: str, shape: tuple[int, int]) -> None:
+        self.path, self.split, self.shape = Path(path), split, tuple(int(v) for v in shape)
+        self._file = None
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _dataset(self) -> h5py.Dataset:
+        if self._file is None or not self._file.id.valid:
+            self._file = _open(self.path)
+        return self._file[self.split]["features"]
+
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `start:stop` as float32 `[stop - start, D]`: one contiguous read, converted as it is read (no
+        float16 copy beside it), into the first rows of `out` (float32, C-contiguous) when given: a buffer
+        reused from read to read keeps resident memory flat."""
+        dataset, rows = self._dataset(), stop - start
+        if out is None:
+            return dataset[start:stop] if dataset.dtype == np.float32 else dataset.astype(np.float32)[start:stop]
+        if rows:
+            dataset.read_direct(out, np.s_[start:stop], np.s_[0:rows])
+        return out[:rows]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("StoredFeatures reads contiguous row ranges only")
+        start, stop, _ = rows.indices(len(self))
+        return self.read(start, stop)
+
+    def close(self) -> None:
+        if self._file is not None and self._file.id.valid:
+            self._file.close()
+        self._file = None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "split": self.split, "shape": self.shape, "_file": None}
+
+
+def feature_shapes(path: Path | str) -> tuple[dict[str, tuple[int, int]], int, int]:
+    """Each split's feature shape, the bytes the label matrices take in memory and the class count, without
+    reading them (to plan memory)."""
+    def size(node) -> int:
+        return sum(part.nbytes for part in node.values()) if sparse.stored_sparse(node) else node.nbytes
+
+    with _open(Path(path)) as file:
+        _validate(Path(path), file)
+        shapes = {name: tuple(file[name]["features"].shape) for name in SPLITS}
+        labels = sum(size(file[name][array]) for name in SPLITS for array in ("labels", "observed")
+                     if array in file[name])
+        num_classes = int(plain(file.attrs["num_classes"]))
+    return shapes, labels, num_classes
 
 
 def verify(features: FeatureSet) -> None:

@@ -31,9 +31,9 @@ class SplitRows:
     """Everything of one split but the features: what a cache is built for, and what resuming must match."""
 
     ids: list[str]
-    labels: np.ndarray  # uint8 [N, C]
-    observed: np.ndarray | None  # int8 [N, C] for train and val, None for test
-    label_mask: np.ndarray | None = None  # uint8 [N, C], 1 where annotated (partial labels); None: all annotated
+    labels: np.ndarray  # uint8 [N, C], or a sparse.SparseLabels
+    observed: np.ndarray | None  # int8 [N, C] (or SparseLabels) for train and val, None for test
+    label_mask: np.ndarray | None = None  # uint8 [N, C] (or SparseLabels), 1 where annotated; None: all annotated
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -41,10 +41,10 @@ class SplitRows:
 
 @dataclass(frozen=True)
 class CachedSplit:
-    features: np.ndarray  # float32 [N, D]
-    labels: np.ndarray  # uint8 [N, C]
+    features: np.ndarray  # float32 [N, D]; a StoredFeatures (rows read on demand) when loaded out of core
+    labels: np.ndarray  # uint8 [N, C], or a sparse.SparseLabels (int8) where the cache stores it sparse
     ids: list[str]
-    observed: np.ndarray | None  # int8 [N, C] (train, val); None for test
+    observed: np.ndarray | None  # int8 [N, C] or SparseLabels (train, val); None for test
     rules: dict[str, np.ndarray] = field(default_factory=dict)  # {rule text: int8 [N, C]}, stored other rules
     label_mask: np.ndarray | None = None  # uint8 [N, C], 1 where the label is annotated; None: all of them are
     # A CLIP cache's image side (docs/internals.md, "The text side"): L2-normalised embeddings, None when absent.
@@ -171,14 +171,23 @@ def content_hash(splits: dict) -> str:
         features, labels, observed, ids, *rest = splits[name]
         for start in range(0, len(features), COPY_BLOCK_ROWS):
             digest.update(np.ascontiguousarray(features[start : start + COPY_BLOCK_ROWS], dtype="<f4").data)
-        digest.update(np.ascontiguousarray(labels, dtype=np.uint8).data)
+        _digest_labels(digest, labels, np.uint8)
         if observed is not None:
-            digest.update(np.ascontiguousarray(observed, dtype=np.int8).data)
+            _digest_labels(digest, observed, np.int8)
         digest.update("\n".join(ids).encode("utf-8"))
         if rest and rest[0] is not None:
             digest.update(b"label_mask")
-            digest.update(np.ascontiguousarray(rest[0], dtype=np.uint8).data)
+            _digest_labels(digest, rest[0], np.uint8)
     return digest.hexdigest()
+
+
+def _digest_labels(digest, labels, dtype) -> None:
+    """A dense matrix's bytes; a sparse one's CSR arrays (dense caches hash as they always did)."""
+    if hasattr(labels, "indptr"):
+        for part in (labels.indptr, labels.indices, labels.values):
+            digest.update(np.ascontiguousarray(part).data)
+    else:
+        digest.update(np.ascontiguousarray(labels, dtype=dtype).data)
 
 
 def cache_id(attrs: dict) -> str:

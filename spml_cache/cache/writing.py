@@ -18,7 +18,10 @@ from spml_cache.cache.schema import (
 )
 from spml_cache.cache import columns
 from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
+from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
+
+FEATURE_DTYPES = {"float32": np.float32, "float16": np.float16}  # how a cache may store its features
 
 def _check_rows(name: str, rows: SplitRows, num_classes: int) -> None:
     if rows.labels.shape != (len(rows), num_classes):
@@ -47,13 +50,18 @@ def _set_attrs(file: h5py.File, attrs: dict) -> None:
 
 
 def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int | RowShapes, *, bad_rows: bool,
-            text: dict | None = None) -> h5py.File:
+            text: dict | None = None, labels: str = sparse.DEFAULT_FORMAT, features: str = "float32") -> h5py.File:
     """A new file at `path` (replacing any) with every array allocated, no row done, `complete` false.
-    `feature_dim`: the features' width, or every per-row dataset's shape per row (`ROW_DATASETS`)."""
+    `feature_dim`: the features' width, or every per-row dataset's shape per row (`ROW_DATASETS`); `text`: a CLIP
+    cache's text side; `labels`: auto, dense or sparse (`sparse.resolve_format`); `features`: float32 or float16
+    storage of the features."""
     shapes = {"features": (feature_dim,)} if isinstance(feature_dim, int) else dict(feature_dim)
     num_classes = int(attrs["num_classes"])
     for name in SPLITS:
         _check_rows(name, splits[name], num_classes)
+    as_csr = sparse.resolve_format(labels, num_classes) == "sparse"
+    if features not in FEATURE_DTYPES:
+        raise SpmlError(f"feature storage {features!r}: use {' or '.join(FEATURE_DTYPES)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         file = h5py.File(path, "w")
@@ -65,16 +73,17 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
         file.attrs["complete"] = False
         for name in SPLITS:
             rows, group = splits[name], file.create_group(name)
-            for name, shape in shapes.items():
-                allocated = _allocated(group, name, (len(rows), *shape), np.float32)
-                if name == "crop_embeddings":  # [N, G*G, E]: the grid's side G on the dataset
+            for key, shape in shapes.items():
+                dtype = FEATURE_DTYPES[features] if key == "features" else np.float32
+                allocated = _allocated(group, key, (len(rows), *shape), dtype)
+                if key == "crop_embeddings":  # [N, G*G, E]: the grid's side G on the dataset
                     allocated.attrs["grid"] = round(shape[0] ** 0.5)
-            group.create_dataset("labels", data=rows.labels.astype(np.uint8))
+            sparse.store(group, "labels", rows.labels, as_csr, np.uint8)
             group.create_dataset("ids", data=np.array(rows.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
             if rows.observed is not None:
-                group.create_dataset("observed", data=rows.observed.astype(np.int8))
+                sparse.store(group, "observed", rows.observed, as_csr, np.int8)
             if rows.label_mask is not None:
-                group.create_dataset(MASK, data=rows.label_mask.astype(np.uint8))
+                sparse.store(group, MASK, rows.label_mask, as_csr, np.uint8)
             group.create_dataset("done", data=np.zeros(len(rows), dtype=bool))
             if bad_rows:
                 group.create_dataset("bad", data=np.zeros(len(rows), dtype=bool))
@@ -96,7 +105,7 @@ def _write_rules(file: h5py.File, masks: RuleMasks) -> None:
     """Each rule's train and val masks under /{split}/observed_rules/<rule text> (a rule there is replaced)."""
     for rule, pair in masks.items():
         for split, mask in zip(OBSERVED_SPLITS, pair):
-            labels = file[split]["labels"].shape
+            labels = sparse.stored_shape(file[split]["labels"])
             if mask.shape != labels:
                 raise SpmlError(f"{split}: the {rule} mask has shape {mask.shape}, labels {labels}")
             group = file[split].require_group(RULES_GROUP)
@@ -126,9 +135,10 @@ def add_rules(path: Path | str, masks: RuleMasks) -> Path:
 
 def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     file.attrs[CONTENT_ATTR] = content_hash({
-        name: (file[name]["features"], file[name]["labels"][...],
-               file[name]["observed"][...] if "observed" in file[name] else None, list(file[name]["ids"].asstr()[...]),
-               file[name][MASK][...] if MASK in file[name] else None)
+        name: (file[name]["features"], sparse.read(file[name]["labels"], np.uint8),
+               sparse.read(file[name]["observed"], np.int8) if "observed" in file[name] else None,
+               list(file[name]["ids"].asstr()[...]),
+               sparse.read(file[name][MASK], np.uint8) if MASK in file[name] else None)
         for name in SPLITS
     })
     file.attrs["complete"] = True
@@ -140,37 +150,42 @@ def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     return final
 
 
-def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, text: dict | None = None) -> Path:
+def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, text: dict | None = None,
+          labels: str = sparse.DEFAULT_FORMAT, features: str = "float32") -> Path:
     """Write a complete cache in one go (import-features, tests, benchmarks).
 
-    Each split dict has `features` float32 [N, D], `labels` uint8 [N, C], `ids` list[str] and, for train and
-    val, `observed` int8 [N, C] and optionally `rules` ({rule text: int8 [N, C]}, other observation rules); any
-    split may have `label_mask` uint8 [N, C] (1 where annotated) when its labels are partial.
-    `attrs` are the root attrs (schema_version and complete are set here). A CLIP cache's splits also have
+    Each split dict has `features` float32 [N, D] (or a callable `(start, stop) -> rows`, for caches larger than
+    memory), `labels` uint8 [N, C], `ids` list[str] and, for train and val, `observed` int8 [N, C] and
+    optionally `rules` ({rule text: int8 [N, C]}, other observation rules); any split may have `label_mask` uint8
+    [N, C] (1 where annotated) when its labels are partial; label matrices may be `sparse.SparseLabels`. `attrs`
+    are the root attrs (schema_version and complete are set here). A CLIP cache's splits also have
     `image_embeddings` float32 [N, E] (and `crop_embeddings` [N, G*G, E]), and `text` is {"embeddings": float32
-    [C, E], "templates": [str]}.
+    [C, E], "templates": [str]}. `labels`: auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse;
+    `features`: float32 or float16 storage.
     """
     path = Path(path)
     temporary = partial_path(path)
     given = {"train": train, "val": val, "test": test}
-    splits = {name: SplitRows(list(d["ids"]), np.asarray(d["labels"]), d.get("observed"), d.get("label_mask"))
-              for name, d in given.items()}
-    dims = {np.asarray(d["features"]).shape[1] for d in given.values()}
+    splits = {name: SplitRows(list(d["ids"]), d["labels"] if sparse.is_sparse(d["labels"]) else np.asarray(d["labels"]),
+                              d.get("observed"), d.get("label_mask")) for name, d in given.items()}
+    dims = {_width(d["features"]) for d in given.values()}
     if len(dims) != 1:
         raise SpmlError(f"features of the splits have different widths {sorted(dims)}")
-    shapes = {key: np.asarray(train[key]).shape[1:] for key in ROW_DATASETS if key in train}
-    shapes["features"] = (dims.pop(),)
-    file = _create(temporary, attrs, splits, {key: shapes[key] for key in ROW_DATASETS if key in shapes},
-                   bad_rows=False, text=text)
+    shapes = {key: np.asarray(train[key]).shape[1:] for key in ROW_DATASETS if key in train and key != "features"}
+    shapes = {"features": (dims.pop(),), **shapes}
+    file = _create(temporary, attrs, splits, shapes, bad_rows=False, text=text, labels=labels, features=features)
     try:
         for name, split in given.items():
-            for key in shapes:
+            stored, total = file[name]["features"], len(splits[name])
+            for start in range(0, max(total, 1), COPY_BLOCK_ROWS):
+                block = _feature_rows(split["features"], start, min(start + COPY_BLOCK_ROWS, total))
+                if start == 0 and not callable(split["features"]) and len(split["features"]) != total:
+                    raise SpmlError(f"{name}: {len(split['features'])} feature rows for {total} ids")
+                stored[start : start + len(block)] = block
+            for key in shapes.keys() - {"features"}:  # a CLIP cache's embeddings
                 array = np.asarray(split[key], dtype=np.float32)
-                if len(array) != len(splits[name]):
-                    raise SpmlError(f"{name}: {len(array)} {key.replace('_', ' ')[:-1]} rows for {len(splits[name])} ids")
-                if array.shape != (len(splits[name]), *shapes[key]):
-                    raise SpmlError(f"{name}: {key} has shape {array.shape}, expected"
-                                    f" {(len(splits[name]), *shapes[key])}")
+                if array.shape != (total, *shapes[key]):
+                    raise SpmlError(f"{name}: {key} has shape {array.shape}, expected {(total, *shapes[key])}")
                 file[name][key][...] = array
             file[name]["done"][...] = True
         rules = train.get("rules") or {}
@@ -182,6 +197,15 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, 
     return _seal(file, temporary, path)
 
 
+def _width(features) -> int:
+    return int(features(0, 1).shape[1]) if callable(features) else np.asarray(features).shape[1]
+
+
+def _feature_rows(features, start: int, stop: int) -> np.ndarray:
+    rows = features(start, stop) if callable(features) else features[start:stop]
+    return np.asarray(rows, dtype=np.float32)
+
+
 class PartialCache:
     """An extraction in progress: `<name>.h5.partial`, filled batch by batch, then finalised."""
 
@@ -190,10 +214,12 @@ class PartialCache:
 
     @classmethod
     def create(cls, final: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int | RowShapes,
-               text: dict | None = None) -> "PartialCache":
+               text: dict | None = None, labels: str = sparse.DEFAULT_FORMAT) -> "PartialCache":
         """`feature_dim`: the features' width, or the shape per row of each per-row dataset (a CLIP cache's
-        embeddings besides the features); `text`: a CLIP cache's class text embeddings and templates."""
-        return cls(_create(partial_path(final), attrs, splits, feature_dim, bad_rows=True, text=text), final)
+        embeddings besides the features); `text`: a CLIP cache's class text embeddings and templates; `labels`:
+        auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse."""
+        return cls(_create(partial_path(final), attrs, splits, feature_dim, bad_rows=True, text=text, labels=labels),
+                   final)
 
     @classmethod
     def open(cls, final: Path) -> "PartialCache":
@@ -301,8 +327,9 @@ class PartialCache:
 
         def store_rules(file: h5py.File) -> None:  # from the rows kept
             if rules is not None:
-                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]), file[split]["labels"][...], None,
-                                         file[split][MASK][...] if MASK in file[split] else None)
+                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]),
+                                         sparse.dense(sparse.read(file[split]["labels"], np.uint8), np.uint8), None,
+                                         sparse.read(file[split][MASK], np.uint8) if MASK in file[split] else None)
                         for split in OBSERVED_SPLITS}
                 _write_rules(file, rules(kept))
 
@@ -325,15 +352,19 @@ class PartialCache:
         splits = {
             split: SplitRows(
                 [ids[split][i] for i in keep[split]],
-                source[split]["labels"][...][keep[split]],
-                source[split]["observed"][...][keep[split]] if split in OBSERVED_SPLITS else None,
-                source[split][MASK][...][keep[split]] if MASK in source[split] else None,
+                _kept(sparse.read(source[split]["labels"], np.uint8), keep[split]),
+                (_kept(sparse.read(source[split]["observed"], np.int8), keep[split])
+                 if split in OBSERVED_SPLITS else None),
+                _kept(sparse.read(source[split][MASK], np.uint8), keep[split]) if MASK in source[split] else None,
             )
             for split in SPLITS
         }
+        as_csr = sparse.stored_sparse(source["train"]["labels"])
         root_attrs = {key: plain(value) for key, value in source.attrs.items()} | attrs
         temporary = self.final.with_name(self.final.name + ".compact.partial")
-        target = _create(temporary, root_attrs, splits, row_shapes(source["train"]), bad_rows=False)
+        stored = "float16" if source["train"]["features"].dtype == np.float16 else "float32"
+        target = _create(temporary, root_attrs, splits, row_shapes(source["train"]), bad_rows=False,
+                         labels="sparse" if as_csr else "dense", features=stored)
         try:
             for split in SPLITS:
                 rows = keep[split]
@@ -358,6 +389,10 @@ class PartialCache:
     def close(self) -> None:
         if self.file.id.valid:
             self.file.close()
+
+
+def _kept(matrix, rows: np.ndarray):
+    return matrix.take(rows) if sparse.is_sparse(matrix) else matrix[rows]
 
 
 def _runs(rows: np.ndarray) -> list[tuple[int, int]]:

@@ -217,6 +217,7 @@ def linear_command(
     hp_grid: Optional[str] = typer.Option(None, "--hp-grid", help="paper: sweep each loss's own search space where its paper states one (spml-cache losses lists them); --hp values win."),
     no_graphs: bool = typer.Option(False, "--no-graphs", help="On a GPU, train the stacks one by one, eagerly, instead of all at once as replayed CUDA graphs (for debugging; same results up to float rounding)."),
     observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules, a comma list (default single): every loss trains under each; rules the cache lacks are drawn from its full labels (docs/protocol.md)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Memory stage two may use, e.g. 1GB (default: 80% of the device's free memory); features beyond it stream from the cache in a seeded chunk order (docs/protocol.md)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 
@@ -226,9 +227,11 @@ def linear_command(
     Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3 --hp ll_r.delta=0.001,0.002,0.003
     Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1,entry:0.5
     """
+    from spml_cache.memory import parse_size
     from spml_cache.observation import parse_rules
 
     rules = None if observe is None else parse_rules(observe)  # before the heavy imports: a typo fails at once
+    budget = parse_size(memory_budget)
     from spml_cache.linear import run_linear, summary_table
 
     if loss is None and resume is None:
@@ -239,7 +242,7 @@ def linear_command(
     run = run_linear(
         cache=cache, dataset=dataset, losses=parse_names(loss or ""), hparams=parse_hparams(hp or []), device=device,
         out=out, workers=workers, from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid,
-        graphs=not no_graphs, observe=rules,
+        graphs=not no_graphs, observe=rules, memory_budget=budget,
         **{key: value for key, value in grid.items() if value is not None},  # run_linear's defaults where not given
     )
     if run is None:  # under torchrun, rank 0 reports for every process

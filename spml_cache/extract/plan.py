@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from spml_cache import cache
+from spml_cache.cache import sparse
 from spml_cache.backbones import Description, templates_attr
 from spml_cache.errors import SpmlError
 
@@ -91,9 +92,9 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
         planned = rows[name]
         if found[name].ids != [planned.ids[i] for i in keep]:
             return f"the {name} images differ ({len(found[name])} rows in the file, {len(keep)} now)"
-        if not np.array_equal(found[name].labels, planned.labels[keep]):
+        if not sparse.same(found[name].labels, planned.labels[keep]):
             return f"the {name} labels differ"
-        if planned.observed is not None and not np.array_equal(found[name].observed, planned.observed[keep]):
+        if planned.observed is not None and not sparse.same(found[name].observed, planned.observed[keep]):
             return f"the {name} observed labels differ"
     return None
 

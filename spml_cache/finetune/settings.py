@@ -247,6 +247,9 @@ def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None)
         raise SpmlError("--loss NAME is needed with --init imagenet (spml-cache losses lists the names)")
     if features is None:
         features = cache.load((start and start.cache) or cache.find_cache(None, options.dataset, cache_dir))
+    if isinstance(features.train.labels, cache.SparseLabels):
+        raise SpmlError(f"{features.path} stores its labels sparse ({len(features.classes):,} classes): fine-tuning"
+                        " reads dense labels only so far; train linear heads on it (spml-cache linear)")
     if options.dataset is not None and options.dataset != features.dataset:
         raise SpmlError(f"--dataset {options.dataset} but {features.path} holds {features.dataset}:"
                         " drop one of them")

@@ -1,5 +1,11 @@
 """Stage two's data: the cache's arrays on the training device, once per run, and an observation rule's view of
-them (the same features, other observed labels)."""
+them (the same features, other observed labels).
+
+Label matrices a cache stores sparse stay `SparseLabels` (each batch's dense block is built when it is drawn);
+features that do not fit the memory budget stay in the cache file (`StoredFeatures`, read a chunk at a time:
+out_of_core.py). Partial labels (a cache with label masks) carry val's and test's masks, so that mAP is taken over
+annotated entries (metrics.py).
+"""
 
 from __future__ import annotations
 
@@ -8,31 +14,32 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from spml_cache.cache import FeatureSet
+from spml_cache.cache import FeatureSet, StoredFeatures, sparse
+from spml_cache.linear.out_of_core import Batch, MemoryPlan, RowSource, label_rows
 from spml_cache.metrics import scored_classes
 
-
-def _scored(labels: np.ndarray, mask: np.ndarray | None) -> np.ndarray | None:
-    scored = scored_classes(labels, mask)
-    return None if scored is None else scored.numpy()
+SCORED_BLOCK = 512  # classes at a time when finding the scored classes of sparse labels
 
 
 @dataclass(frozen=True)
 class LinearData:
     """The cache's arrays on the training device, in the form the loop indexes directly."""
 
-    train_features: torch.Tensor  # float32 [N, D]
-    train_observed: torch.Tensor  # int8 [N, C]
-    train_labels: torch.Tensor  # uint8 [N, C], for the oracle losses only
-    eval_features: torch.Tensor  # float32 [N_val + N_test, D]: val rows, then test rows
+    train_features: torch.Tensor | StoredFeatures  # float32 [N, D]
+    train_observed: torch.Tensor | sparse.SparseLabels  # int8 [N, C]
+    train_labels: torch.Tensor | sparse.SparseLabels  # uint8 [N, C], for the oracle losses only
+    eval_features: torch.Tensor | RowSource  # float32 [N_val + N_test, D]: val rows, then test rows
     num_val: int
-    val_targets: torch.Tensor  # [N_val, C]: full labels, or the observed positives with --val-labels observed
-    test_labels: torch.Tensor  # uint8 [N_test, C]
+    val_targets: torch.Tensor | sparse.SparseLabels  # [N_val, C]: full labels, or the observed positives
+    test_labels: torch.Tensor | sparse.SparseLabels  # uint8 [N_test, C]
     dataset: str
-    # Partial labels (a cache with label masks): 1 where a val / test label is annotated, and the classes each mAP
-    # averages over (those with an annotated positive, metrics.scored_classes); None where every label is known.
-    val_mask: torch.Tensor | None = None
-    test_mask: torch.Tensor | None = None
+    device: torch.device = torch.device("cpu")
+    plan: MemoryPlan | None = None  # None: everything in memory, every class scored at once
+    # Partial labels (a cache with label masks): 1 where a val / test label is annotated (dense tensors or
+    # SparseLabels), and the classes each mAP averages over (those with an annotated positive); None where every
+    # label is known.
+    val_mask: torch.Tensor | sparse.SparseLabels | None = None
+    test_mask: torch.Tensor | sparse.SparseLabels | None = None
     val_scored: np.ndarray | None = None
     test_scored: np.ndarray | None = None
     # the cache's text side, for the losses that read it: [N, C] and [N, G*G, C] image-text similarities (on the
@@ -41,11 +48,19 @@ class LinearData:
     train_crop_similarity: torch.Tensor | None = None
 
     @classmethod
-    def from_features(cls, features: FeatureSet, device: torch.device, val_labels: str = "clean") -> "LinearData":
-        def on_device(array: np.ndarray) -> torch.Tensor:
+    def from_features(cls, features: FeatureSet, device: torch.device, val_labels: str = "clean",
+                      plan: MemoryPlan | None = None) -> "LinearData":
+        def on_device(array):
+            if sparse.is_sparse(array) or isinstance(array, StoredFeatures):
+                return array
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-        val = features.val.labels if val_labels == "clean" else (features.val.observed == 1).astype(np.uint8)
+        splits = (features.val.features, features.test.features)
+        if isinstance(splits[0], StoredFeatures):
+            evaluated = RowSource(list(splits), device, plan.chunk_rows if plan and plan.chunk_rows else 16384)
+        else:
+            evaluated = on_device(np.concatenate(splits))
+        val_targets = _val_targets(features.val.labels, features.val.observed, val_labels)
         val_mask = features.val.label_mask if val_labels == "clean" else None
         test_mask = features.test.label_mask
         # on the host: a loss reads them once, when it is built (the crops' [N, G*G, C] would cost device memory)
@@ -55,34 +70,39 @@ class LinearData:
             train_features=on_device(features.train.features),
             train_observed=on_device(features.train.observed),
             train_labels=on_device(features.train.labels),
-            eval_features=on_device(np.concatenate([features.val.features, features.test.features])),
+            eval_features=evaluated,
             num_val=len(features.val),
-            val_targets=on_device(val),
+            val_targets=on_device(val_targets),
             test_labels=on_device(features.test.labels),
             dataset=features.dataset,
+            device=device,
+            plan=plan,
             val_mask=None if val_mask is None else on_device(val_mask),
             test_mask=None if test_mask is None else on_device(test_mask),
-            val_scored=_scored(val, val_mask),
+            val_scored=_scored(val_targets, val_mask),
             test_scored=_scored(features.test.labels, test_mask),
             **text,
         )
 
-    def under_rule(self, train_observed: np.ndarray, val_observed: np.ndarray, val_labels: str = "clean"
-                   ) -> "LinearData":
+    def under_rule(self, train_observed, val_observed, val_labels: str = "clean") -> "LinearData":
         """The same features (not copied) with an observation rule's observed labels (observation.py)."""
-        device = self.train_features.device
-        targets = self.val_targets if val_labels == "clean" else torch.from_numpy((val_observed == 1).astype(np.uint8))
-        return replace(self, train_observed=torch.from_numpy(np.ascontiguousarray(train_observed)).to(device),
-                       val_targets=targets.to(device))
+        def on_device(array):
+            if sparse.is_sparse(array):
+                return array
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+        targets = self.val_targets if val_labels == "clean" else on_device(_val_targets(None, val_observed, val_labels))
+        return replace(self, train_observed=on_device(train_observed), val_targets=targets)
 
     @property
     def partial_test_labels(self) -> dict | None:
         """What results.json says of a partially labelled test split: how its mAP was taken; None otherwise."""
         if self.test_mask is None:
             return None
-        left_out = int((~self.test_scored).sum())
-        return {"annotated_fraction": float(self.test_mask.float().mean()), "classes_scored":
-                int(self.test_scored.sum()), "classes_left_out": left_out,
+        mask = self.test_mask
+        annotated = len(mask.values) / float(np.prod(mask.shape)) if sparse.is_sparse(mask) else float(mask.float().mean())
+        return {"annotated_fraction": annotated, "classes_scored": int(self.test_scored.sum()),
+                "classes_left_out": int((~self.test_scored).sum()),
                 "map": "per class over annotated test entries only; the mean over classes with an annotated positive"}
 
     @property
@@ -92,3 +112,71 @@ class LinearData:
     @property
     def num_classes(self) -> int:
         return self.train_observed.shape[1]
+
+    @property
+    def streams_train(self) -> bool:
+        """The training rows are read from the cache a chunk at a time."""
+        return isinstance(self.train_features, StoredFeatures)
+
+    @property
+    def scores_at_once(self) -> bool:
+        """Val and test are in memory and every class is scored at once: one batched scoring, as with dense
+        labels (sparse ones made dense a split at a time)."""
+        return isinstance(self.eval_features, torch.Tensor) and self.class_block >= self.num_classes
+
+    @property
+    def dense_in_memory(self) -> bool:
+        """Every array a dense tensor: what a captured CUDA graph can index (graphs.py)."""
+        arrays = (self.train_features, self.train_observed, self.train_labels, self.eval_features, self.val_targets,
+                  self.test_labels)
+        return all(isinstance(array, torch.Tensor) for array in arrays)
+
+    @property
+    def class_block(self) -> int:
+        """Classes scored at once."""
+        return (self.plan.class_block if self.plan else 0) or self.num_classes
+
+    def observed_for_loss(self, stateful: bool) -> torch.Tensor | None:
+        """The training observed labels as a loss is built with them: int8 [N, C] on the host. Sparse ones only
+        for a loss that keeps per-example state (made dense: its state is [N, C] anyway), else None."""
+        return observed_for_loss(self.train_observed, stateful)
+
+    def batch(self, rows: torch.Tensor, oracle: bool, features: torch.Tensor | None = None) -> Batch:
+        """The batch of training rows `rows`: their features (given when read from the cache) and dense label
+        blocks, gathered from tensors or built from CSR."""
+        if features is None:
+            features = self.train_features.index_select(0, rows)
+        labels = label_rows(self.train_labels, rows, np.uint8) if oracle else None
+        return Batch(features, label_rows(self.train_observed, rows, np.int8), labels)
+
+
+def observed_for_loss(observed, stateful: bool) -> torch.Tensor | None:
+    """`LinearData.observed_for_loss` of a numpy, torch or sparse matrix."""
+    if sparse.is_sparse(observed):
+        return torch.from_numpy(observed.to_dense(np.int8)) if stateful else None
+    return observed.cpu() if isinstance(observed, torch.Tensor) else torch.from_numpy(observed)
+
+
+def _scored(labels, mask) -> np.ndarray | None:
+    """bool [C]: the classes with an annotated positive (`metrics.scored_classes`), a block of classes at a time
+    for sparse labels; None without a mask."""
+    if mask is None:
+        return None
+    if not (sparse.is_sparse(labels) or sparse.is_sparse(mask)):
+        return scored_classes(labels, mask).numpy()
+    num_classes = labels.shape[1]
+    return np.concatenate([
+        ((_columns(labels, low, min(low + SCORED_BLOCK, num_classes)) > 0)
+         & (_columns(mask, low, min(low + SCORED_BLOCK, num_classes)) > 0)).any(axis=0)
+        for low in range(0, num_classes, SCORED_BLOCK)])
+
+
+def _columns(matrix, low: int, high: int) -> np.ndarray:
+    return matrix.columns(low, high) if sparse.is_sparse(matrix) else np.asarray(matrix)[:, low:high]
+
+
+def _val_targets(labels, observed, val_labels: str):
+    """Val's targets: its full labels, or its observed positives (`--val-labels observed`)."""
+    if val_labels == "clean":
+        return labels
+    return observed.equal(1) if sparse.is_sparse(observed) else (observed == 1).astype(np.uint8)

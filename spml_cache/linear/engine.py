@@ -21,6 +21,9 @@ from spml_cache.devices import to_host
 from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.head_matrix import HeadMatrix
+from spml_cache.linear.out_of_core import (
+    Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets,
+)
 from spml_cache.linear.settings import LinearSettings, StartHead
 from spml_cache.losses.base import Fidelity
 from spml_cache.metrics import average_precision
@@ -43,7 +46,7 @@ class HeadStack:
         """`hparams`: the loss's, or one dict per head (beside `lrs`, one lr per head): a key whose heads'
         values differ is handed to the loss as a list (one of its `per_head` keys). `swept`: the keys whose
         values the records name."""
-        device = data.train_features.device
+        device = data.device
         per_head = hparams if isinstance(hparams, list) else [hparams] * len(lrs)
         varying = loss_registry.varying_keys(per_head)
         hparams = {key: [h[key] for h in per_head] if key in varying else per_head[0][key] for key in per_head[0]}
@@ -52,8 +55,9 @@ class HeadStack:
                                   start=(start.weight, start.bias) if start else None)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
-            num_heads=len(lrs), train_observed=data.train_observed.cpu(), seed=seed, fidelity=fidelity,
-            train_similarity=data.train_similarity, train_crop_similarity=data.train_crop_similarity, **hparams,
+            num_heads=len(lrs), train_observed=data.observed_for_loss(bool(loss_registry.get(name).state)), seed=seed,
+            fidelity=fidelity, train_similarity=data.train_similarity,
+            train_crop_similarity=data.train_crop_similarity, **hparams,
         ).to(device)
         self.drop_last, self.early_stop = self.loss.drops_last, self.loss.early_stop  # the fidelity's rules
         if start:
@@ -98,15 +102,16 @@ class HeadStack:
             batch_index = torch.arange(len(order), device=order.device) // self.batch_size
             self.adam.advance_rows(order, self.adam.steps + batch_index, self.stopped)
 
-    def train_step(self, rows: torch.Tensor, data: LinearData) -> None:
-        """One step on the training rows `rows`. Nothing in it waits on the GPU or copies from the host, and what
-        changes between steps lives in tensors updated in place: a CUDA graph of it replays correctly (graphs.py);
-        the Python step counters it advances are `step_counts`."""
-        features = data.train_features.index_select(0, rows)
+    def train_step(self, rows: torch.Tensor, data: LinearData, batch: Batch | None = None) -> None:
+        """One step on the training rows `rows` (`batch`: their features and labels, when read from the cache).
+        With dense arrays in memory nothing in it waits on the GPU or copies from the host, and what changes
+        between steps lives in tensors updated in place: a CUDA graph of it replays correctly (graphs.py); the
+        Python step counters it advances are `step_counts`."""
+        batch = batch or data.batch(rows, self.loss.oracle)
+        features = batch.features
         with self._rows_for_loss(rows) as (index, params):
             logits = self.heads(features).requires_grad_()
-            labels = data.train_labels.index_select(0, rows) if self.loss.oracle else None
-            per_head = self.loss(logits, data.train_observed.index_select(0, rows), labels=labels, index=index)
+            per_head = self.loss(logits, batch.observed, labels=batch.labels, index=index)
             inputs = [logits] + params
             if self.penalised:
                 weight = self.heads.weight.requires_grad_()
@@ -259,7 +264,10 @@ class SeedRun:
                       batch_size, data, start, fidelity, swept)
             for group in groups.values() for batch_size in batch_sizes
         ]
-        self.permutations = epoch_permutations(data.num_train, seed, epochs).to(data.train_features.device)
+        if data.streams_train:
+            self.permutations = chunked_permutations(data.num_train, data.plan.chunk_rows, seed, epochs).to(data.device)
+        else:
+            self.permutations = epoch_permutations(data.num_train, seed, epochs).to(data.device)
 
     @property
     def records(self) -> list[HeadRecord]:
@@ -277,7 +285,7 @@ class SeedRun:
 
     def run_epoch(self, epoch: int) -> list[dict]:
         """Train epoch `epoch` (1-indexed) and score every head; returns the metrics lines of the epoch."""
-        with single_threaded(self.data.train_features.device):
+        with single_threaded(self.data.device):
             self._train(epoch)
             return self.score(epoch)
 
@@ -288,8 +296,14 @@ class SeedRun:
                 stack.start_epoch(epoch, self.epochs, order, data)
                 if bool(stack.active.any()):
                     end = len(order) - len(order) % stack.batch_size if stack.drop_last else len(order)
+                    reader = ChunkReader(data.train_features, data.plan.chunk_rows, data.device) \
+                        if data.streams_train else None
                     for start in range(0, end, stack.batch_size):
-                        stack.train_step(order[start : start + stack.batch_size], data)
+                        rows = order[start : start + stack.batch_size]
+                        if reader is None:
+                            stack.train_step(rows, data)
+                        else:
+                            stack.train_step(rows, data, data.batch(rows, stack.loss.oracle, reader.features(rows)))
                     stack.end_epoch()
 
     @torch.no_grad()
@@ -298,9 +312,7 @@ class SeedRun:
         partial batch, whose rows depend on the batch size); the epoch's metrics lines."""
         data = self.data
         if not any(stack.drop_last for stack in self.stacks):
-            scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in self.stacks]))
-            val_ap = average_precision(scores[:, : data.num_val], data.val_targets, data.val_mask)
-            test_ap = average_precision(scores[:, data.num_val :], data.test_labels, data.test_mask)
+            val_ap, test_ap = self._aps(self.stacks, data.num_val, len(data.test_labels))
             parts = np.cumsum([0] + [stack.num_heads for stack in self.stacks])
             aps = [(val_ap[a:b], test_ap[a:b]) for a, b in zip(parts[:-1], parts[1:])]
         else:
@@ -314,13 +326,30 @@ class SeedRun:
     def _scored_as_the_authors(self, stack: HeadStack) -> tuple[torch.Tensor, torch.Tensor]:
         """Val and test AP on all but the last `N mod B` rows of each, as the authors' evaluation loaders give."""
         data, size = self.data, stack.batch_size
-        scores = torch.sigmoid(stack.eval_logits(data))
         val_rows, test_rows = data.num_val - data.num_val % size, len(data.test_labels) - len(data.test_labels) % size
-        val_mask, test_mask = (None if mask is None else mask[:rows]
-                               for mask, rows in ((data.val_mask, val_rows), (data.test_mask, test_rows)))
-        val = average_precision(scores[:, :val_rows], data.val_targets[:val_rows], val_mask)
-        test = average_precision(scores[:, data.num_val : data.num_val + test_rows], data.test_labels[:test_rows],
-                                 test_mask)
+        return self._aps([stack], val_rows, test_rows)
+
+    def _aps(self, stacks: list[HeadStack], val_rows: int, test_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Val AP on the first `val_rows` val rows and test AP on the first `test_rows` test rows of every head of
+        `stacks`, `[sum K, C]` each: one batched scoring when the data is dense and in memory, else a block of
+        classes at a time (out_of_core.py; the same figures)."""
+        data = self.data
+        if data.scores_at_once:
+            scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in stacks]))
+            val = average_precision(scores[:, :val_rows], dense_targets(data.val_targets, val_rows, data.device),
+                                    dense_targets(data.val_mask, val_rows, data.device))
+            test = average_precision(scores[:, data.num_val : data.num_val + test_rows],
+                                     dense_targets(data.test_labels, test_rows, data.device),
+                                     dense_targets(data.test_mask, test_rows, data.device))
+            return val, test
+        for stack in stacks:
+            stack.adam.flush(stack.active)
+        heads = [stack.heads for stack in stacks]
+        blocks = (data.class_block, data.num_classes)
+        val = blocked_average_precision(heads, data.eval_features, 0, val_rows, data.val_targets, *blocks,
+                                        mask=data.val_mask)
+        test = blocked_average_precision(heads, data.eval_features, data.num_val, data.num_val + test_rows,
+                                         data.test_labels, *blocks, mask=data.test_mask)
         return val, test
 
 

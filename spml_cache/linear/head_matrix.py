@@ -76,8 +76,9 @@ class HeadMatrix:
         """Head k in `nn.Linear` layout: `{"weight": [C, D], "bias": [C]}` (detached copies)."""
         columns = slice(k * self.num_classes, (k + 1) * self.num_classes)
         lr = self.lr_columns[columns]
-        return {"weight": (self.scaled_weight[:, columns] * lr).t().contiguous(),
-                "bias": self.scaled_bias[columns] * lr}
+        weight = self.scaled_weight.new_empty((self.num_classes, self.scaled_weight.shape[0]))
+        torch.mul(self.scaled_weight[:, columns].t(), lr.view(-1, 1), out=weight)  # no [D, C] temporary
+        return {"weight": weight, "bias": self.scaled_bias[columns] * lr}
 
     def frozen_columns(self, active: torch.Tensor | None) -> torch.Tensor | None:
         """The columns of the heads inactive in `active [K]` (None: all active), for `step`. A host sync: the

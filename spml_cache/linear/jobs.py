@@ -68,8 +68,9 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
     """Train every job (`used`: each loss's hyperparameter combinations, `data`: each rule's training data,
     `starts`: each loss's starting head, `observed`: each rule's `observation.Observed`, for spawned workers);
     yields `JobEvent`s. On a GPU (unless not `graphs`) every job trains at once, in lockstep."""
-    device = next(iter(data.values())).train_features.device
-    if workers == 1 and graphs and graphs_available(device):
+    first = next(iter(data.values()))
+    device = first.device
+    if workers == 1 and graphs and graphs_available(device) and first.dense_in_memory:
         yield from _in_lockstep(jobs, used, settings, data, starts)
         return
     if workers == 1:

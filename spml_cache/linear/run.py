@@ -19,14 +19,15 @@ import torch
 from rich.console import Console
 
 from spml_cache import losses as loss_registry
-from spml_cache import locks, observation, runs
-from spml_cache.cache import cache_id, find_cache, load, verify
+from spml_cache import locks, memory, observation, runs
+from spml_cache.cache import cache_id, find_cache, sparse, verify
 from spml_cache.devices import resolve_device
 from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job
 from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
 from spml_cache.linear.live import LiveTable
+from spml_cache.linear.out_of_core import dense_targets, load_within, train_map
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_settings
 from spml_cache.metrics import mean_average_precision
@@ -52,7 +53,7 @@ def run_linear(
     epochs: int = LINEAR_EPOCHS, seeds: int = 1, hparams: dict[str, float] | None = None, device: str = "auto",
     out: Path | str = "runs", val_labels: str = "clean", workers: int = 0, from_run: Path | str | None = None,
     resume: Path | str | None = None, fidelity: str | None = None, hp_grid: str | None = None, graphs: bool = True,
-    observe: Sequence[Rule] | None = None, console: Console | None = None,
+    observe: Sequence[Rule] | None = None, memory_budget: str | int | None = None, console: Console | None = None,
 ) -> LinearRun | None:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
@@ -70,7 +71,9 @@ def run_linear(
     rule it lacks, drawn from its full labels; the results of loss L under rule R are keyed `L@R` (`L` under
     `single`). Under torchrun the (loss, rule, seed, batch size) parts are shared between the processes, each
     training whole parts; rank 0 writes the run directory, gathers the others' parts, selects and returns the run
-    (the others return None).
+    (the others return None). `memory_budget` (bytes, or "1GB"; None: most of the device's free memory): train
+    and val/test features that do not fit it stream from the cache (out_of_core.py; a resumed run keeps its
+    chunk order).
     """
     if resume is not None:
         config, settings, from_run = stored_settings(Path(resume))
@@ -80,7 +83,12 @@ def run_linear(
                                         hp_grid, observe)
     ranks = current_ranks()  # under torchrun: this process's share of the parts
     target = ranks.device(resolve_device(device)) if ranks else resolve_device(device)
-    features = load(find_cache(cache, dataset, cache_dir))
+    budget = memory.budget(memory_budget, target)
+    chunk_rows = (config.get("out_of_core") or {}).get("chunk_rows") if resume is not None else None
+    features, plan = load_within(find_cache(cache, dataset, cache_dir), budget, settings.heads_at_once(), target,
+                                 chunk_rows)
+    if not plan.train_in_memory:
+        workers = _streaming(settings, workers)
     check_val_split(features.val.labels, str(features.path))
     if resume is not None or from_run is not None:
         verify(features)  # what goes on, or starts from a head and its state, must read the very same arrays
@@ -92,10 +100,10 @@ def run_linear(
     starts = start_heads(from_run, settings.losses, features)
     if resume is not None and config["cache_id"] != cache_id(features.attrs):
         raise SpmlError(f"--resume {resume}: {features.path} was rebuilt since that run began; start a new run")
-    for note in [observation.drawn_note(observed, features.path), *notes]:
+    for note in [observation.drawn_note(observed, features.path), *notes, plan.streams and plan.describe()]:
         if note and (ranks is None or ranks.main):
             (console or progress_console).print(note, markup=False, highlight=False, soft_wrap=True)
-    whole = LinearData.from_features(features, target, settings.val_labels)
+    whole = LinearData.from_features(features, target, settings.val_labels, plan)
     data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
     several = [rule.text for rule in settings.rules] != [observation.DEFAULT_RULE]
     if ranks and not ranks.main:
@@ -119,6 +127,7 @@ def run_linear(
             feature_dim=whole.train_features.shape[1],
             **{"from": {name: s.source for name, s in starts.items()} or None},
             **({"observe": [rule.text for rule in settings.rules]} if several else {}),
+            **({"out_of_core": {"chunk_rows": plan.chunk_rows}} if not plan.train_in_memory else {}),
         )
     else:
         run_dir = Path(resume)
@@ -126,7 +135,8 @@ def run_linear(
     going_on = f"spml-cache linear --resume {shlex.quote(str(run_dir))}"
     with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
         try:
-            if not (run_dir / "labels.npz").exists():  # first: report's figures need it, whatever happens next
+            # first: report's figures need it, whatever happens next (dense label matrices only)
+            if not (run_dir / "labels.npz").exists() and not sparse.is_sparse(features.train.labels):
                 runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
                                   val_labels=features.val.labels, test_labels=features.test.labels,
                                   rules={rule: found.train for rule, found in observed.items() if several})
@@ -149,6 +159,18 @@ def run_linear(
     if ranks:
         ranks.leave()
     return LinearRun(run_dir, results)
+
+
+def _streaming(settings: LinearSettings, workers: int) -> int:
+    """The train features stream from the cache: losses that score every training row each epoch are refused,
+    and one process trains (the chunks are read in order)."""
+    from spml_cache import losses as registry
+
+    scoring = [name for name in settings.losses if registry.get(name).needs_train_logits]
+    if scoring:
+        raise SpmlError(f"{', '.join(scoring)} score every training row each epoch, which needs the train features in"
+                        " memory: raise --memory-budget, or leave them out of --loss")
+    return 1
 
 
 def _jobs(settings: LinearSettings, units: dict[str, tuple[str, str]], kept, num_train: int, target, workers: int,
@@ -265,14 +287,17 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: lis
     if selection is None:
         return loss_results(records, None, loss_registry.merged(combos), [], seconds), None
     hparams = next(c for c in combos if all(c[key] == value for key, value in selection.hparams.items()))
-    train_maps = [
-        mean_average_precision(head_scores(r.best_state["head"], data.train_features), data.train_labels)
-        for r in selection.records
-    ]
     best = selection.representative
-    train = head_scores(best.best_state["head"], data.train_features)
-    evaluated = head_scores(best.best_state["head"], data.eval_features)
-    runs.write_scores(run_dir, name, train=train, val=evaluated[: data.num_val], test=evaluated[data.num_val :])
+    if data.scores_at_once and not data.streams_train:
+        labels = dense_targets(data.train_labels, data.num_train, data.device)
+        train_maps = [mean_average_precision(head_scores(r.best_state["head"], data.train_features), labels)
+                      for r in selection.records]
+        train = head_scores(best.best_state["head"], data.train_features)
+        evaluated = head_scores(best.best_state["head"], data.eval_features)
+        runs.write_scores(run_dir, name, train=train, val=evaluated[: data.num_val], test=evaluated[data.num_val :])
+    else:  # no [N, C] scores: train mAP a block of classes at a time (unmeasured when the train rows stream)
+        train_maps = [None if data.streams_train else train_map(r.best_state["head"], data)
+                      for r in selection.records]
     checkpoint = {
         "head": best.best_state["head"], "loss_state": best.best_state["loss_state"], "lr": best.lr,
         "batch_size": best.batch_size, "seed": best.seed, "epoch": best.best_epoch, "hparams": hparams,

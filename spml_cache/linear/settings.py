@@ -15,6 +15,7 @@ from spml_cache import losses as loss_registry
 from spml_cache import observation
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.errors import SpmlError
+from spml_cache.linear.data import observed_for_loss
 from spml_cache.losses import Overrides
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
@@ -84,6 +85,11 @@ class LinearSettings:
         return replace(self, losses=kept), [f"--loss all: {', '.join(needing)} left out ({features.path} has no text"
                                             " side; a CLIP cache has one: extract --backbone clip:ViT-B-16/openai)"]
 
+    def heads_at_once(self) -> int:
+        """The most heads one job trains and scores together: every lr, batch size and hyperparameter value."""
+        combos = max(len(self.overrides.combinations(name)) for name in self.losses)
+        return len(self.lrs) * len(self.batch_sizes) * combos
+
     def units(self, observed: dict[str, Observed], train_labels) -> tuple[dict[str, tuple[str, str]], list[str]]:
         """What the run trains, `{result key: (loss, rule text)}` (rule by rule, losses in order), and notes.
 
@@ -139,7 +145,7 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
         name: [
             loss_registry.resolve_hparams(
                 name, combo, num_classes=len(features.classes), dataset=features.dataset,
-                train_observed=torch.from_numpy(features.train.observed),
+                train_observed=observed_for_loss(features.train.observed, bool(loss_registry.get(name).state)),
                 expected_positives=features.attrs.get("expected_positives"), **text,
             )
             for combo in settings.overrides.combinations(name)

@@ -1,0 +1,201 @@
+"""Sparse label matrices (CSR) for caches with many classes: full, observed and test labels of OpenImages-scale
+data (1.7M x 9,600 is 16 GB dense, a few hundred MB sparse).
+
+A `SparseLabels` holds an int8 [N, C] matrix whose zeros are absent: full labels keep their 1s, observed labels
+their 1s and -1s (0, unknown, is absent). The cache stores it as a group `/{split}/<name>` with the datasets
+`indptr` (int64 [N+1]), `indices` (int32 [nnz]) and `values` (int8 [nnz]) and the attrs format="csr" and
+shape=[N, C], in place of the dense dataset; any other [N, C] matrix (a test-label mask) can be stored the same
+way. Dense stays the default below `SPARSE_MIN_CLASSES` classes (VOC, COCO, NUS-WIDE and CUB caches do not change).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from spml_cache.errors import SpmlError
+
+SPARSE_MIN_CLASSES = 1000  # `extract --labels auto` stores label matrices of this many classes or more as CSR
+LABEL_FORMATS = ("auto", "dense", "sparse")
+DEFAULT_FORMAT = "auto"
+
+
+@dataclass(frozen=True)
+class SparseLabels:
+    """An int8 [N, C] label matrix in CSR form: row i's non-zero columns `indices[indptr[i]:indptr[i+1]]`
+    (ascending), their values `values[...]`."""
+
+    indptr: np.ndarray  # int64 [N + 1]
+    indices: np.ndarray  # int32 [nnz]
+    values: np.ndarray  # int8 [nnz]
+    num_classes: int
+
+    @classmethod
+    def from_dense(cls, dense: np.ndarray, block_rows: int = 65536) -> "SparseLabels":
+        dense = np.asarray(dense)
+        if dense.ndim != 2:
+            raise SpmlError(f"labels have shape {dense.shape}: expected [rows, classes]")
+        counts, indices, values = [np.zeros(0, np.int64)], [], []
+        for start in range(0, len(dense), block_rows):
+            block = dense[start : start + block_rows]
+            rows, cols = np.nonzero(block)
+            counts.append(np.bincount(rows, minlength=len(block)).astype(np.int64))
+            indices.append(cols.astype(np.int32))
+            values.append(block[rows, cols].astype(np.int8))
+        indptr = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
+        return cls(indptr, _joined(indices, np.int32), _joined(values, np.int8), int(dense.shape[1]))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.indptr) - 1, self.num_classes
+
+    def __len__(self) -> int:
+        return len(self.indptr) - 1
+
+    @property
+    def nnz(self) -> int:
+        return len(self.indices)
+
+    def rows(self, index, dtype=np.int8) -> np.ndarray:
+        """The dense block `[len(index), C]` of the rows `index` (an int array, in any order), built now."""
+        index = np.asarray(index, dtype=np.int64).reshape(-1)
+        starts, stops = self.indptr[index], self.indptr[index + 1]
+        lengths = stops - starts
+        out = np.zeros((len(index), self.num_classes), dtype=dtype)
+        if lengths.sum() == 0:
+            return out
+        row_of = np.repeat(np.arange(len(index)), lengths)
+        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        positions = np.repeat(starts, lengths) + offsets
+        out[row_of, self.indices[positions]] = self.values[positions]
+        return out
+
+    def row_range(self, start: int, stop: int, dtype=np.int8) -> np.ndarray:
+        """The dense block of rows `start:stop`."""
+        return self.rows(np.arange(start, min(stop, len(self))), dtype)
+
+    def columns(self, low: int, high: int, rows: int | None = None, dtype=np.uint8) -> np.ndarray:
+        """The dense block `[rows or N, high - low]` of the classes `low:high` (of the first `rows` rows)."""
+        rows = len(self) if rows is None else rows
+        end = self.indptr[rows]
+        indices, values = self.indices[:end], self.values[:end]
+        keep = (indices >= low) & (indices < high)
+        row_of = np.repeat(np.arange(rows), np.diff(self.indptr[: rows + 1]))[keep]
+        out = np.zeros((rows, high - low), dtype=dtype)
+        out[row_of, indices[keep] - low] = values[keep]
+        return out
+
+    def to_dense(self, dtype=np.int8) -> np.ndarray:
+        return self.row_range(0, len(self), dtype)
+
+    def equal(self, value: int) -> "SparseLabels":
+        """The 0/1 matrix of the entries equal to `value` (non-zero), still sparse."""
+        keep = self.values == value
+        kept_before = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+        indptr = kept_before[self.indptr]
+        return SparseLabels(indptr, self.indices[keep], np.ones(int(keep.sum()), np.int8), self.num_classes)
+
+    def rows_with(self, value: int) -> np.ndarray:
+        """bool [N]: the rows holding at least one entry equal to `value`."""
+        return np.diff(self.equal(value).indptr) > 0
+
+    def take(self, index) -> "SparseLabels":
+        """The rows `index`, in that order, still sparse."""
+        index = np.asarray(index, dtype=np.int64)
+        lengths = self.indptr[index + 1] - self.indptr[index]
+        positions = np.repeat(self.indptr[index], lengths) + (
+            np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+        indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return SparseLabels(indptr, self.indices[positions], self.values[positions], self.num_classes)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, SparseLabels) and self.num_classes == other.num_classes
+                and np.array_equal(self.indptr, other.indptr) and np.array_equal(self.indices, other.indices)
+                and np.array_equal(self.values, other.values))
+
+    __hash__ = None
+
+    def nbytes(self) -> int:
+        return self.indptr.nbytes + self.indices.nbytes + self.values.nbytes
+
+
+def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def is_sparse(matrix) -> bool:
+    return isinstance(matrix, SparseLabels)
+
+
+def dense(matrix, dtype=np.int8) -> np.ndarray:
+    """A label matrix as a dense array (a sparse one built now: only where it is known to be small)."""
+    return matrix.to_dense(dtype) if is_sparse(matrix) else np.asarray(matrix).astype(dtype, copy=False)
+
+
+def rows_with(matrix, value: int) -> np.ndarray:
+    """bool [N]: the rows of a dense or sparse label matrix holding `value` somewhere."""
+    return matrix.rows_with(value) if is_sparse(matrix) else (np.asarray(matrix) == value).any(axis=1)
+
+
+def same(first, second) -> bool:
+    """Whether two label matrices, each dense or sparse, hold the same values (a dense one made CSR to compare)."""
+    if not (is_sparse(first) or is_sparse(second)):
+        return np.array_equal(first, second)
+    first, second = (m if is_sparse(m) else SparseLabels.from_dense(m) for m in (first, second))
+    return first == second
+
+
+def count_positive(matrix) -> int:
+    """How many entries of a dense or sparse label matrix are positive (> 0)."""
+    return int((matrix.values > 0).sum()) if is_sparse(matrix) else int((np.asarray(matrix) > 0).sum())
+
+
+def resolve_format(choice: str, num_classes: int) -> str:
+    """`--labels auto|dense|sparse` for a dataset of `num_classes` classes: dense or sparse."""
+    if choice not in LABEL_FORMATS:
+        raise SpmlError(f"--labels {choice!r}: use auto (sparse from {SPARSE_MIN_CLASSES} classes), dense or sparse")
+    if choice == "auto":
+        return "sparse" if num_classes >= SPARSE_MIN_CLASSES else "dense"
+    return choice
+
+
+# --- in the HDF5 cache -----------------------------------------------------------------------------------
+
+def store(group: h5py.Group, name: str, matrix, sparse: bool, dtype) -> None:
+    """Write a label matrix (dense or SparseLabels) as `group[name]`: a dense dataset, or the CSR group."""
+    if not sparse:
+        group.create_dataset(name, data=dense(matrix, dtype))
+        return
+    matrix = matrix if is_sparse(matrix) else SparseLabels.from_dense(matrix)
+    csr = group.create_group(name)
+    csr.attrs["format"], csr.attrs["shape"] = "csr", list(matrix.shape)
+    csr.create_dataset("indptr", data=matrix.indptr.astype(np.int64))
+    csr.create_dataset("indices", data=matrix.indices.astype(np.int32))
+    csr.create_dataset("values", data=matrix.values.astype(np.int8))
+
+
+def stored_sparse(node) -> bool:
+    return isinstance(node, h5py.Group) and node.attrs.get("format") in ("csr", b"csr")
+
+
+def stored_shape(node) -> tuple[int, ...]:
+    """The shape of a stored label matrix, dense or CSR, without reading it."""
+    return tuple(int(v) for v in node.attrs["shape"]) if stored_sparse(node) else tuple(node.shape)
+
+
+def read(node, dtype):
+    """A stored label matrix: a numpy array (dense) or a SparseLabels (CSR), checked for a consistent CSR."""
+    if not stored_sparse(node):
+        return node[...].astype(dtype, copy=False)
+    rows, columns = stored_shape(node)
+    matrix = SparseLabels(node["indptr"][...].astype(np.int64), node["indices"][...].astype(np.int32),
+                          node["values"][...].astype(np.int8), columns)
+    nnz = len(matrix.indices)
+    if (len(matrix.indptr) != rows + 1 or matrix.indptr[0] != 0 or matrix.indptr[-1] != nnz
+            or len(matrix.values) != nnz or (np.diff(matrix.indptr) < 0).any()
+            or (nnz and (matrix.indices.min() < 0 or matrix.indices.max() >= columns))):
+        raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix of shape {[rows, columns]};"
+                        " rebuild the cache (extract --force)")
+    return matrix

@@ -1,0 +1,73 @@
+"""Memory budgets: `--memory-budget SIZE` parsed, the default from the device's free memory, and the process's
+peak resident memory (what a budget is measured against)."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+
+from spml_cache.errors import SpmlError
+
+FLAG = "--memory-budget"
+DEFAULT_SHARE = 0.8  # of the device's free memory, when no budget is given
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_size(text: str | int | None, flag: str = FLAG) -> int | None:
+    """"1GB", "512M", "1.5GiB", "2000000" (bytes) -> bytes; None stays None (the default applies). Units are
+    powers of two (1GB = 2^30 bytes)."""
+    if text is None or isinstance(text, int):
+        if isinstance(text, int) and text <= 0:
+            raise SpmlError(f"{flag} {text}: give a positive size such as 1GB or 512MB")
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise SpmlError(f"{flag} {text!r}: give a positive size such as 1GB, 512MB or 2000000 (bytes)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def free_memory(device) -> int:
+    """Bytes free now: a GPU's (`torch.cuda.mem_get_info`), else the machine's available RAM."""
+    if device.type == "cuda":
+        import torch  # here: the command line parses sizes before the heavy imports
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def budget(given: str | int | None, device) -> int:
+    """`--memory-budget`, else `DEFAULT_SHARE` of the device's free memory."""
+    parsed = parse_size(given)
+    return parsed if parsed is not None else int(DEFAULT_SHARE * free_memory(device))
+
+
+def resident() -> int:
+    """This process's resident memory now, bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_resident() -> int:
+    """This process's peak resident memory so far, bytes (`ru_maxrss`, KiB on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def describe(size: int) -> str:
+    """Bytes as '1.2 GB' (powers of two)."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
