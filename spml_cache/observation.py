@@ -290,8 +290,13 @@ def draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, at
     """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order);
     with partial labels (`label_masks`, train and val, 1 where annotated) no unannotated entry is observed."""
     if sparse.is_sparse(train_labels):
+        masks = label_masks or (None, None)
+        if rule.name == "given" and all(sparse.is_sparse(mask) for mask in masks):  # the annotations themselves
+            return tuple(sparse.signed_annotations(labels, mask) for labels, mask in zip((train_labels, val_labels),
+                                                                                           masks))
         raise SpmlError(f"{FLAG} {rule}: this cache stores its labels sparse (many classes), and observation rules"
-                        f" are drawn from dense labels only so far: use {FLAG} single")
+                        f" other than given (partial labels) are drawn from dense labels only so far: use {FLAG}"
+                        " single or given")
     train, val = _draw_splits(rule, train_labels, val_labels, attrs, areas)
     train_mask, val_mask = label_masks or (None, None)
     return hide_unannotated(train, train_mask), hide_unannotated(val, val_mask)
@@ -332,11 +337,12 @@ class Observed:
     def summary(self, train_labels: np.ndarray) -> dict:
         """What results.json says of the rule: the fraction of training entries observed, observed positives
         and negatives per image, and the training images with a positive but none observed."""
-        rows = max(len(self.train), 1)
+        rows, entries = max(len(self.train), 1), self.train.shape[0] * self.train.shape[1]
+        values = self.train.values if sparse.is_sparse(self.train) else self.train  # the non-zero entries suffice
         return {
-            "fraction_observed": float((self.train != 0).mean()) if self.train.size else 0.0,
-            "positives_per_image": float((self.train == 1).sum() / rows),
-            "negatives_per_image": float((self.train == -1).sum() / rows),
+            "fraction_observed": float(np.count_nonzero(values) / entries) if entries else 0.0,
+            "positives_per_image": float((values == 1).sum() / rows),
+            "negatives_per_image": float((values == -1).sum() / rows),
             "images_without_positive": int(without_positive(self.train, train_labels).sum()),
             "source": "cache" if self.stored else "drawn from the cache's labels",
         }

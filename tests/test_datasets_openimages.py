@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from cli_support import run_cli
 from extract_support import write_jpeg
@@ -13,11 +14,12 @@ from spml_cache.errors import SpmlError
 
 CLASSES = {"/m/01": "Cat", "/m/02": "Dog", "/m/03": "Owl", "/m/04": "Jaguar", "/m/05": "Jaguar", "/m/09": "Unused"}
 TRAINABLE = ["/m/01", "/m/02", "/m/03", "/m/04", "/m/05"]
+VERIFIED = tuple(TRAINABLE)  # the classes images get verified labels of (a test may make more trainable)
 
 
 def verified_labels(k: int) -> list[tuple[str, int]]:
     """Image k's verified labels: a deterministic mix of present (1) and absent (0); some classes unverified."""
-    return [(label, int((k + i) % 3 == 0)) for i, label in enumerate(TRAINABLE) if (k * 7 + i) % 4 != 0]
+    return [(label, int((k + i) % 3 == 0)) for i, label in enumerate(VERIFIED) if (k * 7 + i) % 4 != 0]
 
 
 def write_openimages(root, num_train=30, num_test=12):
@@ -46,7 +48,7 @@ def test_verified_positives_and_negatives_become_labels_and_mask(tmp_path):
     for split in (images.train, images.test):
         for row, image_id in enumerate(split.ids):
             verified = expected[image_id]
-            for column, label in enumerate(TRAINABLE):
+            for column, label in enumerate(VERIFIED):
                 assert split.mask[row, column] == (label in verified)
                 assert split.labels[row, column] == verified.get(label, 0)
 
@@ -84,3 +86,44 @@ def test_extract_then_linear_on_the_verified_labels(tmp_path):
     trained_on = np.load(run_dir / "labels.npz")["train_observed@given"]
     verified = np.where(features.train.label_mask == 1, 2 * features.train.labels.astype(np.int8) - 1, 0)
     np.testing.assert_array_equal(trained_on, verified)  # exactly the human-verified labels, nothing else
+
+
+def test_many_classes_store_sparse_and_train_on_the_verified_labels(tmp_path):
+    """From 1,000 classes the cache is sparse (labels, observed and the label mask alike); `--observe given`
+    takes the verified entries from the sparse mask, and test mAP is taken over them (scikit-learn on the
+    annotated rows of each class scored)."""
+    from sklearn.metrics import average_precision_score
+
+    from spml_cache import runs
+    from spml_cache.cache import sparse
+
+    extra = {f"/m/x{k:04d}": f"Extra {k}" for k in range(1000)}  # never verified: left out of the mAP
+    CLASSES.update(extra)
+    TRAINABLE.extend(extra)
+    try:
+        write_openimages(tmp_path / "openimages")
+    finally:
+        for label in extra:
+            CLASSES.pop(label)
+            TRAINABLE.remove(label)
+    done = run_cli("extract", "openimages", "--root", str(tmp_path), "--out", "oi.h5", "--weights", "none",
+                   "--resolution", "32", "--workers", "0", "--device", "cpu", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    features = cache.load(tmp_path / "oi.h5")
+    assert all(sparse.is_sparse(m) for m in (features.train.labels, features.train.label_mask, features.test.label_mask))
+    done = run_cli("linear", "--cache", "oi.h5", "--loss", "bce_observed", "--observe", "given", "--lr", "1e-2",
+                   "--batch-size", "8", "--epochs", "1", "--out", "runs", "--device", "cpu", "--workers", "0",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run_dir = next((tmp_path / "runs").rglob("results.json")).parent
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["partial_test_labels"]["classes_left_out"] == 1000
+    assert results["rules"]["given"]["fraction_observed"] == pytest.approx(
+        features.train.label_mask.nnz / np.prod(features.train.label_mask.shape))
+    labels, mask = (m.to_dense(np.uint8) for m in (features.test.labels, features.test.label_mask))
+    head = runs.read_linear_head(run_dir, "bce_observed@given")
+    scores = torch.sigmoid(torch.from_numpy(features.test.features) @ head.weight.T + head.bias).numpy()  # as scored
+    scored = np.flatnonzero(((labels == 1) & (mask == 1)).any(axis=0))
+    expected = np.mean([average_precision_score(labels[mask[:, c] == 1, c], scores[mask[:, c] == 1, c])
+                        for c in scored])
+    assert results["losses"]["bce_observed@given"]["test_map"] == pytest.approx(100 * expected, abs=1e-4)

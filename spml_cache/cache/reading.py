@@ -184,12 +184,15 @@ def _stored_rules(path: Path, name: str, group: h5py.Group, shape: tuple) -> dic
     return rules
 
 
-def _label_mask(path: Path, name: str, raw: dict[str, np.ndarray]) -> np.ndarray | None:
+def _label_mask(path: Path, name: str, raw: dict):
+    """The split's label mask (partial labels; dense, or sparse beside sparse labels), checked; None without."""
     mask = raw.get(MASK)
     if mask is not None and mask.shape != raw["labels"].shape:
         raise SpmlError(f"{path}: /{name}/{MASK} has shape {mask.shape}, labels {raw['labels'].shape}: rebuild the"
                         " cache (extract --force)")
-    return None if mask is None or sparse.is_sparse(mask) else mask.astype(np.uint8, copy=False)
+    if mask is None or sparse.is_sparse(mask):
+        return mask
+    return mask.astype(np.uint8, copy=False)
 
 
 NORM_TOLERANCE = 1e-2  # stored embeddings are L2-normalised: a norm further from 1 is a damaged or foreign array

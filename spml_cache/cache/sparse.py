@@ -199,3 +199,14 @@ def read(node, dtype):
         raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix of shape {[rows, columns]};"
                         " rebuild the cache (extract --force)")
     return matrix
+
+
+def signed_annotations(labels: SparseLabels, mask: SparseLabels) -> SparseLabels:
+    """The annotated entries of `mask`, +1 where `labels` holds a positive and -1 elsewhere: every annotated label
+    observed (the `given` observation rule), still sparse."""
+    rows = np.repeat(np.arange(len(mask), dtype=np.int64), np.diff(mask.indptr))
+    annotated = rows * mask.num_classes + mask.indices
+    positive_rows = np.repeat(np.arange(len(labels), dtype=np.int64), np.diff(labels.indptr))
+    positive = (positive_rows * labels.num_classes + labels.indices)[labels.values > 0]
+    signs = np.where(np.isin(annotated, positive), 1, -1).astype(np.int8)
+    return SparseLabels(mask.indptr.copy(), mask.indices.copy(), signs, mask.num_classes)
