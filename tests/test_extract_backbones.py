@@ -92,6 +92,13 @@ def test_clip_backbone_writes_image_and_text_embeddings(data, tmp_path):
     features = cache.load(path)  # stage two reads what stage one wrote: the text side, and the losses that use it
     assert features.has_text_side and features.similarity("train").shape == (len(features.train), 2)
     assert features.train.crop_embeddings.shape[1:] == (4, 16)
+    cache.verify(features)  # the checksum covers the text side: swapping two classes' prompts is seen
+    tampered = tmp_path / "tampered.h5"
+    tampered.write_bytes(path.read_bytes())
+    with h5py.File(tampered, "r+") as file:
+        file["text"]["embeddings"][...] = file["text"]["embeddings"][...][::-1]
+    with pytest.raises(SpmlError, match="was changed after it was written"):
+        cache.verify(cache.load(tampered))
     done = run_cli("linear", "--cache", str(path), "--loss", "vlpl,gpr", "--lr", "1e-2", "--batch-size", "4",
                    "--epochs", "1", "--out", str(tmp_path / "runs"), "--device", "cpu", "--workers", "0", cwd=tmp_path)
     assert done.returncode == 0, done.stderr

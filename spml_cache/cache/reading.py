@@ -339,8 +339,10 @@ def verify(features: FeatureSet) -> None:
     stored = features.attrs.get(CONTENT_ATTR)
     if stored is None:
         return
-    now = content_hash({name: (split.features, split.labels, split.observed, split.ids, split.label_mask)
-                        for name, split in ((name, getattr(features, name)) for name in SPLITS)})
+    now = content_hash({name: (split.features, split.labels, split.observed, split.ids, split.label_mask,
+                               {"image_embeddings": split.image_embeddings, "crop_embeddings": split.crop_embeddings})
+                        for name, split in ((name, getattr(features, name)) for name in SPLITS)},
+                       features.text_embeddings)
     if now != stored:
         raise SpmlError(f"{features.path} was changed after it was written (its contents no longer match its"
                         " checksum): extract it again, or put the original back")

@@ -161,16 +161,16 @@ def plain(value):
 CONTENT_ATTR = "content_hash"  # the checksum of a cache's arrays, written when it is sealed
 
 
-def content_hash(splits: dict) -> str:
+def content_hash(splits: dict, text=None) -> str:
     """A checksum of a cache's arrays: per split (in SPLITS order) its features, labels, observed labels and ids.
-    `splits` maps a split to `(features, labels, observed or None, ids[, label mask or None])`; features may be an
-    h5py dataset (read in blocks) or an array: the same bytes hash the same either way. A split without a mask
-    hashes as before masks existed."""
+    `splits` maps a split to `(features, labels, observed or None, ids[, label mask or None[, {name: embeddings}]])`
+    and `text` is a CLIP cache's class text embeddings; features and embeddings may be h5py datasets (read in
+    blocks) or arrays: the same bytes hash the same either way. A cache without a mask or a text side hashes as
+    before they existed."""
     digest = hashlib.blake2b(digest_size=16)
     for name in SPLITS:
         features, labels, observed, ids, *rest = splits[name]
-        for start in range(0, len(features), COPY_BLOCK_ROWS):
-            digest.update(np.ascontiguousarray(features[start : start + COPY_BLOCK_ROWS], dtype="<f4").data)
+        _digest_rows(digest, features)
         _digest_labels(digest, labels, np.uint8)
         if observed is not None:
             _digest_labels(digest, observed, np.int8)
@@ -178,7 +178,20 @@ def content_hash(splits: dict) -> str:
         if rest and rest[0] is not None:
             digest.update(b"label_mask")
             _digest_labels(digest, rest[0], np.uint8)
+        for key, embeddings in (rest[1] if len(rest) > 1 else {}).items():
+            if embeddings is not None:
+                digest.update(key.encode("utf-8"))
+                _digest_rows(digest, embeddings)
+    if text is not None:
+        digest.update(b"text")
+        _digest_rows(digest, text)
     return digest.hexdigest()
+
+
+def _digest_rows(digest, rows) -> None:
+    """A row array's float32 bytes, a block of rows at a time (an h5py dataset is never read whole)."""
+    for start in range(0, len(rows), COPY_BLOCK_ROWS):
+        digest.update(np.ascontiguousarray(rows[start : start + COPY_BLOCK_ROWS], dtype="<f4").data)
 
 
 def _digest_labels(digest, labels, dtype) -> None:

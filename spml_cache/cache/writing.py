@@ -138,9 +138,10 @@ def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
         name: (file[name]["features"], sparse.read(file[name]["labels"], np.uint8),
                sparse.read(file[name]["observed"], np.int8) if "observed" in file[name] else None,
                list(file[name]["ids"].asstr()[...]),
-               sparse.read(file[name][MASK], np.uint8) if MASK in file[name] else None)
+               sparse.read(file[name][MASK], np.uint8) if MASK in file[name] else None,
+               {key: file[name][key] for key in ROW_DATASETS[1:] if key in file[name]})
         for name in SPLITS
-    })
+    }, file[TEXT_GROUP]["embeddings"] if TEXT_GROUP in file else None)
     file.attrs["complete"] = True
     file.close()
     try:
