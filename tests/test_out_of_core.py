@@ -112,3 +112,26 @@ def test_a_resumed_out_of_core_run_keeps_its_chunk_order(tmp_path, small_cache, 
     for name in ("an", "bce"):
         assert resumed[name]["test_map"] == whole[name]["test_map"]
         assert resumed[name]["val_map"] == whole[name]["val_map"]
+
+
+def test_heads_beyond_the_budget_train_in_lr_groups_with_the_same_results(tmp_path, small_cache, monkeypatch):
+    """When the grid's heads alone exceed the budget, they train a group of lrs of one batch size at a time, in
+    turn: every head, its history and the selection are those of the run that holds them all at once."""
+    grid = dict(losses=["an", "role"], lrs=[1e-2, 1e-3, 1e-4], batch_sizes=[8, 16], epochs=3, console=quiet())
+    whole = run_linear(cache=small_cache, out=tmp_path / "whole", **grid)
+    planned = []
+
+    def two_heads_fit(budget, shapes, num_classes, heads, label_bytes, baseline):
+        planned.append(heads)
+        return MemoryPlan(budget, short=max(heads - 2, 0))  # the heads alone exceed it beyond two
+
+    monkeypatch.setattr(out_of_core, "plan", two_heads_fit)
+    grouped = run_linear(cache=small_cache, out=tmp_path / "grouped", **grid)
+    assert planned[0] == 6 and planned[-1] == 2  # the whole grid, then the largest group that fits: two lrs
+    for name in ("an", "role"):
+        ours, theirs = (sorted((c["lr"], c["batch_size"], c["val_map"], c["test_map"], c["best_epoch"])
+                               for c in r.results["losses"][name]["configs"]) for r in (grouped, whole))
+        assert len(ours) == 6
+        for a, b in zip(ours, theirs):
+            assert a[:2] == b[:2] and a[4] == b[4] and a[2:4] == pytest.approx(b[2:4], abs=1e-9)
+        assert grouped.results["losses"][name]["selected"] == whole.results["losses"][name]["selected"]

@@ -229,6 +229,7 @@ class Job:
     seed: int
     batch_sizes: tuple[int, ...]
     rule: str = DEFAULT_RULE  # the observation rule of the labels it trains on (the text of an observation.Rule)
+    lrs: tuple[float, ...] = ()  # a group of the grid's lrs, when its heads do not fit the memory budget at once; () all
 
 
 class SeedRun:
@@ -239,8 +240,8 @@ class SeedRun:
                 start: StartHead | None) -> "SeedRun":
         """A job of a run with `settings`: its loss's hyperparameter combinations, its rule's data and starting
         head given."""
-        run = cls(job.loss, hparams, job.seed, settings.lrs, list(job.batch_sizes), settings.epochs, data, start,
-                  settings.fidelity)
+        run = cls(job.loss, hparams, job.seed, list(job.lrs) or settings.lrs, list(job.batch_sizes), settings.epochs,
+                  data, start, settings.fidelity)
         for record in run.records:
             record.rule = job.rule
         return run

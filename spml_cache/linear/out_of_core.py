@@ -28,6 +28,9 @@ SCORING_BYTES = 40
 # temporary) and the logits' share; measured on the 500k x 5,000 benchmark (docs/benchmarks.md).
 HEAD_COPIES = 7
 MARGIN = 0.1  # of the budget, kept for what the plan does not count: ids, Python objects, transient copies
+# A group of heads fits when the features left for it still come in chunks of this many rows (or all of them):
+# smaller chunks would spend an epoch on reads.
+MIN_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class MemoryPlan:
         evaluated = "val/test in memory" if self.eval_in_memory else "val/test streamed"
         blocks = f", scored {self.class_block:,} classes at a time" if self.class_block else ""
         over = (f" (the heads, labels and process alone take {memory.describe(self.short)} more than the budget:"
-                " expect to exceed it; train fewer lrs or batch sizes at once)") if self.short else ""
+                " expect to exceed it, even one lr at a time)") if self.short else ""
         return f"memory budget {memory.describe(self.budget)}: {train}, {evaluated}{blocks}{over}"
 
 
@@ -229,24 +232,33 @@ def dense_targets(targets, rows: int, device: torch.device) -> torch.Tensor | No
     return torch.from_numpy(targets.columns(0, targets.num_classes, rows)).to(device)
 
 
-def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows: int | None = None):
+def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows: int | None = None,
+                per_group: int | None = None):
     """The cache at `path` loaded for `budget` bytes of `device` (`plan`), `heads` heads trained at once:
-    `(FeatureSet, MemoryPlan)`, the features that do not fit left in the file. `chunk_rows`: a resumed run's
-    chunk size."""
+    `(FeatureSet, MemoryPlan, groups)`, the features that do not fit left in the file. `chunk_rows`: a resumed
+    run's chunk size. When the heads alone exceed the budget and come in groups of `per_group` (an lr's heads of
+    one batch size), `groups` is how many groups to train at once (the most that fit, at least one); else None."""
     shapes, label_bytes, num_classes = cache.feature_shapes(path)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else memory.resident()
-    chosen = plan(budget, shapes, num_classes, heads, label_bytes, baseline)
+    chosen, groups = plan(budget, shapes, num_classes, heads, label_bytes, baseline), None
+    if chosen.short and per_group:
+        def fits(n: int) -> bool:
+            tried = plan(budget, shapes, num_classes, n * per_group, label_bytes, baseline)
+            return not tried.short and (not tried.streams or tried.chunk_rows >= min(shapes["train"][0], MIN_CHUNK_ROWS))
+
+        groups = next((n for n in range(heads // per_group, 0, -1) if fits(n)), 1)
+        chosen = plan(budget, shapes, num_classes, groups * per_group, label_bytes, baseline)
     if chunk_rows:  # a resumed out-of-core run goes on in its own chunk order
         chosen = replace(chosen, train_in_memory=False, chunk_rows=chunk_rows)
     if not chosen.streams:
-        return cache.load(path), chosen
+        return cache.load(path), chosen, groups
     features = cache.load(path, in_memory=False)
     splits = {}
     for name, in_memory in (("train", chosen.train_in_memory), ("val", chosen.eval_in_memory),
                             ("test", chosen.eval_in_memory)):
         split = getattr(features, name)
         splits[name] = replace(split, features=split.features.read(0, len(split))) if in_memory else split
-    return replace(features, **splits), chosen
+    return replace(features, **splits), chosen, groups
 
 
 def train_map(state: dict, data) -> float:

@@ -20,6 +20,10 @@ class Part:
     records: list[HeadRecord]
     seconds: float
 
+    def merged(self, other: "Part") -> "Part":
+        """This part and another one of the same (loss, seed, batch size): its other lrs' heads."""
+        return Part(self.records + other.records, self.seconds + other.seconds)
+
     def of_batch_size(self, batch_size: int) -> "Part":
         """The heads of one batch size, credited their share of the seconds."""
         own = [record for record in self.records if record.batch_size == batch_size]

@@ -85,10 +85,11 @@ def run_linear(
     target = ranks.device(resolve_device(device)) if ranks else resolve_device(device)
     budget = memory.budget(memory_budget, target)
     chunk_rows = (config.get("out_of_core") or {}).get("chunk_rows") if resume is not None else None
-    features, plan = load_within(find_cache(cache, dataset, cache_dir), budget, settings.heads_at_once(), target,
-                                 chunk_rows)
-    if not plan.train_in_memory:
-        workers = _streaming(settings, workers)
+    features, plan, lrs_at_once = load_within(find_cache(cache, dataset, cache_dir), budget, settings.heads_at_once(),
+                                              target, chunk_rows, settings.heads_per_lr())
+    lrs_at_once = lrs_at_once and min(lrs_at_once, len(settings.lrs))
+    if not plan.train_in_memory or lrs_at_once:
+        workers = _streaming(settings, workers) if not plan.train_in_memory else 1
     check_val_split(features.val.labels, str(features.path))
     if resume is not None or from_run is not None:
         verify(features)  # what goes on, or starts from a head and its state, must read the very same arrays
@@ -100,7 +101,10 @@ def run_linear(
     starts = start_heads(from_run, settings.losses, features)
     if resume is not None and config["cache_id"] != cache_id(features.attrs):
         raise SpmlError(f"--resume {resume}: {features.path} was rebuilt since that run began; start a new run")
-    for note in [observation.drawn_note(observed, features.path), *notes, plan.streams and plan.describe()]:
+    grouped = lrs_at_once and (
+        f"memory budget: the grid's heads do not fit at once; trained {lrs_at_once} lr{'s' * (lrs_at_once > 1)} of"
+        " one batch size at a time (the same heads, in turn)")
+    for note in [observation.drawn_note(observed, features.path), *notes, plan.streams and plan.describe(), grouped]:
         if note and (ranks is None or ranks.main):
             (console or progress_console).print(note, markup=False, highlight=False, soft_wrap=True)
     whole = LinearData.from_features(features, target, settings.val_labels, plan)
@@ -108,7 +112,8 @@ def run_linear(
     several = [rule.text for rule in settings.rules] != [observation.DEFAULT_RULE]
     if ranks and not ranks.main:
         try:
-            jobs, workers = _jobs(settings, units, ranks.broadcast(None), len(features.train), target, workers, ranks)
+            jobs, workers = _jobs(settings, units, ranks.broadcast(None), len(features.train), target, workers, ranks,
+                                  lrs_at_once)
             ranks.gather([JobEvent(event.job, lines=event.lines, done=event.done) for event in
                           train_jobs(jobs, used, settings, data, features, workers, starts, graphs, observed)
                           if event.lines or event.done])
@@ -147,7 +152,8 @@ def run_linear(
             runs.append_metrics(run_dir, [line for part in kept.values() for r in part.records
                                           for line in r.metric_lines()])
             results = _train_and_select(run_dir, settings, units, used, starts, features, data, target, workers,
-                                        kept, console, graphs, observed, rules, ranks, zero_shot(features))
+                                        kept, console, graphs, observed, rules, ranks, zero_shot(features),
+                                        lrs_at_once)
         except KeyboardInterrupt:
             parts = len(units) * len(settings.seeds) * len(settings.batch_sizes)
             what = "(loss, rule, seed, batch size)" if several else "(loss, seed, batch size)"
@@ -174,13 +180,17 @@ def _streaming(settings: LinearSettings, workers: int) -> int:
 
 
 def _jobs(settings: LinearSettings, units: dict[str, tuple[str, str]], kept, num_train: int, target, workers: int,
-          ranks: Ranks | None):
+          ranks: Ranks | None, lrs_at_once: int | None = None):
     """The jobs this process trains (what `kept`, the keys of the kept parts, lacks) and its worker processes: a
-    job per (loss, rule, seed) with all its batch sizes, or one per batch size when processes share them."""
+    job per (loss, rule, seed) with all its batch sizes, or one per batch size when processes share them, or one
+    per batch size and group of `lrs_at_once` lrs when the grid's heads do not fit the memory budget at once."""
     whole = [Job(name, index, seed, tuple(size for size in settings.batch_sizes if (key, seed, size) not in kept), rule)
              for key, (name, rule) in units.items() for index, seed in enumerate(settings.seeds)]
     whole = [job for job in whole if job.batch_sizes]
     split = [replace(job, batch_sizes=(size,)) for job in whole for size in job.batch_sizes]
+    if lrs_at_once:
+        groups = [tuple(settings.lrs[i : i + lrs_at_once]) for i in range(0, len(settings.lrs), lrs_at_once)]
+        return [replace(job, lrs=group) for job in split for group in groups], 1
     if ranks:
         split = ranks.share(split)
     workers = resolve_workers(workers, target, len(split), num_train * settings.epochs * len(whole))
@@ -195,12 +205,12 @@ def _from_other_ranks(ranks: Ranks | None):
 
 def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used, starts, features, data, target,
                       workers, kept: dict[tuple, Part], console, graphs=True, observed=None, rules=None,
-                      ranks: Ranks | None = None, reference: dict | None = None) -> dict:
+                      ranks: Ranks | None = None, reference: dict | None = None, lrs_at_once: int | None = None) -> dict:
     """Train what is not in `kept` ({(result key, seed, batch size): Part}) of every unit ({result key: (loss,
     rule)}), select each once its every part is done, write the results (`rules`: results.json's summary of
     each rule, when the run has others than `single`). Under torchrun this is rank 0, and the other processes'
     parts arrive at the end."""
-    jobs, workers = _jobs(settings, units, kept, len(features.train), target, workers, ranks)
+    jobs, workers = _jobs(settings, units, kept, len(features.train), target, workers, ranks, lrs_at_once)
 
     swept = {name: [{key: combo[key] for key in loss_registry.varying_keys(combos)} for combo in combos]
              for name, combos in used.items()}
@@ -226,7 +236,7 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
 
         for key in [key for key in units if len(parts[key]) == expected]:
             finish(key)
-        keeping = KeptParts(run_dir)
+        keeping, groups = KeptParts(run_dir), {}  # groups: the lr groups of a part trained so far
         for event in chain(train_jobs(jobs, used, settings, data, features, workers, starts, graphs, observed),
                            _from_other_ranks(ranks)):
             job, key = event.job, observation.result_key(event.job.loss, event.job.rule)
@@ -237,8 +247,13 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
             if event.done is None:
                 continue
             for size in job.batch_sizes:  # kept as one part per batch size (a resume may split a job)
-                part = event.done.of_batch_size(size)
-                parts[key][(key, job.seed, size)] = part
+                part, slot = event.done.of_batch_size(size), (key, job.seed, size)
+                if job.lrs:  # one lr group of the part: kept once every lr of it is trained
+                    part = groups[slot] = groups[slot].merged(part) if slot in groups else part
+                    if len(part.records) < len(settings.lrs) * len(used[job.loss]):
+                        continue
+                    del groups[slot]
+                parts[key][slot] = part
                 keeping.keep(key, job.seed, size, part)
             if len(parts[key]) == expected:
                 finish(key)

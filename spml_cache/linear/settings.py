@@ -87,8 +87,11 @@ class LinearSettings:
 
     def heads_at_once(self) -> int:
         """The most heads one job trains and scores together: every lr, batch size and hyperparameter value."""
-        combos = max(len(self.overrides.combinations(name)) for name in self.losses)
-        return len(self.lrs) * len(self.batch_sizes) * combos
+        return len(self.lrs) * len(self.batch_sizes) * self.heads_per_lr()
+
+    def heads_per_lr(self) -> int:
+        """The heads of one lr and one batch size: one per hyperparameter value (the smallest group trained)."""
+        return max(len(self.overrides.combinations(name)) for name in self.losses)
 
     def units(self, observed: dict[str, Observed], train_labels) -> tuple[dict[str, tuple[str, str]], list[str]]:
         """What the run trains, `{result key: (loss, rule text)}` (rule by rule, losses in order), and notes.
