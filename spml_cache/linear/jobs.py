@@ -70,7 +70,8 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
     yields `JobEvent`s. On a GPU (unless not `graphs`) every job trains at once, in lockstep."""
     first = next(iter(data.values()))
     device = first.device
-    if workers == 1 and graphs and graphs_available(device) and first.dense_in_memory:
+    grouped = any(job.lrs for job in jobs)  # the heads do not fit the memory budget at once: one job at a time
+    if workers == 1 and graphs and graphs_available(device) and first.dense_in_memory and not grouped:
         yield from _in_lockstep(jobs, used, settings, data, starts)
         return
     if workers == 1:
