@@ -121,7 +121,7 @@ def test_heads_beyond_the_budget_train_in_lr_groups_with_the_same_results(tmp_pa
     whole = run_linear(cache=small_cache, out=tmp_path / "whole", **grid)
     planned = []
 
-    def two_heads_fit(budget, shapes, num_classes, heads, label_bytes, baseline):
+    def two_heads_fit(budget, shapes, num_classes, heads, label_bytes, baseline, kept_heads=0):
         planned.append(heads)
         return MemoryPlan(budget, short=max(heads - 2, 0))  # the heads alone exceed it beyond two
 

@@ -82,6 +82,7 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
                 lines = run.run_epoch(epoch)
                 done = Part(run.host_records(), time.perf_counter() - start) if epoch == settings.epochs else None
                 yield JobEvent(job, (epoch, best_so_far(run.records)), lines, done)
+            del run, done  # the job's heads go before the next job's are made (lr groups: the memory budget)
         return
     # A fork is unsafe once CUDA is initialised (autograd's device threads, the CUDA context): spawn then.
     forking = device.type == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized()
