@@ -44,6 +44,7 @@ def test_the_plan_streams_only_what_does_not_fit():
     assert tight.short == 0 and "more than the budget" not in tight.describe()
     over = out_of_core.plan(2**20, shapes, 20, heads=4, label_bytes=0, baseline=2**20)
     assert over.short > 0 and "more than the budget" in over.describe()
+    assert over.chunk_rows == out_of_core.MIN_CHUNK_ROWS  # never rows read one by one
 
 
 def test_memory_budget_sizes_and_one_line_errors():

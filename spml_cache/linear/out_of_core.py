@@ -77,7 +77,10 @@ def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, head
     short, left = max(-left, 0), max(left, 0)
     train_in_memory = train <= left // 2
     eval_in_memory = evaluated <= left // 5
-    chunk_rows = max(1, min(max(num_train, num_val, num_test), left // 4 // (3 * dim * FLOAT_BYTES)))
+    # Over the budget before any feature (`short`): chunks of at least MIN_CHUNK_ROWS rows all the same, since
+    # rows read one by one would make an epoch last hours and still not meet the budget.
+    floor = min(num_train, MIN_CHUNK_ROWS) if short else 1
+    chunk_rows = max(floor, min(max(num_train, num_val, num_test), left // 4 // (3 * dim * FLOAT_BYTES)))
     per_class = heads * max(num_val, num_test) * (SCORING_BYTES + FLOAT_BYTES)
     class_block = int(max(1, min(num_classes, left // 4 // max(per_class, 1))))
     return MemoryPlan(budget, train_in_memory, eval_in_memory, int(chunk_rows), class_block, short)
