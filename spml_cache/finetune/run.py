@@ -98,10 +98,10 @@ def finetune(
 
 def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
     features, settings = setup.features, setup.settings
+    # no text side to pass: a loss that reads one needs a CLIP cache, whose tower is not fine-tuned (start.py)
     built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
                          train_observed=torch.from_numpy(features.train.observed), seed=seed,
-                         fidelity=settings.fidelity, **settings.hparams,
-                         **(features.train_similarities() if losses.get(settings.loss).needs_similarity else {}))
+                         fidelity=settings.fidelity, **settings.hparams)
     return built.to(device)
 
 

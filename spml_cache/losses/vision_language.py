@@ -65,9 +65,7 @@ class VisionLanguagePseudoLabels(Loss):
     row_buffers = ("pseudo_positive",)
 
     def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        if self.train_observed is None:
-            raise SpmlError(f"loss '{self.name}' keeps per-example state: build it with train_observed=[N_train, C]")
+        super().__init__(**kwargs)  # a loss with per-example state: the base refuses it without train_observed
         scores = class_softmax(self.train_similarity.cpu(), self.temperature)  # built on the host, moved with .to()
         pseudo = (scores > self.threshold) & (self.train_observed.cpu() == 0)
         self.register_buffer("pseudo_positive", _for_heads(pseudo, self.num_heads), persistent=False)
@@ -143,9 +141,7 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
     row_buffers = ("pseudo_label",)
 
     def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        if self.train_observed is None:
-            raise SpmlError(f"loss '{self.name}' keeps per-example state: build it with train_observed=[N_train, C]")
+        super().__init__(**kwargs)  # a loss with per-example state: the base refuses it without train_observed
         for low, high in zip(_values_of(self.lambda2), _values_of(self.lambda1)):
             if low > high:
                 raise SpmlError(f"loss 'gpr': lambda2={low:g} exceeds lambda1={high:g}; the pseudo-positive weight"
