@@ -141,7 +141,7 @@ def test_resume_keeps_parts_by_rule(tmp_path, tiny, monkeypatch):
         run_linear(cache=tiny, out=tmp_path / "cut", console=quiet(), **grid)
     monkeypatch.setattr(KeptParts, "keep", kept)
     (run_dir,) = (tmp_path / "cut" / "voc").iterdir()
-    assert sorted(p.name for p in (run_dir / "jobs").iterdir())[-1] == "an_keep-pos_0.5-seed0-batch4.pt"
+    assert sorted(p.name for p in (run_dir / "jobs").glob("*.pt"))[-1] == "an_keep-pos_0.5-seed0-batch4.pt"
     resumed = run_linear(resume=run_dir, console=quiet())
     assert {k: without_seconds(v) for k, v in resumed.results["losses"].items()} == {
         k: without_seconds(v) for k, v in whole.results["losses"].items()}

@@ -10,6 +10,7 @@ from spml_cache import memory
 from spml_cache.errors import SpmlError
 from spml_cache.linear import out_of_core, run_linear
 from spml_cache.linear.out_of_core import MemoryPlan, chunked_permutations
+from spml_cache.linear.parts import KeptParts, StoredState
 
 # |out of core - in memory| in test mAP points on this synthetic cache, for a chunk order instead of a full
 # shuffle (docs/protocol.md, "Out of core", gives the measured figure on a VOC-shaped cache)
@@ -122,13 +123,23 @@ def test_heads_beyond_the_budget_train_in_lr_groups_with_the_same_results(tmp_pa
     whole = run_linear(cache=small_cache, out=tmp_path / "whole", **grid)
     planned = []
 
-    def two_heads_fit(budget, shapes, num_classes, heads, label_bytes, baseline, kept_heads=0):
+    def two_heads_fit(budget, shapes, num_classes, heads, label_bytes, baseline):
         planned.append(heads)
         return MemoryPlan(budget, short=max(heads - 2, 0))  # the heads alone exceed it beyond two
 
+    spill, spilled = KeptParts.spill, []
+
+    def spill_seen(self, key, part):  # each lr group's best states go to disk as soon as it is trained
+        spilled.append((key, sorted({r.lr for r in part.records})))
+        part = spill(self, key, part)
+        assert all(isinstance(r.best_state, StoredState) for r in part.records if r.best_state is not None)
+        return part
+
     monkeypatch.setattr(out_of_core, "plan", two_heads_fit)
+    monkeypatch.setattr(KeptParts, "spill", spill_seen)
     grouped = run_linear(cache=small_cache, out=tmp_path / "grouped", **grid)
     assert planned[0] == 6 and planned[-1] == 2  # the whole grid, then the largest group that fits: two lrs
+    assert ("an", [1e-4]) in spilled and ("role", [1e-3, 1e-2]) in spilled
     for name in ("an", "role"):
         ours, theirs = (sorted((c["lr"], c["batch_size"], c["val_map"], c["test_map"], c["best_epoch"])
                                for c in r.results["losses"][name]["configs"]) for r in (grouped, whole))

@@ -61,13 +61,13 @@ class MemoryPlan:
 
 
 def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, heads: int, label_bytes: int,
-         baseline: int, kept_heads: int = 0) -> MemoryPlan:
+         baseline: int) -> MemoryPlan:
     """The plan for a cache of `shapes` (split: (rows, D)) and `num_classes`, training `heads` heads at once,
-    whose labels take `label_bytes`, in a process already holding `baseline` bytes; `kept_heads`: heads trained
-    before (other lr groups) whose best states wait for selection, one copy each."""
+    whose labels take `label_bytes`, in a process already holding `baseline` bytes. The best states of heads
+    trained before (other lr groups, other parts) wait on disk (parts.py), not here."""
     dim = shapes["train"][1]
     num_train, num_val, num_test = (shapes[name][0] for name in ("train", "val", "test"))
-    heads_bytes = (HEAD_COPIES * heads + kept_heads) * FLOAT_BYTES * (dim + 1) * num_classes
+    heads_bytes = HEAD_COPIES * heads * FLOAT_BYTES * (dim + 1) * num_classes
     left = int(budget * (1 - MARGIN)) - baseline - label_bytes - heads_bytes
     train, evaluated = num_train * dim * FLOAT_BYTES, (num_val + num_test) * dim * FLOAT_BYTES
     scoring = heads * num_classes * ((num_val + num_test) * FLOAT_BYTES + max(num_val, num_test) * SCORING_BYTES)
@@ -246,13 +246,12 @@ def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows:
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else memory.resident()
     chosen, groups = plan(budget, shapes, num_classes, heads, label_bytes, baseline), None
     if chosen.short and per_group:
-        def fits(n: int) -> bool:  # n groups at once, beside the best states of all the other heads
-            tried = plan(budget, shapes, num_classes, n * per_group, label_bytes, baseline, heads - n * per_group)
+        def fits(n: int) -> bool:  # n groups at once
+            tried = plan(budget, shapes, num_classes, n * per_group, label_bytes, baseline)
             return not tried.short and (not tried.streams or tried.chunk_rows >= min(shapes["train"][0], MIN_CHUNK_ROWS))
 
         groups = next((n for n in range(heads // per_group, 0, -1) if fits(n)), 1)
-        chosen = plan(budget, shapes, num_classes, groups * per_group, label_bytes, baseline,
-                      heads - groups * per_group)
+        chosen = plan(budget, shapes, num_classes, groups * per_group, label_bytes, baseline)
     if chunk_rows:  # a resumed out-of-core run goes on in its own chunk order
         chosen = replace(chosen, train_in_memory=False, chunk_rows=chunk_rows)
     if not chosen.streams:

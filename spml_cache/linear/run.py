@@ -248,7 +248,8 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
                 continue
             for size in job.batch_sizes:  # kept as one part per batch size (a resume may split a job)
                 part, slot = event.done.of_batch_size(size), (key, job.seed, size)
-                if job.lrs:  # one lr group of the part: kept once every lr of it is trained
+                if job.lrs:  # one lr group of the part (its best states to disk now): kept once every lr is trained
+                    part = keeping.spill(key, part)
                     part = groups[slot] = groups[slot].merged(part) if slot in groups else part
                     if len(part.records) < len(settings.lrs) * len(used[job.loss]):
                         continue
