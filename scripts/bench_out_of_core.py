@@ -29,6 +29,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -144,10 +145,22 @@ def big_part(args) -> dict:
                args.lr, "--batch-size", args.batch_size, "--epochs", str(args.epochs), "--device", "cpu",
                "--memory-budget", args.memory_budget, "--out", str(out)]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter() - start, line.rstrip())
+                                                          for line in child.stdout), daemon=True)
+    reader.start()
+    samples = []  # (seconds, anonymous, file-backed resident bytes) of the child, 4 times a second
+    while child.poll() is None:
+        samples.append((time.perf_counter() - start, *_resident(child.pid)))
+        time.sleep(0.25)
+    reader.join()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
+    output = "\n".join(line for _, line in lines)
+    print(output[-3000:])
+    done = subprocess.CompletedProcess(command, child.returncode, output, "")
     results = None
     found = sorted(out.glob("*/*/results.json"))
     if found:
@@ -158,7 +171,33 @@ def big_part(args) -> dict:
             "command": command[1:], "returncode": done.returncode, "seconds": round(seconds, 1),
             "memory_budget_bytes": budget, "peak_rss_bytes": peak, "peak_rss_under_budget": peak <= budget,
             "notes": [line for line in (done.stdout + done.stderr).splitlines() if "memory budget" in line],
-            "test_map": results and results["test_map"], "val_map": results and results["val_map"]}
+            "test_map": results and results["test_map"], "val_map": results and results["val_map"],
+            "resident_timeline": _timeline(samples, lines)}
+
+
+def _resident(pid: int) -> tuple[int, int]:
+    """(anonymous, file-backed) resident bytes of process `pid` now (0, 0 once it is gone)."""
+    found = {}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(("RssAnon:", "RssFile:")):
+                    found[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return found.get("RssAnon", 0), found.get("RssFile", 0)
+
+
+def _timeline(samples: list, lines: list) -> list[dict]:
+    """The sampled resident memory at most every 10 s, and its highest sample, each with the run's last line
+    printed before it (which phase it was in)."""
+    if not samples:
+        return []
+    highest = max(range(len(samples)), key=lambda i: samples[i][1] + samples[i][2])
+    kept = [i for i in range(len(samples)) if i == highest or int(samples[i][0] // 10) != int(samples[i - 1][0] // 10)]
+    return [{"seconds": round(samples[i][0], 1), "anonymous_bytes": samples[i][1], "file_bytes": samples[i][2],
+             "highest": i == highest, "after": next((line for at, line in reversed(lines) if at <= samples[i][0]
+                                                    and line.strip()), "")} for i in kept]
 
 
 def main() -> None:
