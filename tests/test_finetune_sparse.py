@@ -1,6 +1,6 @@
 """Stage three on a cache that stores its labels sparse (CSR): the same rows stored dense and sparse give the same
-fine-tuning results (train losses, val and test mAP, per-class AP, scores), for `an`, ROLE (per-row state) and the
-`bce` oracle (full labels per batch), with and without label masks (partial labels); a sparse split is scored a
+fine-tuning results (train losses, val and test mAP, per-class AP, scores), for `an`, ROLE (per-row state), `crisp`
+(class priors from every training row) and the `bce` oracle (full labels per batch), with and without label masks (partial labels); a sparse split is scored a
 block of classes at a time with the figures of the dense one."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def assert_close(first, second, where="") -> None:
 
 
 @pytest.mark.parametrize("loss,masked", [("an", False), ("an", True), ("role", False), ("role", True),
-                                         ("bce", False)])
+                                         ("bce", False), ("crisp", False)])
 def test_sparse_and_dense_labels_fine_tune_alike(world, one_thread, loss, masked):
     dense, stored = (fine_tuned(world, loss, labels, masked) for labels in ("dense", "sparse"))
     assert isinstance(cache.load(world.caches[("sparse", masked)]).train.observed, SparseLabels)
@@ -127,5 +127,6 @@ def test_a_sparse_batch_is_built_from_its_rows():
         assert torch.equal(dense_observed, sparse_observed) and sparse_observed.dtype == torch.int8
         assert torch.equal(dense_full, sparse_full) if oracle else sparse_full is None
     assert finetune_labels.loss_observed("an", SparseLabels.from_dense(observed)) is None
+    assert torch.equal(finetune_labels.loss_observed("an", observed), torch.from_numpy(observed))
     assert torch.equal(finetune_labels.loss_observed("role", SparseLabels.from_dense(observed)),
                        torch.from_numpy(observed))

@@ -27,8 +27,10 @@ def of_rows(matrix, rows: np.ndarray):
 
 def loss_observed(loss: str, observed) -> torch.Tensor | None:
     """The training observed labels loss `loss` is built with (`train_observed`): a sparse cache's made dense only
-    for a loss that keeps per-example state, as stage two does (`cache.sparse.for_loss`)."""
-    found = sparse.for_loss(observed, bool(losses.get(loss).state))
+    for a loss that keeps per-example state (as stage two) or scores every training row each epoch (crisp's class
+    priors read the whole matrix; its [N, C] train logits cost four times more already), else None."""
+    cls = losses.get(loss)
+    found = sparse.for_loss(observed, bool(cls.state) or cls.needs_train_logits)
     return None if found is None else torch.from_numpy(found)
 
 
