@@ -123,7 +123,7 @@ def test_a_sparse_batch_is_built_from_its_rows():
     stored = finetune_labels.TrainLabels(SparseLabels.from_dense(observed), SparseLabels.from_dense(full), device)
     for oracle in (False, True):
         (dense_observed, dense_full), (sparse_observed, sparse_full) = (
-            labels.batch(index, oracle) for labels in (dense, stored))
+            labels.batch(index, index.to(device), oracle) for labels in (dense, stored))
         assert torch.equal(dense_observed, sparse_observed) and sparse_observed.dtype == torch.int8
         assert torch.equal(dense_full, sparse_full) if oracle else sparse_full is None
     assert finetune_labels.loss_observed("an", SparseLabels.from_dense(observed)) is None

@@ -47,13 +47,13 @@ class TrainLabels:
             self.observed = torch.from_numpy(observed).to(device)
             self.labels = torch.from_numpy(labels).to(device)
 
-    def batch(self, index: torch.Tensor, oracle: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The observed and full labels `[B, C]` of the training rows `index` (a device tensor). A dense cache
-        gathers both (as always); a sparse one builds the observed block, and the full one for an oracle loss
-        only (None otherwise), on the host."""
+    def batch(self, rows: torch.Tensor, index: torch.Tensor, oracle: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The observed and full labels `[B, C]` of the training rows `rows` (on the host; `index`: the same on the
+        device). A dense cache gathers both (as always); a sparse one builds the observed block on the host (no
+        wait for the device), and the full one for an oracle loss only (None otherwise)."""
         if not self.sparse:
             return self.observed[index], self.labels[index]
-        rows = index.cpu().numpy()
+        rows = rows.numpy()
         observed = torch.from_numpy(self.observed.rows(rows, np.int8)).to(self.device)
         labels = torch.from_numpy(self.labels.rows(rows, np.uint8)).to(self.device) if oracle else None
         return observed, labels

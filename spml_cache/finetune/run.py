@@ -266,8 +266,9 @@ def _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, trai
     total, steps = torch.zeros((), device=processes.device), 0
     with progress_bar(label, total=len(batches) * batches.batch_size, unit="img") as bar:
         for step, (rows, images) in enumerate(train_loader):
-            index = batches.order[step * batches.batch_size : (step + 1) * batches.batch_size].to(processes.device)
-            observed, labels = train_labels.batch(index, loss_fn.oracle)
+            batch_rows = batches.order[step * batches.batch_size : (step + 1) * batches.batch_size]
+            index = batch_rows.to(processes.device)
+            observed, labels = train_labels.batch(batch_rows, index, loss_fn.oracle)
             total += train_step(trainer, model, loss_fn, optimizer, images, batches.flips[rows], observed, labels,
                                 index, setup.preprocess, processes)
             steps += 1
