@@ -165,10 +165,9 @@ def test_an_extraction_with_sparse_labels_drops_bad_rows_and_stays_sparse(tmp_pa
     assert sparse.same(cache.read_header(path)[1]["val"].labels, loaded.val.labels)
 
 
-def test_fine_tuning_a_sparse_cache_is_refused_in_one_line(tmp_path, caches):
+def test_fine_tuning_starts_from_a_sparse_cache(tmp_path, caches):
     from spml_cache.finetune.settings import FinetuneOptions, _starting_point
 
     options = FinetuneOptions(init="imagenet", cache=caches[1], loss="an")
-    with pytest.raises(SpmlError, match="stores its labels sparse") as error:
-        _starting_point(options, tmp_path, None)
-    assert "\n" not in str(error.value)
+    features, start = _starting_point(options, tmp_path, None)  # tests/test_finetune_sparse.py fine-tunes one
+    assert start is None and isinstance(features.train.observed, SparseLabels)

@@ -139,6 +139,14 @@ def rows_with(matrix, value: int) -> np.ndarray:
     return matrix.rows_with(value) if is_sparse(matrix) else (np.asarray(matrix) == value).any(axis=1)
 
 
+def for_loss(observed, whole: bool) -> np.ndarray | None:
+    """Training observed labels as a loss is built with them (`train_observed`): a dense matrix as it is; a sparse
+    one made dense only for a loss that reads the `whole` matrix (per-example state, [N, C] anyway), else None."""
+    if is_sparse(observed):
+        return observed.to_dense(np.int8) if whole else None
+    return np.asarray(observed)
+
+
 def same(first, second) -> bool:
     """Whether two label matrices, each dense or sparse, hold the same values (a dense one made CSR to compare)."""
     if not (is_sparse(first) or is_sparse(second)):

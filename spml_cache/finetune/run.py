@@ -26,10 +26,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from spml_cache import locks, losses, metrics, runs
+from spml_cache import locks, losses, runs
+from spml_cache.cache import sparse
 from spml_cache.devices import default_workers
 from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.finetune import checkpoints, parallel
+from spml_cache.finetune.labels import TrainLabels, loss_observed, of_rows, split_ap
 from spml_cache.finetune import images as data
 from spml_cache.finetune.settings import FinetuneOptions, FineTuneModel, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
@@ -100,7 +102,7 @@ def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
     features, settings = setup.features, setup.settings
     # no text side to pass: a loss that reads one needs a CLIP cache, whose tower is not fine-tuned (start.py)
     built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
-                         train_observed=torch.from_numpy(features.train.observed), seed=seed,
+                         train_observed=loss_observed(settings.loss, features.train.observed), seed=seed,
                          fidelity=settings.fidelity, **settings.hparams)
     return built.to(device)
 
@@ -128,7 +130,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         state = runs.load_checkpoint(checkpoints.checkpoint(run_dir, record, best=True))
         model.load_state_dict(state["model"])
         train = torch.sigmoid(_score(model, setup, "train"))
-        train_maps.append(metrics.mean_average_precision(train, _labels(setup, "train")))
+        train_maps.append(split_ap(train, _labels(setup, "train"))[1])
         if record is selection.representative:
             saved = {"model": state["model"], "loss_state": state["loss_state"], "lr": record.lr,
                      "batch_size": record.batch_size, "seed": record.seed, "epoch": record.best_epoch,
@@ -140,9 +142,10 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     if scores:
         runs.write_scores(run_dir, settings.key, **scores)
     features, rows = setup.features, setup.rows
-    runs.write_labels(run_dir, train_labels=features.train.labels[rows["train"]],
-                      train_observed=features.train.observed[rows["train"]], val_labels=features.val.labels[rows["val"]],
-                      test_labels=features.test.labels[rows["test"]])
+    if not sparse.is_sparse(features.train.labels):  # as stage two: report's label figures read dense matrices only
+        runs.write_labels(run_dir, train_labels=features.train.labels[rows["train"]],
+                          train_observed=features.train.observed[rows["train"]],
+                          val_labels=features.val.labels[rows["val"]], test_labels=features.test.labels[rows["test"]])
     if settings.rule != DEFAULT_RULE:
         entry = {"loss": settings.loss, "rule": settings.rule, **entry}
     results = runs.finish_run(run_dir, stage="finetune", features=features, losses={settings.key: entry},
@@ -172,8 +175,7 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
                                 processes.rank, processes.world)
     train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=device.type == "cpu"), batches,
                                setup.workers)
-    observed = torch.from_numpy(features.train.observed).to(device)
-    labels = torch.from_numpy(features.train.labels).to(device)
+    train_labels = TrainLabels(features.train.observed, features.train.labels, device)
     for epoch in range(len(record.train_loss) + 1, settings.epochs + 1):
         train_logits = None
         if loss_fn.needs_train_logits:
@@ -182,7 +184,7 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
         loss_fn.start_epoch(epoch, settings.epochs, train_logits)
         batches.set_epoch(epoch)
         label = f"lr {record.lr:g} batch {record.batch_size} seed {record.seed} epoch {epoch}/{settings.epochs}"
-        train_loss = _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, observed, labels, setup,
+        train_loss = _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, train_labels, setup,
                                   label)
         _evaluate(setup, run_dir, record, epoch, train_loss, model, loss_fn, label, say)
         done = epoch == settings.epochs or record.diverged_epoch is not None or record.stopped_epoch is not None
@@ -258,15 +260,17 @@ def _save_config_epoch(run_dir: Path, path: Path, record: HeadRecord, epoch: int
     runs.append_metrics(run_dir, record.metric_lines(epoch))
 
 
-def _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, observed, labels, setup, label) -> float:
+def _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, train_labels, setup, label) -> float:
     processes = setup.processes
     trainer.train()
     total, steps = torch.zeros((), device=processes.device), 0
     with progress_bar(label, total=len(batches) * batches.batch_size, unit="img") as bar:
         for step, (rows, images) in enumerate(train_loader):
-            index = batches.order[step * batches.batch_size : (step + 1) * batches.batch_size].to(processes.device)
-            total += train_step(trainer, model, loss_fn, optimizer, images, batches.flips[rows], observed[index],
-                                labels[index], index, setup.preprocess, processes)
+            batch_rows = batches.order[step * batches.batch_size : (step + 1) * batches.batch_size]
+            index = batch_rows.to(processes.device)
+            observed, labels = train_labels.batch(batch_rows, index, loss_fn.oracle)
+            total += train_step(trainer, model, loss_fn, optimizer, images, batches.flips[rows], observed, labels,
+                                index, setup.preprocess, processes)
             steps += 1
             if processes.main:
                 bar.advance(batches.batch_size)
@@ -330,17 +334,17 @@ def _rows(setup: Setup, split: str, batch_size: int | None) -> np.ndarray:
 
 def _scored_split(model, setup: Setup, split: str, batch_size: int | None = None) -> tuple[torch.Tensor, float]:
     """The split's per-class AP and its mAP (partial labels: over annotated entries, classes with a positive)."""
-    labels, mask = _labels(setup, split, batch_size), _label_mask(setup, split, batch_size)
-    ap = metrics.average_precision(torch.sigmoid(_score(model, setup, split, batch_size)), labels, mask)
-    return ap, float(metrics.mean_over_classes(ap, metrics.scored_classes(labels, mask)))
+    return split_ap(torch.sigmoid(_score(model, setup, split, batch_size)), _labels(setup, split, batch_size),
+                    _label_mask(setup, split, batch_size))
 
 
-def _label_mask(setup: Setup, split: str, batch_size: int | None = None) -> torch.Tensor | None:
-    """The split's label mask on its rows (partial labels: 1 where annotated), None where every label is known."""
+def _label_mask(setup: Setup, split: str, batch_size: int | None = None):
+    """The split's label mask on its rows (partial labels: 1 where annotated; dense or sparse), None where every
+    label is known."""
     mask = getattr(setup.features, split).label_mask
-    return None if mask is None else torch.from_numpy(mask[_rows(setup, split, batch_size)])
+    return None if mask is None else of_rows(mask, _rows(setup, split, batch_size))
 
 
-def _labels(setup: Setup, split: str, batch_size: int | None = None) -> torch.Tensor:
-    rows = _rows(setup, split, batch_size)
-    return torch.from_numpy(getattr(setup.features, split).labels[rows]).to(setup.processes.device)
+def _labels(setup: Setup, split: str, batch_size: int | None = None):
+    """The split's full labels on its rows, dense or sparse (on the host)."""
+    return of_rows(getattr(setup.features, split).labels, _rows(setup, split, batch_size))

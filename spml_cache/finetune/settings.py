@@ -19,6 +19,7 @@ from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.errors import SpmlError
 from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
+from spml_cache.finetune.labels import loss_observed, of_rows
 from spml_cache.finetune.parallel import Processes, check_batch_split
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key, split_key
@@ -217,7 +218,7 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     ids = {split: getattr(features, split).ids for split in cache.SPLITS}
     image_root, rows, skipped = usable_rows(features.dataset, Path(root), ids, settings.skip_missing)
     notes += [skipped] if skipped else []
-    check_val_split(features.val.labels[rows["val"]], str(features.path))
+    check_val_split(of_rows(features.val.labels, rows["val"]), str(features.path))
     described = linear_init.trunk_backbone(features.attrs, settings.weights, settings.resolution)
     trunk = backbones.build(described)
     provenance = described.provenance
@@ -247,9 +248,6 @@ def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None)
         raise SpmlError("--loss NAME is needed with --init imagenet (spml-cache losses lists the names)")
     if features is None:
         features = cache.load((start and start.cache) or cache.find_cache(None, options.dataset, cache_dir))
-    if isinstance(features.train.labels, cache.SparseLabels):
-        raise SpmlError(f"{features.path} stores its labels sparse ({len(features.classes):,} classes): fine-tuning"
-                        " reads dense labels only so far; train linear heads on it (spml-cache linear)")
     if options.dataset is not None and options.dataset != features.dataset:
         raise SpmlError(f"--dataset {options.dataset} but {features.path} holds {features.dataset}:"
                         " drop one of them")
@@ -284,7 +282,8 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
     features.require_text_side([loss] if reads_text else [])
     hparams = losses.resolve_hparams(
         loss, {**(start.hparams if start else {}), **given}, num_classes=len(features.classes),
-        dataset=features.dataset, train_observed=torch.from_numpy(features.train.observed),
+        dataset=features.dataset,
+        train_observed=loss_observed(loss, features.train.observed),
         expected_positives=features.attrs.get("expected_positives"),
         **(features.train_similarities() if reads_text else {}),
     )
