@@ -112,8 +112,7 @@ class Rule:
         return dict(self.values)[key]
 
     def draw(self, labels: np.ndarray, areas: Areas | None = None, seed: int | None = None) -> np.ndarray:
-        """The observed matrix (int8 [N, C]) of full labels `labels` (uint8 [N, C]), deterministic; of sparse
-        labels (SparseLabels) the same matrix, sparse."""
+        """The observed matrix (int8 [N, C]) of full labels `labels` (uint8 [N, C]; sparse: sparse), deterministic."""
         seed = self.seed if seed is None else seed
         if sparse.is_sparse(labels):
             on_sparse.check(self, FLAG)
@@ -227,8 +226,7 @@ def _entry(labels, areas, seed, p):
 
 @register("keep-pos", source="positives dropped at random (a partial-positive setting; no negatives observed)",
           summary="each positive kept with probability F, at least one per image that has one; no negatives",
-          params=(_fraction("f", "F"),), example="keep-pos:F",
-          sparse_draw=on_sparse.keep_positives)
+          params=(_fraction("f", "F"),), example="keep-pos:F", sparse_draw=on_sparse.keep_positives)
 def _keep_positives(labels, areas, seed, f):
     rng = np.random.RandomState(seed)
     positive = labels == 1

@@ -48,7 +48,7 @@ FINETUNE_EPOCHS = 10
 class ProtocolSplit:
     ids: list[str]
     labels: np.ndarray | SparseLabels  # uint8 [N, C], full ground truth (SparseLabels for sparse datasets)
-    observed: np.ndarray | SparseLabels | None  # int8 [N, C]: 1 observed, 0 unobserved, -1 observed negative; None for test
+    observed: np.ndarray | SparseLabels | None  # int8 [N, C]: 1 observed, 0 unknown, -1 observed negative; None: test
     mask: np.ndarray | SparseLabels | None = None  # uint8 [N, C], 1 where annotated; None: all are (datasets/base.py)
 
 
