@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from spml_cache.cache import sparse
 from spml_cache.cache.sparse import SparseLabels
 from spml_cache.errors import SpmlError
 from spml_cache.protocol import full_sparse, observe_labels
@@ -52,7 +53,7 @@ def entry(labels: SparseLabels, seed: int, p: float) -> SparseLabels:
         block_rows, block_classes = np.nonzero(rng.random_sample((stop - start, num_classes)) < p)
         block_rows = block_rows.astype(np.int64) + start
         keys = block_rows * num_classes + block_classes
-        positive = np.isin(keys, positive_keys[labels.indptr[start] : labels.indptr[stop]])
+        positive = sparse.contains(positive_keys[labels.indptr[start] : labels.indptr[stop]], keys)
         rows.append(block_rows)
         classes.append(block_classes.astype(np.int64))
         values.append(np.where(positive, 1, -1).astype(np.int8))

@@ -155,7 +155,7 @@ def hide_unannotated(observed, mask):
     if not sparse.is_sparse(observed):
         return np.where(sparse.dense(mask) != 0, observed, 0).astype(np.int8)
     if sparse.is_sparse(mask):
-        annotated = np.isin(observed.keys(), mask.select(mask.values != 0).keys())
+        annotated = sparse.contains(mask.keys()[mask.values != 0], observed.keys())
     else:
         annotated = np.asarray(mask)[observed.row_of_entries(), observed.indices] != 0
     return observed.select(annotated)

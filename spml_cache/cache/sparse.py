@@ -165,6 +165,17 @@ def stack(parts: list[SparseLabels]) -> SparseLabels:
                         _joined([p.values for p in parts], np.int8), parts[0].num_classes)
 
 
+def contains(known: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """bool [len(keys)]: which `keys` are among the int64 `known` (entry keys, see `keys`), by a binary search in
+    the sorted `known` (np.isin argsorts both together, or builds a table as long as the key range, N x C)."""
+    if len(known) == 0:
+        return np.zeros(len(keys), dtype=bool)
+    if (np.diff(known) < 0).any():
+        known = np.sort(known)
+    at = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+    return known[at] == keys
+
+
 def is_sparse(matrix) -> bool:
     return isinstance(matrix, SparseLabels)
 
@@ -244,9 +255,5 @@ def read(node, dtype):
 def signed_annotations(labels: SparseLabels, mask: SparseLabels) -> SparseLabels:
     """The annotated entries of `mask`, +1 where `labels` holds a positive and -1 elsewhere: every annotated label
     observed (the `given` observation rule), still sparse."""
-    rows = np.repeat(np.arange(len(mask), dtype=np.int64), np.diff(mask.indptr))
-    annotated = rows * mask.num_classes + mask.indices
-    positive_rows = np.repeat(np.arange(len(labels), dtype=np.int64), np.diff(labels.indptr))
-    positive = (positive_rows * labels.num_classes + labels.indices)[labels.values > 0]
-    signs = np.where(np.isin(annotated, positive), 1, -1).astype(np.int8)
+    signs = np.where(contains(labels.keys()[labels.values > 0], mask.keys()), 1, -1).astype(np.int8)
     return SparseLabels(mask.indptr.copy(), mask.indices.copy(), signs, mask.num_classes)
