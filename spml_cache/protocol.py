@@ -127,10 +127,14 @@ def full_sparse(labels: SparseLabels) -> SparseLabels:
 def _observe_sparse(labels: SparseLabels, keep_pos: int | None, keep_neg: int | None, seed: int) -> SparseLabels:
     """`observe_labels` of sparse full labels: the same stream, row by row, without ever an [N, C] matrix. A
     row's positives are its CSR classes (ascending, as np.nonzero gives them), its negatives the other classes."""
+    positives = np.diff(labels.indptr)
+    kept = [counts if keep is None else np.minimum(counts, keep)
+            for counts, keep in ((positives, keep_pos), (labels.num_classes - positives, keep_neg))]
+    indptr = np.concatenate([[0], np.cumsum(kept[0] + kept[1])]).astype(np.int64)  # the output's, known ahead
+    indices, values = np.zeros(indptr[-1], np.int32), np.zeros(indptr[-1], np.int8)
     rng = np.random.RandomState(seed)
     every_class = np.arange(labels.num_classes, dtype=np.int64)
     is_positive = np.zeros(labels.num_classes, dtype=bool)  # one row's positives, cleared after the row
-    rows, classes, values = [], [], []
     for row in range(len(labels)):
         positive_classes = labels.indices[labels.indptr[row] : labels.indptr[row + 1]].astype(np.int64)
         is_positive[positive_classes] = True
@@ -138,13 +142,11 @@ def _observe_sparse(labels: SparseLabels, keep_pos: int | None, keep_neg: int | 
         is_positive[positive_classes] = False
         rng.shuffle(positive_classes)
         rng.shuffle(negative_classes)
-        kept = positive_classes[:keep_pos], negative_classes[:keep_neg]
-        classes += kept
-        values += [np.ones(len(kept[0]), np.int8), np.full(len(kept[1]), -1, np.int8)]
-        rows.append(np.full(len(kept[0]) + len(kept[1]), row, np.int64))
-    join = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype))
-    return SparseLabels.from_entries(join(rows, np.int64), join(classes, np.int64), join(values, np.int8),
-                                     labels.shape)
+        classes = np.concatenate([positive_classes[:keep_pos], negative_classes[:keep_neg]])
+        signs = np.repeat(np.array([1, -1], np.int8), [kept[0][row], kept[1][row]])
+        order = np.argsort(classes)
+        indices[indptr[row] : indptr[row + 1]], values[indptr[row] : indptr[row + 1]] = classes[order], signs[order]
+    return SparseLabels(indptr, indices, values, labels.num_classes)
 
 
 def hide_unannotated(observed, mask):
