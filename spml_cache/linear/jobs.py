@@ -26,6 +26,7 @@ from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
+from spml_cache.memory import give_back_freed
 from spml_cache.selection import best_so_far
 
 # Below this much work (training rows x epochs x (loss, seed) pairs) starting worker processes costs more than it
@@ -83,6 +84,7 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
                 done = Part(run.host_records(), time.perf_counter() - start) if epoch == settings.epochs else None
                 yield JobEvent(job, (epoch, best_so_far(run.records)), lines, done)
             del run, done  # the job's heads go before the next job's are made (lr groups: the memory budget)
+            give_back_freed()
         return
     # A fork is unsafe once CUDA is initialised (autograd's device threads, the CUDA context): spawn then.
     forking = device.type == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized()
