@@ -140,7 +140,9 @@ def split_rows(verified: Verified, column: dict[str, int], folder: str) -> Image
     return ImageSplit([f"{folder}/{image}.jpg" for image in ids], labels, mask)
 
 
-def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
+def read_labels(root: Path) -> tuple[list[str], ImageSplit, ImageSplit, list[str], Path]:
+    """The class names, the train and test splits (sparse labels and mask) and the notes, before any image is
+    looked for; and the train labels file (what errors about the splits name)."""
     descriptions = read_descriptions(one_file(root, "*class-descriptions.csv", "LabelName,DisplayName per class"))
     files = {split: one_file(root, f"*{split}-annotations-human-imagelabels.csv",
                              "ImageID,Source,LabelName,Confidence per verified label") for split in SPLIT_FOLDERS}
@@ -149,9 +151,12 @@ def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
     if not labels:
         raise SpmlError(f"{files['train']}: no verified positive label; check the file")
     column = {label: index for index, label in enumerate(labels)}
-    splits = {split: split_rows(verified[split], column, folder) for split, folder in SPLIT_FOLDERS.items()}
-    test = splits["test"]
+    train, test = (split_rows(verified.pop(split), column, folder) for split, folder in SPLIT_FOLDERS.items())
     kept = test.mask.nnz / (len(test) * len(labels)) if len(test) else 0.0
     notes = [f"{len(labels):,} classes; {kept:.2%} of the test labels verified (mAP is taken over those)"]
-    return finish(NAME, root, display_names(labels, descriptions), splits["train"], splits["test"],
-                  source=files["train"], skip_missing=skip_missing, notes=notes)
+    return display_names(labels, descriptions), train, test, notes, files["train"]
+
+
+def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
+    classes, train, test, notes, source = read_labels(root)
+    return finish(NAME, root, classes, train, test, source=source, skip_missing=skip_missing, notes=notes)
