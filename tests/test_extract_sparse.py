@@ -1,11 +1,14 @@
 """`extract --labels auto|dense|sparse`: label matrices that stay sparse from the OpenImages reader to the cache
 (plan_rows, the shards, the writer), a dense cache of sparse-read labels, a sparse cache of a dense dataset."""
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from extract_support import random_weights, write_jpeg
+from extract_support import write_jpeg
+from linear_support import quiet
+from test_extract_sharded import torchrun
 
 from spml_cache import cache
 from spml_cache.cache import sparse
@@ -16,7 +19,7 @@ from spml_cache.extract import extract
 from spml_cache.extract.plan import estimated_size, plan_rows
 from spml_cache.extract.shards import Shard
 from spml_cache.linear import run_linear
-from linear_support import quiet
+from spml_cache.observation import parse_rules
 
 VERIFIED_CLASSES = 12  # images are verified on these; the rest of the >= 1,000 trainable classes never are
 
@@ -104,8 +107,7 @@ def test_a_bad_labels_choice_is_one_line(tmp_path):
 def voc(tmp_path_factory):
     folder = tmp_path_factory.mktemp("voc")
     root = make_demo_data(folder / "data", num_train=16, num_test=6, size=32)
-    common = dict(weights=str(random_weights(tmp_path_factory)), resolution=32, batch_size=8, workers=0,
-                  device="cpu")
+    common = dict(backbone="resnet18", weights="none", resolution=32, batch_size=8, workers=0, device="cpu")
     paths = {form: extract("voc", root, out=folder / form / "voc.h5", labels=form, **common).path
              for form in ("dense", "sparse")}
     return root, common, paths
@@ -134,3 +136,72 @@ def test_a_cache_in_the_other_label_format_is_not_up_to_date(voc):
                                         r": pass --force"):
         extract("voc", root, out=paths["dense"], labels="sparse", **common)
     assert extract("voc", root, out=paths["sparse"], labels="sparse", **common).status == "up to date"
+
+
+@pytest.fixture(scope="module")
+def openimages(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("openimages")
+    root = write_openimages(folder / "data")
+    # a small seeded random trunk: every process builds the same one
+    common = dict(backbone="resnet18", weights="none", resolution=32, batch_size=8, workers=0, device="cpu")
+    return folder, root, common
+
+
+def same_rows(first, second) -> None:
+    """Two caches hold the same rows: ids, labels, observed labels and label masks by value (dense or sparse)."""
+    for name in cache.SPLITS:
+        mine, theirs = getattr(first, name), getattr(second, name)
+        assert mine.ids == theirs.ids, name
+        for key in ("labels", "observed", "label_mask"):
+            a, b = getattr(mine, key), getattr(theirs, key)
+            assert (a is None) == (b is None), (name, key)
+            assert a is None or np.array_equal(sparse.dense(a), sparse.dense(b)), (name, key)
+
+
+def test_openimages_extracts_sparse_by_default_and_dense_on_request(openimages):
+    folder, root, common = openimages
+    made = {form: cache.load(extract("openimages", root, out=folder / form / "oi.h5", labels=form, limit=5,
+                                     **common).path) for form in ("auto", "dense")}
+    stored, dense = made["auto"], made["dense"]
+    assert all(sparse.is_sparse(m) for m in (stored.train.labels, stored.train.observed, stored.test.label_mask))
+    assert not any(sparse.is_sparse(m) for m in (dense.train.labels, dense.train.observed, dense.test.label_mask))
+    assert len(stored.train) == len(stored.test) == 5 and stored.train.labels.shape[1] == 1010
+    same_rows(stored, dense)
+    # the single positive is one of the verified positives; nothing unverified is observed
+    observed, mask = sparse.dense(stored.train.observed), sparse.dense(stored.train.label_mask)
+    assert (observed[mask == 0] == 0).all() and ((observed == 1).sum(axis=1) <= 1).all()
+    assert (sparse.dense(stored.train.labels)[observed == 1] == 1).all()
+
+
+def test_observe_given_is_stored_beside_single_from_the_sparse_mask(openimages):
+    folder, root, common = openimages
+    stored = cache.load(extract("openimages", root, out=folder / "one" / "oi.h5", observe=parse_rules("given"),
+                                **common).path)
+    assert sparse.is_sparse(stored.train.observed)  # single's
+    for split in (stored.train, stored.val):
+        given = sparse.dense(split.rules["given"])
+        labels, mask = sparse.dense(split.labels), sparse.dense(split.label_mask)
+        np.testing.assert_array_equal(given, np.where(mask == 1, 2 * labels - 1, 0))  # every verified label, signed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI has")
+def test_two_ranks_on_the_sparse_layout_equal_one_process(openimages):
+    """Against the one-process cache of the test above (run it first: same flags)."""
+    folder, root, common = openimages
+    flags = ["--root", str(root), "--backbone", "resnet18", "--weights", "none", "--resolution", "32",
+             "--batch-size", "8", "--workers", "0", "--device", "cpu", "--observe", "given"]
+    out = folder / "two" / "oi.h5"
+    stdout, stderr = torchrun("extract", "openimages", *flags, "--out", str(out), cwd=folder).communicate(timeout=300)
+    assert out.exists(), stderr
+    one = folder / "one" / "oi.h5"
+    if not one.exists():
+        test_observe_given_is_stored_beside_single_from_the_sparse_mask(openimages)
+    joined, alone = cache.load(out), cache.load(one)
+    assert sparse.is_sparse(joined.train.labels) and sparse.is_sparse(joined.test.label_mask)
+    same_rows(joined, alone)
+    for name in cache.SPLITS:
+        mine, theirs = getattr(joined, name), getattr(alone, name)
+        assert mine.rules.keys() == theirs.rules.keys()
+        for rule in mine.rules:
+            assert sparse.same(mine.rules[rule], theirs.rules[rule])
+        np.testing.assert_allclose(mine.features, theirs.features, rtol=1e-4, atol=1e-4)
