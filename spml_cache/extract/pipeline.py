@@ -162,9 +162,8 @@ def extract(
     `observe`: observation rules whose masks to store beside `single`'s (extract/rules.py); a complete cache
     that lacks some gets them without recomputing its features. `labels`: how the cache stores its label
     matrices, auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse (None: `sparse.DEFAULT_FORMAT`,
-    so the command line need not import the cache package to show it); a
-    sparse-read dataset (OpenImages) is densified only for a dense cache. `backbone`, `weights` (None: the backbone's
-    default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
+    so the command line need not import the cache package to show it); a sparse-read dataset (OpenImages) is
+    densified only for a dense cache. `backbone`, `weights` (None: the backbone's default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
     torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks
     return None, rank 0 the report of the whole.
 
