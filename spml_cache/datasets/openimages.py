@@ -120,23 +120,30 @@ def split_rows(verified: Verified, column: dict[str, int], folder: str) -> Image
     """The images of one split (sorted by id) with their labels and label mask as `SparseLabels`, built from the
     entries without a dense [N, C] matrix: labels hold the verified positives, the mask every verified entry of
     the kept classes. A label verified twice for an image takes its last line in the file."""
-    ids = sorted(verified.images)
+    order = np.argsort(np.array(verified.images, dtype=object), kind="stable")
+    ids = [verified.images[code] for code in order]
     place = np.empty(len(ids), dtype=np.int64)  # image code -> row
-    place[np.argsort(np.array(verified.images, dtype=object), kind="stable")] = np.arange(len(ids))
-    columns = np.array([column.get(name, -1) for name in verified.names], dtype=np.int64)  # label code -> column
+    place[order] = np.arange(len(ids))
+    del order
+    classes = len(column)
+    columns = np.array([column.get(name, -1) for name in verified.names], dtype=np.int32)  # label code -> column
     col = columns[verified.label]
     kept = np.flatnonzero(col >= 0)
-    key = place[verified.image[kept]] * len(column) + col[kept]  # row-major position of each kept line
-    # the last line of each (image, class): np.unique's first index over the lines reversed
-    key, last = np.unique(key[::-1], return_index=True)
-    present = verified.present[kept[::-1][last]]
-    rows = key // len(column)
-    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=len(ids)))]).astype(np.int64)
-    indices = (key % len(column)).astype(np.int32)
-    mask = SparseLabels(indptr, indices, np.ones(len(indices), np.int8), len(column))
+    key = place[verified.image[kept]]
+    key *= classes
+    key += col[kept]  # the row-major position of each kept line
+    del col
+    # the last line of each (image, class): the last of its run once stably sorted
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    last = np.append(key[1:] != key[:-1], True) if len(key) else np.zeros(0, bool)
+    key, present = key[last], verified.present[kept[order[last]]]
+    del order, kept, last
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(key // classes, minlength=len(ids)))]).astype(np.int64)
+    indices = (key % classes).astype(np.int32)
+    mask = SparseLabels(indptr, indices, np.ones(len(indices), np.int8), classes)
     positive_before = np.concatenate([[0], np.cumsum(present, dtype=np.int64)])
-    labels = SparseLabels(positive_before[indptr], indices[present], np.ones(int(present.sum()), np.int8),
-                          len(column))
+    labels = SparseLabels(positive_before[indptr], indices[present], np.ones(int(present.sum()), np.int8), classes)
     return ImageSplit([f"{folder}/{image}.jpg" for image in ids], labels, mask)
 
 
