@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from spml_cache import observation_sparse as on_sparse
 from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
 from spml_cache.protocol import OBSERVE_SEED, hide_unannotated, observe_labels, split_train_val
@@ -62,15 +63,17 @@ class RuleEntry:
     needs_areas: bool = False
     per_split: bool = False  # drawn over each split's rows on its own (train with the seed, val with seed + 1)
     example: str = ""
+    sparse_draw: Callable | None = None  # `(labels, seed, **params)` on SparseLabels (observation_sparse.py)
 
 
 RULES: dict[str, RuleEntry] = {}
 
 
 def register(name: str, *, source: str, summary: str, params: tuple[Param, ...] = (), needs_areas: bool = False,
-             per_split: bool = False, example: str = ""):
+             per_split: bool = False, example: str = "", sparse_draw: Callable | None = None):
     def add(draw: Callable) -> Callable:
-        RULES[name] = RuleEntry(name, source, summary, params, draw, needs_areas, per_split, example or name)
+        RULES[name] = RuleEntry(name, source, summary, params, draw, needs_areas, per_split, example or name,
+                                sparse_draw)
         return draw
 
     return add
@@ -109,11 +112,14 @@ class Rule:
         return dict(self.values)[key]
 
     def draw(self, labels: np.ndarray, areas: Areas | None = None, seed: int | None = None) -> np.ndarray:
-        """The observed matrix (int8 [N, C]) of full labels `labels` (uint8 [N, C]), deterministic."""
+        """The observed matrix (int8 [N, C]) of full labels `labels` (uint8 [N, C]; sparse: sparse), deterministic."""
+        seed = self.seed if seed is None else seed
+        if sparse.is_sparse(labels):
+            on_sparse.check(self, FLAG)
+            return self.entry.sparse_draw(labels, seed, **dict(self.values))
         labels = np.asarray(labels, dtype=np.uint8)
         if self.entry.needs_areas and areas is None:
             raise SpmlError(f"{FLAG} {self}: needs instance areas, which this dataset does not have")
-        seed = self.seed if seed is None else seed
         observed = self.entry.draw(labels, areas, seed, **dict(self.values))
         return np.asarray(observed, dtype=np.int8)
 
@@ -194,7 +200,8 @@ COUNT = "a whole number >= 0, or all (-1)"
 
 
 @register("single", source="Cole et al., CVPR 2021 (generate_observed_labels.py, num_pos=1, num_neg=0)",
-          summary="one positive per image, drawn uniformly; no negatives (the SPML setting, the default)")
+          summary="one positive per image, drawn uniformly; no negatives (the SPML setting, the default)",
+          sparse_draw=on_sparse.single)
 def _single(labels, areas, seed):
     return observe_labels(labels, num_pos=1, num_neg=0, seed=seed)
 
@@ -203,7 +210,7 @@ def _single(labels, areas, seed):
           summary="K positives and M negatives per image, drawn uniformly (all of them when fewer, or K/M = all)",
           params=(Param("pos", int, lambda v: v >= -1, COUNT, 1, all_is=-1),
                   Param("neg", int, lambda v: v >= -1, COUNT, 0, all_is=-1)),
-          example="uniform:pos=K,neg=M")
+          example="uniform:pos=K,neg=M", sparse_draw=on_sparse.uniform)
 def _uniform(labels, areas, seed, pos, neg):
     return observe_labels(labels, num_pos=pos, num_neg=neg, seed=seed)
 
@@ -211,7 +218,7 @@ def _uniform(labels, areas, seed, pos, neg):
 @register("entry", source="the partial-label papers' known label proportion (SST, Chen et al. AAAI 2022; SARB,"
           " Pu et al. AAAI 2022; DualCoOp, Sun et al. NeurIPS 2022)",
           summary="every entry, positive or negative, observed with probability P", params=(_fraction("p", "P"),),
-          example="entry:P")
+          example="entry:P", sparse_draw=on_sparse.entry)
 def _entry(labels, areas, seed, p):
     shown = np.random.RandomState(seed).random_sample(labels.shape) < p
     return np.where(shown, np.where(labels == 1, 1, -1), 0)
@@ -219,7 +226,7 @@ def _entry(labels, areas, seed, p):
 
 @register("keep-pos", source="positives dropped at random (a partial-positive setting; no negatives observed)",
           summary="each positive kept with probability F, at least one per image that has one; no negatives",
-          params=(_fraction("f", "F"),), example="keep-pos:F")
+          params=(_fraction("f", "F"),), example="keep-pos:F", sparse_draw=on_sparse.keep_positives)
 def _keep_positives(labels, areas, seed, f):
     rng = np.random.RandomState(seed)
     positive = labels == 1
@@ -231,7 +238,8 @@ def _keep_positives(labels, areas, seed, f):
 
 @register("per-class", source="a per-class annotation budget (N labelled images per class and side)",
           summary="per class, N of its positive and N of its negative images observed (all when fewer)",
-          params=(Param("n", int, lambda v: v >= 0, "a whole number >= 0"),), per_split=True, example="per-class:N")
+          params=(Param("n", int, lambda v: v >= 0, "a whole number >= 0"),), per_split=True, example="per-class:N",
+          sparse_draw=on_sparse.per_class)
 def _per_class(labels, areas, seed, n):
     rng = np.random.RandomState(seed)
     observed = np.zeros(labels.shape, dtype=np.int8)
@@ -289,16 +297,12 @@ def draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, at
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order);
     with partial labels (`label_masks`, train and val, 1 where annotated) no unannotated entry is observed."""
-    if sparse.is_sparse(train_labels):
-        masks = label_masks or (None, None)
-        if rule.name == "given" and all(sparse.is_sparse(mask) for mask in masks):  # the annotations themselves
-            return tuple(sparse.signed_annotations(labels, mask) for labels, mask in zip((train_labels, val_labels),
-                                                                                           masks))
-        raise SpmlError(f"{FLAG} {rule}: this cache stores its labels sparse (many classes), and observation rules"
-                        f" other than given (partial labels) are drawn from dense labels only so far: use {FLAG}"
-                        " single or given")
-    train, val = _draw_splits(rule, train_labels, val_labels, attrs, areas)
     train_mask, val_mask = label_masks or (None, None)
+    if sparse.is_sparse(train_labels):
+        if rule.name == "given" and sparse.is_sparse(train_mask) and sparse.is_sparse(val_mask):  # the annotations
+            return sparse.signed_annotations(train_labels, train_mask), sparse.signed_annotations(val_labels, val_mask)
+        on_sparse.check(rule, FLAG)
+    train, val = _draw_splits(rule, train_labels, val_labels, attrs, areas)
     return hide_unannotated(train, train_mask), hide_unannotated(val, val_mask)
 
 
@@ -314,6 +318,10 @@ def _draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, a
     positions = official_positions(attrs, num_train, num_val)
     if positions is None:
         positions = np.arange(num_train), np.arange(num_train, num_train + num_val)
+    if sparse.is_sparse(train_labels):  # merged: row j of the official order is stacked row argsort(positions)[j]
+        merged = sparse.stack([train_labels, val_labels]).take(np.argsort(np.concatenate(positions)))
+        observed = rule.draw(merged)
+        return observed.take(positions[0]), observed.take(positions[1])
     merged = np.zeros((num_train + num_val, train_labels.shape[1]), dtype=np.uint8)
     merged[positions[0]], merged[positions[1]] = train_labels, val_labels
     merged_areas = None

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from spml_cache.cache import sparse
+from spml_cache.cache.sparse import SparseLabels
 from spml_cache.errors import SpmlError
 
 if TYPE_CHECKING:
@@ -45,9 +47,9 @@ FINETUNE_EPOCHS = 10
 @dataclass(frozen=True)
 class ProtocolSplit:
     ids: list[str]
-    labels: np.ndarray  # uint8 [N, C], full ground truth
-    observed: np.ndarray | None  # int8 [N, C]: 1 observed positive, 0 unobserved, -1 observed negative; None for test
-    mask: np.ndarray | None = None  # uint8 [N, C], 1 where the label is annotated; None: all are (datasets/base.py)
+    labels: np.ndarray | SparseLabels  # uint8 [N, C], full ground truth (SparseLabels for sparse datasets)
+    observed: np.ndarray | SparseLabels | None  # int8 [N, C]: 1 observed, 0 unknown, -1 observed negative; None: test
+    mask: np.ndarray | SparseLabels | None = None  # uint8 [N, C], 1 where annotated; None: all are (datasets/base.py)
 
 
 @dataclass(frozen=True)
@@ -88,17 +90,19 @@ def observe_labels(labels: np.ndarray, *, num_pos: int = 1, num_neg: int = 0, se
     shuffled even when `num_neg == 0`, and the positives even when the row has none to keep: the reference does
     both, and every shuffle of more than one index consumes random numbers that the following rows depend on.
     """
+    for name, count in (("num_pos", num_pos), ("num_neg", num_neg)):
+        if int(count) != count or count < -1:
+            raise SpmlError(f"{name} must be a whole number >= 0, or -1 for all, got {count}")
+    # a slice end: the first `count` of the shuffled indices, or all of them for -1
+    keep_pos, keep_neg = (None if count == -1 else int(count) for count in (num_pos, num_neg))
+    if sparse.is_sparse(labels):
+        return _observe_sparse(full_sparse(labels), keep_pos, keep_neg, seed)
     labels = np.asarray(labels)
     if labels.ndim != 2:
         raise SpmlError(f"labels must be a 2-D [images, classes] matrix, got shape {labels.shape}")
     positive = labels == 1
     if not (positive | (labels == 0)).all():
         raise SpmlError("labels must hold only 0 and 1 (full ground truth)")
-    for name, count in (("num_pos", num_pos), ("num_neg", num_neg)):
-        if int(count) != count or count < -1:
-            raise SpmlError(f"{name} must be a whole number >= 0, or -1 for all, got {count}")
-    # a slice end: the first `count` of the shuffled indices, or all of them for -1
-    keep_pos, keep_neg = (None if count == -1 else int(count) for count in (num_pos, num_neg))
 
     rng = np.random.RandomState(seed)
     observed = np.zeros(labels.shape, dtype=np.int8)
@@ -113,14 +117,56 @@ def observe_labels(labels: np.ndarray, *, num_pos: int = 1, num_neg: int = 0, se
     return observed
 
 
-def hide_unannotated(observed: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+def full_sparse(labels: SparseLabels) -> SparseLabels:
+    """Sparse full labels checked (every stored value 0 or 1) and canonical (only the 1s, classes ascending)."""
+    if not ((labels.values == 0) | (labels.values == 1)).all():
+        raise SpmlError("labels must hold only 0 and 1 (full ground truth)")
+    return labels.canonical()
+
+
+def _observe_sparse(labels: SparseLabels, keep_pos: int | None, keep_neg: int | None, seed: int) -> SparseLabels:
+    """`observe_labels` of sparse full labels: the same stream, row by row, without ever an [N, C] matrix. A
+    row's positives are its CSR classes (ascending, as np.nonzero gives them), its negatives the other classes."""
+    positives = np.diff(labels.indptr)
+    kept = [counts if keep is None else np.minimum(counts, keep)
+            for counts, keep in ((positives, keep_pos), (labels.num_classes - positives, keep_neg))]
+    indptr = np.concatenate([[0], np.cumsum(kept[0] + kept[1])]).astype(np.int64)  # the output's, known ahead
+    indices, values = np.zeros(indptr[-1], np.int32), np.zeros(indptr[-1], np.int8)
+    rng = np.random.RandomState(seed)
+    every_class = np.arange(labels.num_classes, dtype=np.int64)
+    is_positive = np.zeros(labels.num_classes, dtype=bool)  # one row's positives, cleared after the row
+    for row in range(len(labels)):
+        positive_classes = labels.indices[labels.indptr[row] : labels.indptr[row + 1]].astype(np.int64)
+        is_positive[positive_classes] = True
+        negative_classes = every_class[~is_positive]
+        is_positive[positive_classes] = False
+        rng.shuffle(positive_classes)
+        rng.shuffle(negative_classes)
+        classes = np.concatenate([positive_classes[:keep_pos], negative_classes[:keep_neg]])
+        signs = np.repeat(np.array([1, -1], np.int8), [kept[0][row], kept[1][row]])
+        order = np.argsort(classes)
+        indices[indptr[row] : indptr[row + 1]], values[indptr[row] : indptr[row + 1]] = classes[order], signs[order]
+    return SparseLabels(indptr, indices, values, labels.num_classes)
+
+
+def hide_unannotated(observed, mask):
     """`observed` with every unannotated entry (mask 0) unknown: a rule never observes a label nobody annotated
-    (its 0 is not a known negative)."""
-    return observed if mask is None else np.where(np.asarray(mask) != 0, observed, 0).astype(np.int8)
+    (its 0 is not a known negative). Sparse observed labels stay sparse (a sparse mask is never made dense)."""
+    if mask is None:
+        return observed
+    if not sparse.is_sparse(observed):
+        return np.where(sparse.dense(mask) != 0, observed, 0).astype(np.int8)
+    if sparse.is_sparse(mask):
+        annotated = sparse.contains(mask.keys()[mask.values != 0], observed.keys())
+    else:
+        annotated = np.asarray(mask)[observed.row_of_entries(), observed.indices] != 0
+    return observed.select(annotated)
 
 
-def expected_positives(labels: np.ndarray) -> float:
+def expected_positives(labels) -> float:
     """Mean number of positive labels per image (the papers' `k`); 0.0 for no images."""
+    if sparse.is_sparse(labels):
+        return float(sparse.count_positive(labels) / len(labels)) if len(labels) else 0.0
     labels = np.asarray(labels)
     if labels.ndim != 2:
         raise SpmlError(f"labels must be a 2-D [images, classes] matrix, got shape {labels.shape}")
@@ -143,7 +189,7 @@ def apply_protocol(
     The observed labels are drawn before the split, over the official training rows in their order, so the
     val rows keep theirs too (for `--val-labels observed`). The official test split gets no observed labels.
     """
-    labels = np.asarray(images.train.labels, dtype=np.uint8)
+    labels = _labels(images.train.labels)
     ids = list(images.train.ids)
     if len(ids) != labels.shape[0]:
         raise SpmlError(f"{images.dataset}: {len(ids)} training ids but {labels.shape[0]} label rows")
@@ -154,11 +200,10 @@ def apply_protocol(
     train_rows, val_rows = split_train_val(len(ids), val_frac=val_frac, seed=split_seed)
 
     def rows(selected: np.ndarray) -> ProtocolSplit:
-        return ProtocolSplit([ids[i] for i in selected], labels[selected], observed[selected],
-                             None if mask is None else mask[selected])
+        return ProtocolSplit([ids[i] for i in selected], _take(labels, selected), _take(observed, selected),
+                             None if mask is None else _take(mask, selected))
 
-    test = ProtocolSplit(list(images.test.ids), np.asarray(images.test.labels, dtype=np.uint8), None,
-                         images.test.mask)
+    test = ProtocolSplit(list(images.test.ids), _labels(images.test.labels), None, images.test.mask)
     attrs = {
         "split_seed": int(split_seed),
         "val_frac": float(val_frac),
@@ -168,6 +213,16 @@ def apply_protocol(
         "expected_positives": expected_positives(labels),
     }
     return Protocol(train=rows(train_rows), val=rows(val_rows), test=test, attrs=attrs)
+
+
+def _labels(labels):
+    """Full labels as the protocol keeps them: dense uint8, or sparse as they are."""
+    return labels if sparse.is_sparse(labels) else np.asarray(labels, dtype=np.uint8)
+
+
+def _take(matrix, rows: np.ndarray):
+    """The rows `rows` of a dense or sparse matrix."""
+    return matrix.take(rows) if sparse.is_sparse(matrix) else matrix[rows]
 
 
 def check_val_split(val_labels: np.ndarray, source: str) -> None:

@@ -125,13 +125,15 @@ def test_dense_and_sparse_matrices_compare_by_value():
     assert not sparse.same(matrix, other)
 
 
-def test_observation_rules_on_sparse_labels_are_refused_in_one_line(caches):
+def test_observation_rules_on_sparse_labels_draw_the_dense_masks_or_are_refused_in_one_line(caches):
     from spml_cache import observation
 
-    loaded = cache.load(caches[1])
+    dense, loaded = cache.load(caches[0]), cache.load(caches[1])
     rule = observation.parse_rules("entry:0.5")[0]
+    drawn, want = (observation.for_cache(features, [rule])[rule.text] for features in (loaded, dense))
+    assert sparse.same(drawn.train, want.train) and sparse.same(drawn.val, want.val)
     with pytest.raises(SpmlError, match="--observe single") as error:
-        observation.for_cache(loaded, [rule])
+        observation.for_cache(loaded, observation.parse_rules("largest"))
     assert "\n" not in str(error.value)
 
 

@@ -110,6 +110,38 @@ class SparseLabels:
         indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return SparseLabels(indptr, self.indices[positions], self.values[positions], self.num_classes)
 
+    def row_of_entries(self) -> np.ndarray:
+        """int64 [nnz]: the row of each stored entry."""
+        return np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self.indptr))
+
+    def keys(self) -> np.ndarray:
+        """int64 [nnz]: each stored entry's flat position `row * C + class` (ascending for a canonical matrix)."""
+        return self.row_of_entries() * self.num_classes + self.indices
+
+    def select(self, keep: np.ndarray) -> "SparseLabels":
+        """The stored entries where the bool [nnz] `keep` is true, still sparse."""
+        kept_before = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+        return SparseLabels(kept_before[self.indptr], self.indices[keep], self.values[keep], self.num_classes)
+
+    def canonical(self) -> "SparseLabels":
+        """The same matrix with no stored zero and each row's classes ascending (as `from_dense` makes them)."""
+        matrix = self.select(self.values != 0) if (self.values == 0).any() else self
+        rows = matrix.row_of_entries()
+        step = np.diff(matrix.indices.astype(np.int64))
+        if (step > 0).all() or ((step > 0) | (np.diff(rows) > 0)).all():
+            return matrix
+        order = np.lexsort((matrix.indices, rows))
+        return SparseLabels(matrix.indptr, matrix.indices[order], matrix.values[order], matrix.num_classes)
+
+    @classmethod
+    def from_entries(cls, rows, classes, values, shape: tuple[int, int]) -> "SparseLabels":
+        """The matrix holding `values` at (`rows`, `classes`) (each position once, in any order), CSR sorted."""
+        rows, classes = np.asarray(rows, dtype=np.int64), np.asarray(classes, dtype=np.int64)
+        order = np.argsort(rows * shape[1] + classes, kind="stable")
+        counts = np.bincount(rows, minlength=shape[0]).astype(np.int64)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return cls(indptr, classes[order].astype(np.int32), np.asarray(values, dtype=np.int8)[order], int(shape[1]))
+
     def __eq__(self, other) -> bool:
         return (isinstance(other, SparseLabels) and self.num_classes == other.num_classes
                 and np.array_equal(self.indptr, other.indptr) and np.array_equal(self.indices, other.indices)
@@ -123,6 +155,25 @@ class SparseLabels:
 
 def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def stack(parts: list[SparseLabels]) -> SparseLabels:
+    """The rows of `parts` one after the other (one class count), still sparse."""
+    offsets = np.cumsum([0] + [part.nnz for part in parts[:-1]], dtype=np.int64)
+    indptr = np.concatenate([[0]] + [part.indptr[1:] + offset for part, offset in zip(parts, offsets)])
+    return SparseLabels(indptr.astype(np.int64), _joined([p.indices for p in parts], np.int32),
+                        _joined([p.values for p in parts], np.int8), parts[0].num_classes)
+
+
+def contains(known: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """bool [len(keys)]: which `keys` are among the int64 `known` (entry keys, see `keys`), by a binary search in
+    the sorted `known` (np.isin argsorts both together, or builds a table as long as the key range, N x C)."""
+    if len(known) == 0:
+        return np.zeros(len(keys), dtype=bool)
+    if (np.diff(known) < 0).any():
+        known = np.sort(known)
+    at = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+    return known[at] == keys
 
 
 def is_sparse(matrix) -> bool:
@@ -204,9 +255,5 @@ def read(node, dtype):
 def signed_annotations(labels: SparseLabels, mask: SparseLabels) -> SparseLabels:
     """The annotated entries of `mask`, +1 where `labels` holds a positive and -1 elsewhere: every annotated label
     observed (the `given` observation rule), still sparse."""
-    rows = np.repeat(np.arange(len(mask), dtype=np.int64), np.diff(mask.indptr))
-    annotated = rows * mask.num_classes + mask.indices
-    positive_rows = np.repeat(np.arange(len(labels), dtype=np.int64), np.diff(labels.indptr))
-    positive = (positive_rows * labels.num_classes + labels.indices)[labels.values > 0]
-    signs = np.where(np.isin(annotated, positive), 1, -1).astype(np.int8)
+    signs = np.where(contains(labels.keys()[labels.values > 0], mask.keys()), 1, -1).astype(np.int8)
     return SparseLabels(mask.indptr.copy(), mask.indices.copy(), signs, mask.num_classes)
