@@ -21,6 +21,8 @@ from spml_cache.extract.shards import Shard
 from spml_cache.linear import run_linear
 from spml_cache.observation import parse_rules
 
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+
 VERIFIED_CLASSES = 12  # images are verified on these; the rest of the >= 1,000 trainable classes never are
 
 
