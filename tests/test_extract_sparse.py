@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from cli_support import run_cli
 from extract_support import write_jpeg
 from linear_support import quiet
 from test_extract_sharded import torchrun
@@ -103,6 +104,8 @@ def test_the_estimated_size_counts_sparse_labels_by_their_entries():
 def test_a_bad_labels_choice_is_one_line(tmp_path):
     with pytest.raises(SpmlError, match=r"--labels 'csr': use auto .*, dense or sparse"):
         extract("voc", tmp_path, labels="csr")
+    done = run_cli("extract", "voc", "--root", str(tmp_path), "--labels", "csr", cwd=tmp_path)  # the flag travels
+    assert done.returncode != 0 and "--labels 'csr': use auto (sparse from 1000 classes)" in done.stderr, done.stderr
 
 
 @pytest.fixture(scope="module")
