@@ -10,6 +10,7 @@ import torch
 from cli_support import run_cli
 from extract_support import write_jpeg
 from spml_cache import cache, datasets
+from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
 
 CLASSES = {"/m/01": "Cat", "/m/02": "Dog", "/m/03": "Owl", "/m/04": "Jaguar", "/m/05": "Jaguar", "/m/09": "Unused"}
@@ -46,11 +47,66 @@ def test_verified_positives_and_negatives_become_labels_and_mask(tmp_path):
     images = datasets.read("openimages", tmp_path)  # found under root/openimages
     assert images.classes == ["Cat", "Dog", "Owl", "Jaguar (/m/04)", "Jaguar (/m/05)"]  # a shared name disambiguated
     for split in (images.train, images.test):
+        assert sparse.is_sparse(split.labels) and sparse.is_sparse(split.mask)  # never a dense [N, C] matrix
+        labels, mask = split.labels.to_dense(), split.mask.to_dense()
         for row, image_id in enumerate(split.ids):
             verified = expected[image_id]
             for column, label in enumerate(VERIFIED):
-                assert split.mask[row, column] == (label in verified)
-                assert split.labels[row, column] == verified.get(label, 0)
+                assert mask[row, column] == (label in verified)
+                assert labels[row, column] == verified.get(label, 0)
+
+
+def write_label_file(path, lines):
+    path.write_text("ImageID,Source,LabelName,Confidence\n" + "".join(f"{i},verification,{n},{c}\n" for i, n, c in lines))
+
+
+def test_the_sparse_reading_equals_a_dense_matrix_written_from_the_lines(tmp_path):
+    """Shuffled lines over many images, a label verified twice (the last line wins), classes taken from the
+    train positives without a trainable list: the CSR matrices equal the dense ones built here line by line."""
+    rng = np.random.default_rng(0)
+    names = [f"/m/c{k:03d}" for k in range(40)]
+    (tmp_path / "oidv7-class-descriptions.csv").write_text("".join(f"{n},Class {n[-3:]}\n" for n in names))
+    lines = {"train": [], "test": []}
+    for split, count in (("train", 60), ("test", 25)):
+        for k in range(count):
+            image = f"{split[:2]}{rng.integers(1 << 40):012x}"
+            (tmp_path / split).mkdir(exist_ok=True)
+            (tmp_path / split / f"{image}.jpg").write_bytes(b"")
+            for label in rng.choice(names, size=rng.integers(0, 6), replace=False):
+                lines[split].append((image, label, int(rng.integers(2))))
+        image, label, confidence = lines[split][3]
+        order = rng.permutation(len(lines[split]))
+        # verified again, the other way, on the last line: this one counts
+        lines[split] = [lines[split][i] for i in order] + [(image, label, 1 - confidence)]
+        write_label_file(tmp_path / f"oidv7-{split}-annotations-human-imagelabels.csv", lines[split])
+    images = datasets.read("openimages", tmp_path)
+    classes = sorted({n for _, n, c in lines["train"] if c == 1})  # no trainable list: the train positives
+    assert images.classes == [f"Class {n[-3:]}" for n in classes]
+    for split in ("train", "test"):
+        ids = sorted({i for i, _, _ in lines[split]})
+        labels = np.zeros((len(ids), len(classes)), np.int8)
+        mask = np.zeros_like(labels)
+        for image, label, confidence in lines[split]:  # in file order: a later line overwrites
+            if label in classes:
+                labels[ids.index(image), classes.index(label)] = confidence
+                mask[ids.index(image), classes.index(label)] = 1
+        read = getattr(images, split)
+        assert read.ids == [f"{split}/{i}.jpg" for i in ids]
+        assert read.labels == sparse.SparseLabels.from_dense(labels)  # ascending columns, values 1
+        assert read.mask == sparse.SparseLabels.from_dense(mask)
+
+
+def test_skipping_missing_images_keeps_the_labels_sparse(tmp_path):
+    expected = write_openimages(tmp_path, num_train=8, num_test=4)
+    gone = sorted(expected)[1]
+    (tmp_path / gone).unlink()
+    images = datasets.read("openimages", tmp_path, skip_missing=True)
+    assert images.skipped == [gone] and gone not in images.train.ids + images.test.ids
+    split = images.train if gone.startswith("train") else images.test
+    assert sparse.is_sparse(split.labels) and sparse.is_sparse(split.mask) and len(split.labels) == len(split)
+    for row, image_id in enumerate(split.ids):
+        assert dict(zip(VERIFIED, split.mask.to_dense()[row])) == {
+            label: int(label in expected[image_id]) for label in VERIFIED}
 
 
 def test_the_layout_is_found_and_described(tmp_path):
@@ -95,7 +151,6 @@ def test_many_classes_store_sparse_and_train_on_the_verified_labels(tmp_path):
     from sklearn.metrics import average_precision_score
 
     from spml_cache import runs
-    from spml_cache.cache import sparse
 
     extra = {f"/m/x{k:04d}": f"Extra {k}" for k in range(1000)}  # never verified: left out of the mAP
     CLASSES.update(extra)

@@ -122,6 +122,7 @@ def extract_command(
     on_bad_image: str = typer.Option("fail", "--on-bad-image", help="fail (name the file and stop) or skip (leave the image out, listed in the attrs)."),
     skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out images whose file is missing (recorded in the attrs)."),
     observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules to store beside single, a comma list: single, uniform:pos=K,neg=M, entry:P, keep-pos:F, per-class:N, largest, size (docs/protocol.md); a complete cache gets the ones it lacks."),
+    labels: Optional[str] = typer.Option(None, "--labels", help="How the cache stores its label matrices: auto (the default: sparse CSR from 1,000 classes), dense or sparse."),
 ) -> None:
     """Stage one: run a frozen backbone (ResNet-50 by default) over a dataset once and write its features to an
     HDF5 cache; a clip:ARCH/TAG backbone also writes its image embeddings and the class prompts' text embeddings.
@@ -141,7 +142,7 @@ def extract_command(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
         clip_features=clip_features, prompts=prompts, crops=crops, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
-        on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules,
+        on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules, labels=labels,
     )
     if report is not None:  # under torchrun, rank 0 reports for every process
         extract_report(report, console)

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
+from spml_cache.cache.sparse import SparseLabels, is_sparse
 from spml_cache.errors import SpmlError
 
 # How many missing ids an error message shows before "...".
@@ -24,10 +25,13 @@ SHOW_FIRST = 5
 @dataclass(frozen=True)
 class ImageSplit:
     ids: list[str]  # image path relative to the dataset root, POSIX style, unique
-    labels: np.ndarray  # uint8 [N, C], full ground truth, rows aligned with ids
-    # uint8 [N, C], 1 where the label is annotated, for partially labelled data (a CSV with unknown cells); None:
-    # every label is known. An unannotated entry's label is 0; no observation rule observes it, no mAP scores it.
-    mask: np.ndarray | None = None
+    # uint8 [N, C], full ground truth, rows aligned with ids; a `SparseLabels` (CSR of the 1s) from a reader of
+    # data too large for a dense matrix (OpenImages: 1.7M x 9,605 is 16 GB dense); the other readers give arrays.
+    labels: np.ndarray | SparseLabels
+    # uint8 [N, C] (or SparseLabels), 1 where the label is annotated, for partially labelled data (OpenImages, a
+    # CSV with unknown cells); None: every label is known. An unannotated entry's label is 0; no observation rule
+    # observes it, no mAP scores it.
+    mask: np.ndarray | SparseLabels | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -147,6 +151,11 @@ def find_missing(root: Path, ids: list[str]) -> list[str]:
     return missing
 
 
+def take_rows(matrix, rows: np.ndarray):
+    """The rows `rows` of a dense or sparse label matrix, in the same form (a sparse one is never densified)."""
+    return matrix.take(rows) if is_sparse(matrix) else matrix[rows]
+
+
 def drop_missing(
     dataset: str, root: Path, train: ImageSplit, test: ImageSplit, *, skip_missing: bool
 ) -> tuple[ImageSplit, ImageSplit, list[str]]:
@@ -163,9 +172,9 @@ def drop_missing(
     gone = set(missing)
 
     def keep(split: ImageSplit) -> ImageSplit:
-        rows = [i for i, image_id in enumerate(split.ids) if image_id not in gone]
-        return ImageSplit([split.ids[i] for i in rows], split.labels[rows],
-                          None if split.mask is None else split.mask[rows])
+        rows = np.array([i for i, image_id in enumerate(split.ids) if image_id not in gone], dtype=np.int64)
+        return ImageSplit([split.ids[i] for i in rows], take_rows(split.labels, rows),
+                          None if split.mask is None else take_rows(split.mask, rows))
 
     return keep(train), keep(test), missing
 

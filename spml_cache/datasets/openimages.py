@@ -19,10 +19,13 @@ LabelName in brackets). The official validation split is not read: the protocol 
 from __future__ import annotations
 
 import csv
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from spml_cache.cache.sparse import SparseLabels
 from spml_cache.datasets.base import ImageSplit, LabeledImages, finish, malformed
 from spml_cache.errors import SpmlError
 
@@ -64,9 +67,23 @@ def read_descriptions(path: Path) -> dict[str, str]:
     return names
 
 
-def read_verified(path: Path) -> dict[str, list[tuple[str, int]]]:
-    """ImageID -> [(LabelName, 1 or 0)], in file order."""
-    verified: dict[str, list[tuple[str, int]]] = {}
+@dataclass(frozen=True)
+class Verified:
+    """One split's verified-label file as three aligned arrays, one entry per line (file order), and the ids and
+    LabelNames they index: compact (9 bytes a line) where per-image lists of tuples would take ~100."""
+
+    images: list[str]  # ImageID by image code, in order of first appearance
+    names: list[str]  # LabelName by label code, in order of first appearance
+    image: np.ndarray  # int32 [lines]: the line's image code
+    label: np.ndarray  # int32 [lines]: the line's label code
+    present: np.ndarray  # bool [lines]: Confidence 1 (verified present), else 0 (verified absent)
+
+
+def read_verified(path: Path) -> Verified:
+    """The verified labels of one split's `ImageID,Source,LabelName,Confidence` file, streamed."""
+    images: dict[str, int] = {}
+    names: dict[str, int] = {}
+    image, label, present = array("i"), array("i"), array("b")
     with open(path, encoding="utf-8", newline="") as file:
         reader = csv.reader(file)
         header = next(reader, None)
@@ -78,17 +95,19 @@ def read_verified(path: Path) -> dict[str, list[tuple[str, int]]]:
             confidence = row[3].strip()
             if confidence not in ("0", "1"):
                 raise malformed(path, reader.line_num, f"Confidence {confidence!r} is neither 1 nor 0")
-            verified.setdefault(row[0], []).append((row[2], int(confidence)))
-    return verified
+            image.append(images.setdefault(row[0], len(images)))
+            label.append(names.setdefault(row[2], len(names)))
+            present.append(confidence == "1")
+    return Verified(list(images), list(names), np.frombuffer(image, np.int32), np.frombuffer(label, np.int32),
+                    np.frombuffer(present, np.int8).astype(bool))
 
 
-def class_list(root: Path, train: dict[str, list[tuple[str, int]]]) -> list[str]:
+def class_list(root: Path, train: Verified) -> list[str]:
     """The LabelNames of the classes, in order: the trainable list, else the classes verified present in train."""
     trainable = one_file(root, "*classes-trainable.txt", "", required=False)
     if trainable is not None:
         return [line.strip() for line in trainable.read_text(encoding="utf-8").splitlines() if line.strip()]
-    present = {label for labels in train.values() for label, confidence in labels if confidence == 1}
-    return sorted(present)
+    return sorted({train.names[code] for code in np.unique(train.label[train.present])})
 
 
 def display_names(labels: list[str], descriptions: dict[str, str]) -> list[str]:
@@ -97,20 +116,40 @@ def display_names(labels: list[str], descriptions: dict[str, str]) -> list[str]:
     return [f"{name} ({label})" if name in shared else name for name, label in zip(names, labels)]
 
 
-def split_rows(verified: dict[str, list[tuple[str, int]]], column: dict[str, int], folder: str) -> ImageSplit:
-    """The images of one split with their labels and label mask (verified entries of the kept classes)."""
-    ids = sorted(verified)
-    labels = np.zeros((len(ids), len(column)), dtype=np.uint8)
-    mask = np.zeros_like(labels)
-    for row, image in enumerate(ids):
-        for label, confidence in verified[image]:
-            if label in column:
-                labels[row, column[label]] = confidence
-                mask[row, column[label]] = 1
+def split_rows(verified: Verified, column: dict[str, int], folder: str) -> ImageSplit:
+    """The images of one split (sorted by id) with their labels and label mask as `SparseLabels`, built from the
+    entries without a dense [N, C] matrix: labels hold the verified positives, the mask every verified entry of
+    the kept classes. A label verified twice for an image takes its last line in the file."""
+    order = np.argsort(np.array(verified.images, dtype=object), kind="stable")
+    ids = [verified.images[code] for code in order]
+    place = np.empty(len(ids), dtype=np.int64)  # image code -> row
+    place[order] = np.arange(len(ids))
+    del order
+    classes = len(column)
+    columns = np.array([column.get(name, -1) for name in verified.names], dtype=np.int32)  # label code -> column
+    col = columns[verified.label]
+    kept = np.flatnonzero(col >= 0)
+    key = place[verified.image[kept]]
+    key *= classes
+    key += col[kept]  # the row-major position of each kept line
+    del col
+    # the last line of each (image, class): the last of its run once stably sorted
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    last = np.append(key[1:] != key[:-1], True) if len(key) else np.zeros(0, bool)
+    key, present = key[last], verified.present[kept[order[last]]]
+    del order, kept, last
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(key // classes, minlength=len(ids)))]).astype(np.int64)
+    indices = (key % classes).astype(np.int32)
+    mask = SparseLabels(indptr, indices, np.ones(len(indices), np.int8), classes)
+    positive_before = np.concatenate([[0], np.cumsum(present, dtype=np.int64)])
+    labels = SparseLabels(positive_before[indptr], indices[present], np.ones(int(present.sum()), np.int8), classes)
     return ImageSplit([f"{folder}/{image}.jpg" for image in ids], labels, mask)
 
 
-def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
+def read_labels(root: Path) -> tuple[list[str], ImageSplit, ImageSplit, list[str], Path]:
+    """The class names, the train and test splits (sparse labels and mask) and the notes, before any image is
+    looked for; and the train labels file (what errors about the splits name)."""
     descriptions = read_descriptions(one_file(root, "*class-descriptions.csv", "LabelName,DisplayName per class"))
     files = {split: one_file(root, f"*{split}-annotations-human-imagelabels.csv",
                              "ImageID,Source,LabelName,Confidence per verified label") for split in SPLIT_FOLDERS}
@@ -119,8 +158,12 @@ def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
     if not labels:
         raise SpmlError(f"{files['train']}: no verified positive label; check the file")
     column = {label: index for index, label in enumerate(labels)}
-    splits = {split: split_rows(verified[split], column, folder) for split, folder in SPLIT_FOLDERS.items()}
-    kept = splits["test"].mask.mean() if len(splits["test"]) else 0.0
+    train, test = (split_rows(verified.pop(split), column, folder) for split, folder in SPLIT_FOLDERS.items())
+    kept = test.mask.nnz / (len(test) * len(labels)) if len(test) else 0.0
     notes = [f"{len(labels):,} classes; {kept:.2%} of the test labels verified (mAP is taken over those)"]
-    return finish(NAME, root, display_names(labels, descriptions), splits["train"], splits["test"],
-                  source=files["train"], skip_missing=skip_missing, notes=notes)
+    return display_names(labels, descriptions), train, test, notes, files["train"]
+
+
+def read(root: Path, *, skip_missing: bool = False) -> LabeledImages:
+    classes, train, test, notes, source = read_labels(root)
+    return finish(NAME, root, classes, train, test, source=source, skip_missing=skip_missing, notes=notes)

@@ -34,6 +34,7 @@ import torchvision
 
 import spml_cache
 from spml_cache import backbones, cache, datasets, locks, protocol
+from spml_cache.cache import sparse
 from spml_cache.backbone import build_trunk
 from spml_cache.extract import shards, writer
 from spml_cache.extract.batches import PRECISIONS, run_batches
@@ -116,7 +117,8 @@ def _reported(report: ExtractReport, shard: shards.Shard | None) -> ExtractRepor
     return report if shard.main else None
 
 
-def _check_options(resolution, batch_size, workers, precision, limit, on_bad_image) -> None:
+def _check_options(resolution, batch_size, workers, precision, limit, on_bad_image, labels) -> None:
+    sparse.resolve_format(labels, 0)  # refuses anything but auto, dense and sparse, naming --labels
     if resolution is not None and not 32 <= resolution <= 2048:
         raise SpmlError(f"--resolution {resolution}: use a side between 32 and 2048 pixels (the papers use 448)")
     if batch_size < 1:
@@ -154,17 +156,21 @@ def extract(
     pad_batches: bool | None = None,
     feed_thread: bool | None = None,
     observe: list[Rule] | None = None,
+    labels: str | None = None,
 ) -> ExtractReport | None:
     """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring.
     `observe`: observation rules whose masks to store beside `single`'s (extract/rules.py); a complete cache
-    that lacks some gets them without recomputing its features. `backbone`, `weights` (None: the backbone's
-    default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
+    that lacks some gets them without recomputing its features. `labels`: how the cache stores its label
+    matrices, auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse (None: `sparse.DEFAULT_FORMAT`,
+    so the command line need not import the cache package to show it); a sparse-read dataset (OpenImages) is
+    densified only for a dense cache. `backbone`, `weights` (None: the backbone's default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
     torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks
     return None, rank 0 the report of the whole.
 
     `pad_batches` and `feed_thread` are internal (no flag): None is on for a GPU, off for the CPU; the tests
     force them on the CPU to show the cache does not depend on them."""
-    _check_options(resolution, batch_size, workers, precision, limit, on_bad_image)
+    labels = sparse.DEFAULT_FORMAT if labels is None else labels
+    _check_options(resolution, batch_size, workers, precision, limit, on_bad_image, labels)
     limit = limit or 0
     shard = shards.current()  # under torchrun: this process's share of the rows (shards.py)
     torch_device = shard.device(resolve_device(device)) if shard else resolve_device(device)
@@ -174,6 +180,7 @@ def extract(
     images = datasets.read(dataset, root, skip_missing=skip_missing or dry_run)
     protocol_result = protocol.apply_protocol(images)
     rows = plan_rows(protocol_result, limit)
+    label_format = sparse.resolve_format(labels, len(images.classes))
     described = backbones.describe(backbone, weights, resolution, clip_features, crops)
     templates = backbones.prompts(prompts) if described.embed_dim else None
     settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
@@ -184,12 +191,12 @@ def extract(
     report = ExtractReport(path, "dry run", counts, missing=list(images.skipped), device=str(torch_device),
                            precision=precision)
     report.notes = list(images.notes)
-    report.size_bytes = estimated_size(rows, len(images.classes), described.row_width)
+    report.size_bytes = estimated_size(rows, len(images.classes), described.row_width, label_format)
     rule_store = RuleStore(observe, images, settings)  # reads instance areas when a rule needs them
 
     refuse_foreign_file(path)
     if path.exists() and not force:
-        refuse_other_settings(path, settings, rows, "was built", "rebuild it")
+        refuse_other_settings(path, settings, rows, "was built", "rebuild it", label_format)
         added = []
         if not dry_run and (shard is None or shard.main):  # one writer adds the rules it lacks
             with locks.held(path, f"the cache {path}"):
@@ -201,7 +208,7 @@ def extract(
     shards.refuse_other_layouts(path, shard, force)
     resume = partial_file.exists() and not force
     if resume:
-        refuse_other_settings(partial_file, settings, own, "was started", "start over")
+        refuse_other_settings(partial_file, settings, own, "was started", "start over", label_format)
     if dry_run:
         if images.skipped and not skip_missing:
             report.notes.append(f"{len(images.skipped)} image files are missing: a real run needs --skip-missing")
@@ -214,7 +221,7 @@ def extract(
         if resume and not partial_file.exists():
             raise SpmlError(f"{path} was finished by another process meanwhile: run the command again")
         # before the first write: h5py has crashed outright creating a file on a full disk
-        room = estimated_size(own, len(images.classes), described.row_width)
+        room = estimated_size(own, len(images.classes), described.row_width, label_format)
         room *= 2 if shard and shard.main else 1  # rank 0 joins
         require_room(path, room - (partial_file.stat().st_size if resume else 0))
         trunk = trunk.eval().requires_grad_(False).to(torch_device, memory_format=torch.channels_last)
@@ -225,7 +232,7 @@ def extract(
             partial = cache.PartialCache.open(writing)
         else:
             partial_file.unlink(missing_ok=True)
-            partial = cache.PartialCache.create(writing, settings, own, described.row_shapes(), text)
+            partial = cache.PartialCache.create(writing, settings, own, described.row_shapes(), text, label_format)
         try:
             report.resumed, bad_before = partial.num_done(), partial.num_bad()
             paths = {name: [images.path(image_id) for image_id in own[name].ids] for name in cache.SPLITS}
@@ -262,7 +269,8 @@ def extract(
                 "seconds": report.seconds, "not_finite": left_out}
         with locks.held(path, f"the cache {path}") if shard.main else nullcontext():
             joined = shards.join(shard, path, settings, rows, described.row_shapes(),
-                                 run_attrs(torch_device, described.family), done, rule_store.for_finalise(rows), text)
+                                 run_attrs(torch_device, described.family), done, rule_store.for_finalise(rows), text,
+                                 label_format)
         shard.ranks.leave()
         if joined is None:
             return None  # rank 0 reports for every rank

@@ -27,16 +27,29 @@ SETTINGS = (
 
 
 def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
-    """The protocol's splits as cache rows, cut to the first `limit` rows of each split (0: all)."""
+    """The protocol's splits as cache rows, cut to the first `limit` rows of each split (0: all). Sparse label
+    matrices stay sparse (cut with `take`, never densified)."""
     rows = {}
     for name in cache.SPLITS:
         split = getattr(protocol_splits, name)
-        keep = slice(None) if limit == 0 else slice(0, limit)
-        observed = None if split.observed is None else np.asarray(split.observed, dtype=np.int8)[keep]
-        mask = None if split.mask is None else np.asarray(split.mask, dtype=np.uint8)[keep]
-        rows[name] = cache.SplitRows(list(split.ids)[keep], np.asarray(split.labels, dtype=np.uint8)[keep], observed,
-                                     mask)
+        count = len(split.ids) if limit == 0 else min(limit, len(split.ids))
+        rows[name] = cache.SplitRows(list(split.ids)[:count], _first(split.labels, count, np.uint8),
+                                     _first(split.observed, count, np.int8), _first(split.mask, count, np.uint8))
     return rows
+
+
+def _first(matrix, count: int, dtype):
+    """The first `count` rows of a dense or sparse label matrix (None stays None)."""
+    if matrix is None:
+        return None
+    if sparse.is_sparse(matrix):
+        return matrix if count == len(matrix) else matrix.take(np.arange(count))
+    return np.asarray(matrix, dtype=dtype)[:count]
+
+
+def take_rows(matrix, rows):
+    """The rows `rows` (indices) of a dense or sparse label matrix, in its form."""
+    return matrix.take(np.asarray(rows, dtype=np.int64)) if sparse.is_sparse(matrix) else matrix[rows]
 
 
 def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
@@ -71,20 +84,26 @@ def refuse_foreign_file(path: Path) -> None:
                         " that is not a cache, not even with --force)")
 
 
-def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.SplitRows], was: str, fix: str) -> None:
-    difference = settings_difference(path, settings, rows)
+def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.SplitRows], was: str, fix: str,
+                          label_format: str | None = None) -> None:
+    difference = settings_difference(path, settings, rows, label_format)
     if difference is not None:
         raise SpmlError(
             f"{path} {was} with other settings ({difference}): pass --force to {fix}, or pick another --out"
         )
 
 
-def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitRows]) -> str | None:
-    """What differs between the cache (or partial file) at `path` and this run, or None."""
+def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitRows],
+                        label_format: str | None = None) -> str | None:
+    """What differs between the cache (or partial file) at `path` and this run, or None. `label_format`: dense
+    or sparse, how this run stores the label matrices (None: either will do)."""
     attrs, found = cache.read_header(path)
     for key in SETTINGS:
         if not _same(attrs.get(key), settings.get(key)):
             return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
+    stored = "sparse" if sparse.is_sparse(found["train"].labels) else "dense"
+    if label_format is not None and stored != label_format:
+        return f"--labels: {stored} in the file, {label_format} now"
     dropped = json.loads(attrs.get("skipped_images") or "{}")
     for name in cache.SPLITS:
         gone = set(dropped.get(name, []))
@@ -92,20 +111,30 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
         planned = rows[name]
         if found[name].ids != [planned.ids[i] for i in keep]:
             return f"the {name} images differ ({len(found[name])} rows in the file, {len(keep)} now)"
-        if not sparse.same(found[name].labels, planned.labels[keep]):
+        if not sparse.same(found[name].labels, take_rows(planned.labels, keep)):
             return f"the {name} labels differ"
-        if planned.observed is not None and not sparse.same(found[name].observed, planned.observed[keep]):
+        if planned.observed is not None and not sparse.same(found[name].observed, take_rows(planned.observed, keep)):
             return f"the {name} observed labels differ"
     return None
 
 
-def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width: int) -> int:
-    """Bytes of the arrays (features and embeddings dominate; ids counted at their UTF-8 length plus a pointer)."""
+def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width: int, labels: str = "dense") -> int:
+    """Bytes of the arrays (features and embeddings dominate; ids counted at their UTF-8 length plus a pointer).
+    `labels`: how the label matrices are stored, dense (a byte an entry) or sparse (CSR: 8 bytes a row and 5 a
+    non-zero entry, counted without densifying)."""
     total = 0
     for name, split in rows.items():
-        per_row = row_width * 4 + num_classes * (2 if split.observed is not None else 1) + 2
-        total += len(split) * per_row + sum(len(i.encode()) + 16 for i in split.ids)
+        matrices = [m for m in (split.labels, split.observed, split.label_mask) if m is not None]
+        if labels == "sparse":
+            total += sum(8 * (len(split) + 1) + 5 * _nonzero(m) for m in matrices)
+        else:
+            total += len(split) * num_classes * len(matrices)
+        total += len(split) * (row_width * 4 + 2) + sum(len(i.encode()) + 16 for i in split.ids)
     return total
+
+
+def _nonzero(matrix) -> int:
+    return matrix.nnz if sparse.is_sparse(matrix) else int(np.count_nonzero(matrix))
 
 
 def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:

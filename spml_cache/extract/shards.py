@@ -16,9 +16,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spml_cache import cache
+from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
 from spml_cache.ranks import Ranks
 from spml_cache.ranks import current as current_ranks
@@ -43,10 +45,16 @@ class Shard:
         return self.ranks.main
 
     def rows(self, rows: dict[str, cache.SplitRows]) -> dict[str, cache.SplitRows]:
-        take = slice(self.rank, None, self.world)
-        return {name: cache.SplitRows(split.ids[take], split.labels[take],
-                                      None if split.observed is None else split.observed[take],
-                                      None if split.label_mask is None else split.label_mask[take])
+        """This rank's rows of each split; sparse label matrices stay sparse (`take`)."""
+        def mine(matrix, count: int):
+            if matrix is None:
+                return None
+            if sparse.is_sparse(matrix):
+                return matrix.take(np.arange(self.rank, count, self.world))
+            return matrix[self.rank :: self.world]
+
+        return {name: cache.SplitRows(split.ids[self.rank :: self.world], mine(split.labels, len(split)),
+                                      mine(split.observed, len(split)), mine(split.label_mask, len(split)))
                 for name, split in rows.items()}
 
     def path(self, final: Path, rank: int | None = None) -> Path:
@@ -86,12 +94,14 @@ def refuse_other_layouts(final: Path, shard: Shard | None, force: bool) -> None:
 
 
 def join(shard: Shard, final: Path, settings: dict, rows: dict[str, cache.SplitRows], feature_dim,
-         attrs: dict, done: dict, rule_masks=None, text: dict | None = None) -> tuple[Path, dict, dict, dict] | None:
+         attrs: dict, done: dict, rule_masks=None, text: dict | None = None,
+         labels: str = sparse.DEFAULT_FORMAT) -> tuple[Path, dict, dict, dict] | None:
     """Once every rank is done: rank 0 copies the shards into the cache `final` and removes them. `done` is this
     rank's {extracted, left_out, resumed, seconds, not_finite}; returns (cache path, ids dropped per split, rows
     recomputed in fp32 per split, the totals of every rank) on rank 0, None on the others. `rule_masks`: what
     `PartialCache.finalise` stores beside `single` (extract/rules.py). `feature_dim` and `text`: as
-    `PartialCache.create` takes them (a CLIP cache's embeddings travel with the features)."""
+    `PartialCache.create` takes them (a CLIP cache's embeddings travel with the features); `labels`: the label
+    matrices' storage, likewise."""
     every = shard.ranks.gather(done)  # also the barrier: every shard is complete and closed
     if not shard.main:
         return None
@@ -101,7 +111,7 @@ def join(shard: Shard, final: Path, settings: dict, rows: dict[str, cache.SplitR
                             for split in cache.SPLITS}
     shards = [cache.PartialCache.open(shard.path(final, rank)) for rank in range(shard.world)]
     try:
-        full = cache.PartialCache.create(final, settings, rows, feature_dim, text)
+        full = cache.PartialCache.create(final, settings, rows, feature_dim, text, labels)
         try:
             full.join_shards(shards)
             recomputed = full.recomputed()
