@@ -11,7 +11,7 @@ from extract_support import write_jpeg
 from linear_support import quiet
 from test_extract_sharded import torchrun
 
-from spml_cache import cache
+from spml_cache import cache, observation
 from spml_cache.cache import sparse
 from spml_cache.cache.sparse import SparseLabels
 from spml_cache.demo.data import make_demo_data
@@ -179,14 +179,21 @@ def test_openimages_extracts_sparse_by_default_and_dense_on_request(openimages):
 
 
 def test_observe_given_is_stored_beside_single_from_the_sparse_mask(openimages):
+    """Rules stored at extraction stay sparse beside sparse labels, and equal the dense draw."""
     folder, root, common = openimages
-    stored = cache.load(extract("openimages", root, out=folder / "one" / "oi.h5", observe=parse_rules("given"),
-                                **common).path)
+    stored = cache.load(extract("openimages", root, out=folder / "one" / "oi.h5",
+                                observe=parse_rules("given,entry:0.5"), **common).path)
     assert sparse.is_sparse(stored.train.observed)  # single's
     for split in (stored.train, stored.val):
+        assert sparse.is_sparse(split.rules["given"]) and sparse.is_sparse(split.rules["entry:0.5"])
         given = sparse.dense(split.rules["given"])
         labels, mask = sparse.dense(split.labels), sparse.dense(split.label_mask)
         np.testing.assert_array_equal(given, np.where(mask == 1, 2 * labels - 1, 0))  # every verified label, signed
+    dense_draw = observation.draw_splits(
+        parse_rules("entry:0.5")[0], sparse.dense(stored.train.labels, np.uint8), sparse.dense(stored.val.labels, np.uint8),
+        stored.attrs, label_masks=(sparse.dense(stored.train.label_mask), sparse.dense(stored.val.label_mask)))
+    for split, drawn in zip((stored.train, stored.val), dense_draw):
+        np.testing.assert_array_equal(sparse.dense(split.rules["entry:0.5"]), drawn)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI has")
@@ -194,7 +201,7 @@ def test_two_ranks_on_the_sparse_layout_equal_one_process(openimages):
     """Against the one-process cache of the test above (run it first: same flags)."""
     folder, root, common = openimages
     flags = ["--root", str(root), "--backbone", "resnet18", "--weights", "none", "--resolution", "32",
-             "--batch-size", "8", "--workers", "0", "--device", "cpu", "--observe", "given"]
+             "--batch-size", "8", "--workers", "0", "--device", "cpu", "--observe", "given,entry:0.5"]
     out = folder / "two" / "oi.h5"
     stdout, stderr = torchrun("extract", "openimages", *flags, "--out", str(out), cwd=folder).communicate(timeout=300)
     assert out.exists(), stderr

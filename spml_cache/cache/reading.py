@@ -175,12 +175,13 @@ def _refuse_bad_values(path: Path, name: str, raw: dict[str, np.ndarray], ids: l
 def _stored_rules(path: Path, name: str, group: h5py.Group, shape: tuple) -> dict[str, np.ndarray]:
     """The split's masks of other observation rules (`observed_rules`), checked like `observed`."""
     rules = {}
-    for rule, dataset in (group[RULES_GROUP].items() if RULES_GROUP in group else ()):
-        mask = dataset[...]
-        if mask.shape != shape or len(invalid_rows(mask, range(-1, 2))):
+    for rule, node in (group[RULES_GROUP].items() if RULES_GROUP in group else ()):
+        mask = sparse.read(node, np.int8)  # CSR beside CSR labels
+        valid = (np.abs(mask.values) <= 1).all() if sparse.is_sparse(mask) else not len(invalid_rows(mask, range(-1, 2)))
+        if tuple(mask.shape) != tuple(shape) or not valid:
             raise SpmlError(f"{path}: /{name}/{RULES_GROUP}/{rule} is not an int8 {list(shape)} matrix of -1, 0"
                             " and 1: rebuild the cache (extract --force)")
-        rules[rule] = mask.astype(np.int8, copy=False)
+        rules[rule] = mask
     return rules
 
 

@@ -97,21 +97,22 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
     return file
 
 
-# {rule text: (train mask, val mask)}: observation rules besides `single`, each int8 [N, C] per split
+# {rule text: (train mask, val mask)}: observation rules besides `single`, each int8 [N, C] (or SparseLabels) per split
 RuleMasks = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 def _write_rules(file: h5py.File, masks: RuleMasks) -> None:
-    """Each rule's train and val masks under /{split}/observed_rules/<rule text> (a rule there is replaced)."""
+    """Each rule's train and val masks under /{split}/observed_rules/<rule text> (a rule there is replaced), in the
+    form of the split's labels: dense, or CSR beside CSR labels."""
     for rule, pair in masks.items():
         for split, mask in zip(OBSERVED_SPLITS, pair):
             labels = sparse.stored_shape(file[split]["labels"])
-            if mask.shape != labels:
+            if tuple(mask.shape) != labels:
                 raise SpmlError(f"{split}: the {rule} mask has shape {mask.shape}, labels {labels}")
             group = file[split].require_group(RULES_GROUP)
             if rule in group:
                 del group[rule]
-            group.create_dataset(rule, data=np.asarray(mask, dtype=np.int8))
+            sparse.store(group, rule, mask, sparse.stored_sparse(file[split]["labels"]), np.int8)
 
 
 def add_rules(path: Path | str, masks: RuleMasks) -> Path:
@@ -328,9 +329,8 @@ class PartialCache:
 
         def store_rules(file: h5py.File) -> None:  # from the rows kept
             if rules is not None:
-                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]),
-                                         sparse.dense(sparse.read(file[split]["labels"], np.uint8), np.uint8), None,
-                                         sparse.read(file[split][MASK], np.uint8) if MASK in file[split] else None)
+                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]), sparse.read(file[split]["labels"], np.uint8),
+                                         None, sparse.read(file[split][MASK], np.uint8) if MASK in file[split] else None)
                         for split in OBSERVED_SPLITS}
                 _write_rules(file, rules(kept))
 
