@@ -23,7 +23,8 @@ from spml_cache.cache.schema import (
     OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet, SplitRows, cache_id, default_cache_dir,
     default_path, find_cache, partial_path, plain,
 )
-from spml_cache.cache.writing import PartialCache, RuleMasks, add_rules, write
+from spml_cache.cache.rule_masks import RuleMasks, add_rules
+from spml_cache.cache.writing import PartialCache, write
 
 __all__ = [
     "OBSERVED_SPLITS", "SCHEMA_VERSION", "SPLITS", "CachedSplit", "FeatureSet", "PartialCache", "RuleMasks",

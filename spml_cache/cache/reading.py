@@ -16,6 +16,7 @@ from spml_cache.cache.schema import (
 )
 from spml_cache.cache.columns import TEXT_GROUP
 from spml_cache.cache import sparse
+from spml_cache.cache.rule_masks import read_rules
 from spml_cache.errors import SpmlError
 
 REQUIRED_ATTRS = ("dataset", "classes", "num_classes")
@@ -172,19 +173,6 @@ def _refuse_bad_values(path: Path, name: str, raw: dict[str, np.ndarray], ids: l
             )
 
 
-def _stored_rules(path: Path, name: str, group: h5py.Group, shape: tuple) -> dict[str, np.ndarray]:
-    """The split's masks of other observation rules (`observed_rules`), checked like `observed`."""
-    rules = {}
-    for rule, node in (group[RULES_GROUP].items() if RULES_GROUP in group else ()):
-        mask = sparse.read(node, np.int8)  # CSR beside CSR labels
-        valid = (np.abs(mask.values) <= 1).all() if sparse.is_sparse(mask) else not len(invalid_rows(mask, range(-1, 2)))
-        if tuple(mask.shape) != tuple(shape) or not valid:
-            raise SpmlError(f"{path}: /{name}/{RULES_GROUP}/{rule} is not an int8 {list(shape)} matrix of -1, 0"
-                            " and 1: rebuild the cache (extract --force)")
-        rules[rule] = mask
-    return rules
-
-
 def _label_mask(path: Path, name: str, raw: dict):
     """The split's label mask (partial labels; dense, or sparse beside sparse labels), checked; None without."""
     mask = raw.get(MASK)
@@ -268,7 +256,7 @@ def load(path: Path | str, in_memory: bool = True) -> FeatureSet:
                 labels=raw["labels"] if sparse.is_sparse(raw["labels"]) else raw["labels"].astype(np.uint8, copy=False),
                 ids=ids,
                 observed=raw.get("observed"),
-                rules=_stored_rules(path, name, group, raw["labels"].shape),
+                rules=read_rules(path, name, group, raw["labels"].shape),
                 label_mask=_label_mask(path, name, raw),
             )
     text, sides = _text_side(path, attrs, {name: len(split) for name, split in splits.items()})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -13,12 +12,13 @@ import h5py
 import numpy as np
 
 from spml_cache.cache.schema import (
-    CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
+    CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
     partial_path, plain,
 )
 from spml_cache.cache import columns
 from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
 from spml_cache.cache import sparse
+from spml_cache.cache.rule_masks import RuleMasks, write_rules
 from spml_cache.errors import SpmlError
 
 FEATURE_DTYPES = {"float32": np.float32, "float16": np.float16}  # how a cache may store its features
@@ -97,43 +97,6 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
     return file
 
 
-# {rule text: (train mask, val mask)}: observation rules besides `single`, each int8 [N, C] (or SparseLabels) per split
-RuleMasks = dict[str, tuple[np.ndarray, np.ndarray]]
-
-
-def _write_rules(file: h5py.File, masks: RuleMasks) -> None:
-    """Each rule's train and val masks under /{split}/observed_rules/<rule text> (a rule there is replaced), in the
-    form of the split's labels: dense, or CSR beside CSR labels."""
-    for rule, pair in masks.items():
-        for split, mask in zip(OBSERVED_SPLITS, pair):
-            labels = sparse.stored_shape(file[split]["labels"])
-            if tuple(mask.shape) != labels:
-                raise SpmlError(f"{split}: the {rule} mask has shape {mask.shape}, labels {labels}")
-            group = file[split].require_group(RULES_GROUP)
-            if rule in group:
-                del group[rule]
-            sparse.store(group, rule, mask, sparse.stored_sparse(file[split]["labels"]), np.int8)
-
-
-def add_rules(path: Path | str, masks: RuleMasks) -> Path:
-    """Store more rules' masks in the complete cache at `path`: a copy gets them and replaces it, so that a
-    reader never sees a cache with half its masks (the features are copied, not recomputed)."""
-    path = Path(path)
-    temporary = path.with_name(path.name + ".rules.partial")
-    try:
-        shutil.copyfile(path, temporary)
-        with h5py.File(temporary, "r+") as file:
-            _write_rules(file, masks)
-        os.replace(temporary, path)
-    except OSError as err:
-        temporary.unlink(missing_ok=True)
-        raise SpmlError(f"cannot add observation rules to {path} ({err.strerror or err})") from None
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     file.attrs[CONTENT_ATTR] = content_hash({
         name: (file[name]["features"], sparse.read(file[name]["labels"], np.uint8),
@@ -191,7 +154,7 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, 
                 file[name][key][...] = array
             file[name]["done"][...] = True
         rules = train.get("rules") or {}
-        _write_rules(file, {rule: (mask, val["rules"][rule]) for rule, mask in rules.items()})
+        write_rules(file, {rule: (mask, val["rules"][rule]) for rule, mask in rules.items()})
     except BaseException:
         file.close()
         temporary.unlink(missing_ok=True)
@@ -332,7 +295,7 @@ class PartialCache:
                 kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]), sparse.read(file[split]["labels"], np.uint8),
                                          None, sparse.read(file[split][MASK], np.uint8) if MASK in file[split] else None)
                         for split in OBSERVED_SPLITS}
-                _write_rules(file, rules(kept))
+                write_rules(file, rules(kept))
 
         if not any(bad[split].any() for split in SPLITS):
             _set_attrs(self.file, attrs)
