@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -30,21 +29,11 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
+from bench_linear import cpu_name  # noqa: E402
 
-def peak_rss() -> int:
-    """Bytes: the process's peak resident set size so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from spml_cache.memory import peak_resident as peak_rss  # noqa: E402
 
 
 def generate(folder: Path, images: int, classes: int, per_image: int, seed: int = 0) -> dict:

@@ -6,6 +6,15 @@ import torch
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the tests of a module that asks for it (the fine-tuning modules)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -57,14 +57,6 @@ def write_linear_run(path: Path, cache_path: Path, heads: dict[str, dict], **con
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def world(tmp_path_factory, one_thread):
     base = tmp_path_factory.mktemp("finetune")
     root = demo_data.make_demo_data(base / "data", num_train=16, num_test=6, size=40, seed=0)

@@ -51,14 +51,6 @@ def world(tmp_path_factory):
     return SimpleNamespace(base=base, root=root, caches=caches)
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def fine_tuned(world, loss: str, labels: str, masked: bool) -> dict:
     path = world.caches[(labels, masked)]
     results = finetune.finetune(init="imagenet", cache_path=path, root=world.root, loss=loss, lrs=[1e-4],

@@ -27,10 +27,8 @@ def of_rows(matrix, rows: np.ndarray):
 
 def loss_observed(loss: str, observed) -> torch.Tensor | None:
     """The training observed labels loss `loss` is built with (`train_observed`): a sparse cache's made dense only
-    for a loss that keeps per-example state (as stage two) or scores every training row each epoch (crisp's class
-    priors read the whole matrix; its [N, C] train logits cost four times more already), else None."""
-    cls = losses.get(loss)
-    found = sparse.for_loss(observed, bool(cls.state) or cls.needs_train_logits)
+    for a loss that reads the whole matrix (`losses.reads_whole_observed`, as stage two), else None."""
+    found = sparse.for_loss(observed, losses.reads_whole_observed(loss))
     return None if found is None else torch.from_numpy(found)
 
 

@@ -136,10 +136,10 @@ class LinearData:
         """Classes scored at once."""
         return (self.plan.class_block if self.plan else 0) or self.num_classes
 
-    def observed_for_loss(self, stateful: bool) -> torch.Tensor | None:
+    def observed_for_loss(self, whole: bool) -> torch.Tensor | None:
         """The training observed labels as a loss is built with them: int8 [N, C] on the host. Sparse ones only
-        for a loss that keeps per-example state (made dense: its state is [N, C] anyway), else None."""
-        return observed_for_loss(self.train_observed, stateful)
+        for a loss that reads the `whole` matrix (`losses.reads_whole_observed`), made dense, else None."""
+        return observed_for_loss(self.train_observed, whole)
 
     def batch(self, rows: torch.Tensor, oracle: bool, features: torch.Tensor | None = None) -> Batch:
         """The batch of training rows `rows`: their features (given when read from the cache) and dense label
@@ -150,11 +150,12 @@ class LinearData:
         return Batch(features, label_rows(self.train_observed, rows, np.int8), labels)
 
 
-def observed_for_loss(observed, stateful: bool) -> torch.Tensor | None:
+def observed_for_loss(observed, whole: bool) -> torch.Tensor | None:
     """`LinearData.observed_for_loss` of a numpy, torch or sparse matrix."""
-    if sparse.is_sparse(observed):
-        return torch.from_numpy(observed.to_dense(np.int8)) if stateful else None
-    return observed.cpu() if isinstance(observed, torch.Tensor) else torch.from_numpy(observed)
+    if isinstance(observed, torch.Tensor):
+        return observed.cpu()
+    found = sparse.for_loss(observed, whole)
+    return None if found is None else torch.from_numpy(found)
 
 
 def _scored(labels, mask) -> np.ndarray | None:

@@ -55,7 +55,8 @@ class HeadStack:
                                   start=(start.weight, start.bias) if start else None)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
-            num_heads=len(lrs), train_observed=data.observed_for_loss(bool(loss_registry.get(name).state)), seed=seed,
+            num_heads=len(lrs), train_observed=data.observed_for_loss(loss_registry.reads_whole_observed(name)),
+            seed=seed,
             fidelity=fidelity, train_similarity=data.train_similarity,
             train_crop_similarity=data.train_crop_similarity, **hparams,
         ).to(device)

@@ -148,7 +148,7 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
         name: [
             loss_registry.resolve_hparams(
                 name, combo, num_classes=len(features.classes), dataset=features.dataset,
-                train_observed=observed_for_loss(features.train.observed, bool(loss_registry.get(name).state)),
+                train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
                 expected_positives=features.attrs.get("expected_positives"), **text,
             )
             for combo in settings.overrides.combinations(name)

@@ -56,6 +56,14 @@ def get(name: str) -> type[Loss]:
         raise SpmlError(f"unknown loss '{name}'; valid: {', '.join(names())}") from None
 
 
+def reads_whole_observed(name: str) -> bool:
+    """Whether loss `name` is built with the whole training observed matrix, not only batches of it: it keeps
+    per-example state, or scores every training row each epoch (crisp's class priors). A cache of sparse labels
+    densifies the matrix for such a loss alone (its own [N, C] state or scores cost as much already)."""
+    cls = get(name)
+    return bool(cls.state) or cls.needs_train_logits
+
+
 def build(name: str, *, num_classes: int, num_train: int | None = None, dataset: str | None = None, **kwargs) -> Loss:
     """Build loss `name`. kwargs: `num_heads`, `train_observed`, `seed`, and any hyperparameter override."""
     return get(name)(num_classes=num_classes, num_train=num_train, dataset=dataset, **kwargs)
