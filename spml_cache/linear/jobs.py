@@ -79,12 +79,17 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
         for job in jobs:
             start = time.perf_counter()
             run = SeedRun.for_job(job, settings, used[job.loss], data[job.rule], starts.get(job.loss))
-            for epoch in range(1, settings.epochs + 1):
+            for epoch in range(1, settings.epochs):
                 lines = run.run_epoch(epoch)
-                done = Part(run.host_records(), time.perf_counter() - start) if epoch == settings.epochs else None
-                yield JobEvent(job, (epoch, best_so_far(run.records)), lines, done)
-            del run, done  # the job's heads go before the next job's are made (lr groups: the memory budget)
+                yield JobEvent(job, (epoch, best_so_far(run.records)), lines)
+            lines = run.run_epoch(settings.epochs)
+            records = run.host_records()
+            # The job's heads and optimiser state go before its part is kept and selected from, and before the
+            # next job's are made (lr groups: the memory budget); the allocator hands their memory back.
+            del run
             give_back_freed()
+            yield JobEvent(job, (settings.epochs, best_so_far(records)), lines,
+                           Part(records, time.perf_counter() - start))
         return
     # A fork is unsafe once CUDA is initialised (autograd's device threads, the CUDA context): spawn then.
     forking = device.type == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized()
