@@ -200,8 +200,8 @@ def apply_protocol(
     train_rows, val_rows = split_train_val(len(ids), val_frac=val_frac, seed=split_seed)
 
     def rows(selected: np.ndarray) -> ProtocolSplit:
-        return ProtocolSplit([ids[i] for i in selected], _take(labels, selected), _take(observed, selected),
-                             None if mask is None else _take(mask, selected))
+        return ProtocolSplit([ids[i] for i in selected], sparse.take(labels, selected),
+                             sparse.take(observed, selected), sparse.take(mask, selected))
 
     test = ProtocolSplit(list(images.test.ids), _labels(images.test.labels), None, images.test.mask)
     attrs = {
@@ -218,11 +218,6 @@ def apply_protocol(
 def _labels(labels):
     """Full labels as the protocol keeps them: dense uint8, or sparse as they are."""
     return labels if sparse.is_sparse(labels) else np.asarray(labels, dtype=np.uint8)
-
-
-def _take(matrix, rows: np.ndarray):
-    """The rows `rows` of a dense or sparse matrix."""
-    return matrix.take(rows) if sparse.is_sparse(matrix) else matrix[rows]
 
 
 def check_val_split(val_labels: np.ndarray, source: str) -> None:

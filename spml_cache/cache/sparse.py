@@ -185,6 +185,14 @@ def dense(matrix, dtype=np.int8) -> np.ndarray:
     return matrix.to_dense(dtype) if is_sparse(matrix) else np.asarray(matrix).astype(dtype, copy=False)
 
 
+def take(matrix, rows):
+    """The rows `rows` (indices, in that order) of a dense or sparse label matrix, in its form: a sparse one stays
+    sparse; None stays None."""
+    if matrix is None:
+        return None
+    return matrix.take(np.asarray(rows, dtype=np.int64)) if is_sparse(matrix) else matrix[rows]
+
+
 def rows_with(matrix, value: int) -> np.ndarray:
     """bool [N]: the rows of a dense or sparse label matrix holding `value` somewhere."""
     return matrix.rows_with(value) if is_sparse(matrix) else (np.asarray(matrix) == value).any(axis=1)

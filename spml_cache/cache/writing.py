@@ -292,8 +292,9 @@ class PartialCache:
 
         def store_rules(file: h5py.File) -> None:  # from the rows kept
             if rules is not None:
-                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]), sparse.read(file[split]["labels"], np.uint8),
-                                         None, sparse.read(file[split][MASK], np.uint8) if MASK in file[split] else None)
+                kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]),
+                                         sparse.read(file[split]["labels"], np.uint8), None,
+                                         sparse.read(file[split][MASK], np.uint8) if MASK in file[split] else None)
                         for split in OBSERVED_SPLITS}
                 write_rules(file, rules(kept))
 
@@ -316,10 +317,10 @@ class PartialCache:
         splits = {
             split: SplitRows(
                 [ids[split][i] for i in keep[split]],
-                _kept(sparse.read(source[split]["labels"], np.uint8), keep[split]),
-                (_kept(sparse.read(source[split]["observed"], np.int8), keep[split])
+                sparse.take(sparse.read(source[split]["labels"], np.uint8), keep[split]),
+                (sparse.take(sparse.read(source[split]["observed"], np.int8), keep[split])
                  if split in OBSERVED_SPLITS else None),
-                _kept(sparse.read(source[split][MASK], np.uint8), keep[split]) if MASK in source[split] else None,
+                sparse.take(sparse.read(source[split][MASK], np.uint8), keep[split]) if MASK in source[split] else None,
             )
             for split in SPLITS
         }
@@ -353,10 +354,6 @@ class PartialCache:
     def close(self) -> None:
         if self.file.id.valid:
             self.file.close()
-
-
-def _kept(matrix, rows: np.ndarray):
-    return matrix.take(rows) if sparse.is_sparse(matrix) else matrix[rows]
 
 
 def _runs(rows: np.ndarray) -> list[tuple[int, int]]:

@@ -15,7 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
-from spml_cache.cache.sparse import SparseLabels, is_sparse
+from spml_cache.cache import sparse
+from spml_cache.cache.sparse import SparseLabels
 from spml_cache.errors import SpmlError
 
 # How many missing ids an error message shows before "...".
@@ -151,11 +152,6 @@ def find_missing(root: Path, ids: list[str]) -> list[str]:
     return missing
 
 
-def take_rows(matrix, rows: np.ndarray):
-    """The rows `rows` of a dense or sparse label matrix, in the same form (a sparse one is never densified)."""
-    return matrix.take(rows) if is_sparse(matrix) else matrix[rows]
-
-
 def drop_missing(
     dataset: str, root: Path, train: ImageSplit, test: ImageSplit, *, skip_missing: bool
 ) -> tuple[ImageSplit, ImageSplit, list[str]]:
@@ -173,8 +169,7 @@ def drop_missing(
 
     def keep(split: ImageSplit) -> ImageSplit:
         rows = np.array([i for i, image_id in enumerate(split.ids) if image_id not in gone], dtype=np.int64)
-        return ImageSplit([split.ids[i] for i in rows], take_rows(split.labels, rows),
-                          None if split.mask is None else take_rows(split.mask, rows))
+        return ImageSplit([split.ids[i] for i in rows], sparse.take(split.labels, rows), sparse.take(split.mask, rows))
 
     return keep(train), keep(test), missing
 

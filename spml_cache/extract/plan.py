@@ -47,11 +47,6 @@ def _first(matrix, count: int, dtype):
     return np.asarray(matrix, dtype=dtype)[:count]
 
 
-def take_rows(matrix, rows):
-    """The rows `rows` (indices) of a dense or sparse label matrix, in its form."""
-    return matrix.take(np.asarray(rows, dtype=np.int64)) if sparse.is_sparse(matrix) else matrix[rows]
-
-
 def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
                    templates: list[str] | None = None) -> dict:
     """The cache's root attrs known before extraction; `templates`: a CLIP backbone's prompt templates."""
@@ -111,9 +106,9 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
         planned = rows[name]
         if found[name].ids != [planned.ids[i] for i in keep]:
             return f"the {name} images differ ({len(found[name])} rows in the file, {len(keep)} now)"
-        if not sparse.same(found[name].labels, take_rows(planned.labels, keep)):
+        if not sparse.same(found[name].labels, sparse.take(planned.labels, keep)):
             return f"the {name} labels differ"
-        if planned.observed is not None and not sparse.same(found[name].observed, take_rows(planned.observed, keep)):
+        if planned.observed is not None and not sparse.same(found[name].observed, sparse.take(planned.observed, keep)):
             return f"the {name} observed labels differ"
     return None
 

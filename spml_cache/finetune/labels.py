@@ -20,11 +20,6 @@ from spml_cache.cache import sparse
 SCORED_BLOCK_ENTRIES = 1 << 24
 
 
-def of_rows(matrix, rows: np.ndarray):
-    """The rows `rows` of a dense or sparse label matrix (a sparse one stays sparse)."""
-    return matrix.take(rows) if sparse.is_sparse(matrix) else matrix[rows]
-
-
 def loss_observed(loss: str, observed) -> torch.Tensor | None:
     """The training observed labels loss `loss` is built with (`train_observed`): a sparse cache's made dense only
     for a loss that reads the whole matrix (`losses.reads_whole_observed`, as stage two), else None."""

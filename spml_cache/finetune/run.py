@@ -31,7 +31,7 @@ from spml_cache.cache import sparse
 from spml_cache.devices import default_workers
 from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.finetune import checkpoints, parallel
-from spml_cache.finetune.labels import TrainLabels, loss_observed, of_rows, split_ap
+from spml_cache.finetune.labels import TrainLabels, loss_observed, split_ap
 from spml_cache.finetune import images as data
 from spml_cache.finetune.settings import FinetuneOptions, FineTuneModel, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
@@ -342,9 +342,9 @@ def _label_mask(setup: Setup, split: str, batch_size: int | None = None):
     """The split's label mask on its rows (partial labels: 1 where annotated; dense or sparse), None where every
     label is known."""
     mask = getattr(setup.features, split).label_mask
-    return None if mask is None else of_rows(mask, _rows(setup, split, batch_size))
+    return sparse.take(mask, _rows(setup, split, batch_size))
 
 
 def _labels(setup: Setup, split: str, batch_size: int | None = None):
     """The split's full labels on its rows, dense or sparse (on the host)."""
-    return of_rows(getattr(setup.features, split).labels, _rows(setup, split, batch_size))
+    return sparse.take(getattr(setup.features, split).labels, _rows(setup, split, batch_size))
