@@ -67,17 +67,39 @@ def peak_resident() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+LARGE_ALLOCATION = 1 << 20  # bytes: under a memory budget, blocks from this size are mapped alone (`keep_within`)
+
+
+def _glibc(function: str):
+    """A glibc allocator function, or None (musl and macOS have neither malloc_trim nor these mallopt knobs)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), function) if name else None
+    except (OSError, AttributeError):
+        return None
+
+
 def give_back_freed() -> None:
     """Return the C heap's freed memory to the system now (glibc's `malloc_trim`; elsewhere nothing). What a job
     frees stays in the allocator's arenas otherwise, and a run that trains its lr groups in turn would grow by
     some of it with every group (measured: ~45 MB a group at 5,000 classes, docs/benchmarks.md)."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc: musl and macOS have no malloc_trim
-        trim = None
+    trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)
+
+
+def keep_within() -> None:
+    """For a run under a memory budget: every block of `LARGE_ALLOCATION` bytes or more gets its own mapping,
+    returned to the system when freed, and freed heap is trimmed early. glibc otherwise raises its mapping
+    threshold as large blocks are freed (up to 32 MB), after which scoring's and training's transient buffers
+    come from arenas that keep what they grew to: measured ~70-170 MB above the steady state at the end of a
+    500k x 5,000 epoch (docs/benchmarks.md). Costs a mapping per large allocation; elsewhere a no-op."""
+    mallopt = _glibc("mallopt")
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION)  # fixed: glibc no longer adjusts it
+        mallopt(_M_TRIM_THRESHOLD, LARGE_ALLOCATION)
 
 
 def describe(size: int) -> str:

@@ -88,6 +88,8 @@ def run_linear(
     features, plan, lrs_at_once = load_within(find_cache(cache, dataset, cache_dir), budget, settings.heads_at_once(),
                                               target, chunk_rows, settings.heads_per_lr())
     lrs_at_once = lrs_at_once and min(lrs_at_once, len(settings.lrs))
+    if plan.streams or lrs_at_once:  # the budget binds: transient buffers must not stay with the allocator
+        memory.keep_within()
     if not plan.train_in_memory or lrs_at_once:
         workers = _streaming(settings, workers) if not plan.train_in_memory else 1
     check_val_split(features.val.labels, str(features.path))
