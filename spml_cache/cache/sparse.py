@@ -60,16 +60,9 @@ class SparseLabels:
 
     def rows(self, index, dtype=np.int8) -> np.ndarray:
         """The dense block `[len(index), C]` of the rows `index` (an int array, in any order), built now."""
-        index = np.asarray(index, dtype=np.int64).reshape(-1)
-        starts, stops = self.indptr[index], self.indptr[index + 1]
-        lengths = stops - starts
-        out = np.zeros((len(index), self.num_classes), dtype=dtype)
-        if lengths.sum() == 0:
-            return out
-        row_of = np.repeat(np.arange(len(index)), lengths)
-        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        positions = np.repeat(starts, lengths) + offsets
-        out[row_of, self.indices[positions]] = self.values[positions]
+        taken = self.take(np.asarray(index, dtype=np.int64).reshape(-1))
+        out = np.zeros(taken.shape, dtype=dtype)
+        out[taken.row_of_entries(), taken.indices] = taken.values
         return out
 
     def row_range(self, start: int, stop: int, dtype=np.int8) -> np.ndarray:
@@ -82,7 +75,7 @@ class SparseLabels:
         end = self.indptr[rows]
         indices, values = self.indices[:end], self.values[:end]
         keep = (indices >= low) & (indices < high)
-        row_of = np.repeat(np.arange(rows), np.diff(self.indptr[: rows + 1]))[keep]
+        row_of = self.row_of_entries()[:end][keep]
         out = np.zeros((rows, high - low), dtype=dtype)
         out[row_of, indices[keep] - low] = values[keep]
         return out
@@ -92,10 +85,8 @@ class SparseLabels:
 
     def equal(self, value: int) -> "SparseLabels":
         """The 0/1 matrix of the entries equal to `value` (non-zero), still sparse."""
-        keep = self.values == value
-        kept_before = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
-        indptr = kept_before[self.indptr]
-        return SparseLabels(indptr, self.indices[keep], np.ones(int(keep.sum()), np.int8), self.num_classes)
+        matched = self.select(self.values == value)
+        return SparseLabels(matched.indptr, matched.indices, np.ones(matched.nnz, np.int8), self.num_classes)
 
     def rows_with(self, value: int) -> np.ndarray:
         """bool [N]: the rows holding at least one entry equal to `value`."""
@@ -191,6 +182,13 @@ def take(matrix, rows):
     if matrix is None:
         return None
     return matrix.take(np.asarray(rows, dtype=np.int64)) if is_sparse(matrix) else matrix[rows]
+
+
+def columns(matrix, low: int, high: int, dtype=np.uint8) -> np.ndarray:
+    """The classes `low:high` of a dense or sparse label matrix, as a dense block (of that class range only)."""
+    if is_sparse(matrix):
+        return matrix.columns(low, high, dtype=dtype)
+    return np.ascontiguousarray(np.asarray(matrix)[:, low:high]).astype(dtype, copy=False)
 
 
 def rows_with(matrix, value: int) -> np.ndarray:

@@ -67,17 +67,11 @@ def split_ap(scores: torch.Tensor, labels, mask=None) -> tuple[torch.Tensor, flo
     aps, scored = [], []
     for low in range(0, num_classes, width):
         high = min(low + width, num_classes)
-        block = torch.from_numpy(_columns(labels, low, high))
-        block_mask = None if mask is None else torch.from_numpy(_columns(mask, low, high))
+        block = torch.from_numpy(sparse.columns(labels, low, high))
+        block_mask = None if mask is None else torch.from_numpy(sparse.columns(mask, low, high))
         aps.append(metrics.average_precision(scores[:, low:high], block, block_mask))
         if mask is not None:
             scored.append(metrics.scored_classes(block, block_mask))
     ap = torch.cat(aps)
     return ap, float(metrics.mean_over_classes(ap, torch.cat(scored) if mask is not None else None))
 
-
-def _columns(matrix, low: int, high: int) -> np.ndarray:
-    """The classes `low:high` of a dense or sparse matrix, uint8."""
-    if sparse.is_sparse(matrix):
-        return matrix.columns(low, high, dtype=np.uint8)
-    return np.ascontiguousarray(np.asarray(matrix)[:, low:high]).astype(np.uint8, copy=False)

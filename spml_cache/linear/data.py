@@ -51,9 +51,7 @@ class LinearData:
     def from_features(cls, features: FeatureSet, device: torch.device, val_labels: str = "clean",
                       plan: MemoryPlan | None = None) -> "LinearData":
         def on_device(array):
-            if sparse.is_sparse(array) or isinstance(array, StoredFeatures):
-                return array
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+            return _on_device(array, device)
 
         splits = (features.val.features, features.test.features)
         if isinstance(splits[0], StoredFeatures):
@@ -86,13 +84,9 @@ class LinearData:
 
     def under_rule(self, train_observed, val_observed, val_labels: str = "clean") -> "LinearData":
         """The same features (not copied) with an observation rule's observed labels (observation.py)."""
-        def on_device(array):
-            if sparse.is_sparse(array):
-                return array
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
-
-        targets = self.val_targets if val_labels == "clean" else on_device(_val_targets(None, val_observed, val_labels))
-        return replace(self, train_observed=on_device(train_observed), val_targets=targets)
+        targets = (self.val_targets if val_labels == "clean"
+                   else _on_device(_val_targets(None, val_observed, val_labels), self.device))
+        return replace(self, train_observed=_on_device(train_observed, self.device), val_targets=targets)
 
     @property
     def partial_test_labels(self) -> dict | None:
@@ -150,6 +144,13 @@ class LinearData:
         return Batch(features, label_rows(self.train_observed, rows, np.int8), labels)
 
 
+def _on_device(array, device: torch.device):
+    """A dense array as a tensor on `device`; a sparse matrix or features left in the file as they are."""
+    if sparse.is_sparse(array) or isinstance(array, StoredFeatures):
+        return array
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
 def observed_for_loss(observed, whole: bool) -> torch.Tensor | None:
     """`LinearData.observed_for_loss` of a numpy, torch or sparse matrix."""
     if isinstance(observed, torch.Tensor):
@@ -167,13 +168,10 @@ def _scored(labels, mask) -> np.ndarray | None:
         return scored_classes(labels, mask).numpy()
     num_classes = labels.shape[1]
     return np.concatenate([
-        ((_columns(labels, low, min(low + SCORED_BLOCK, num_classes)) > 0)
-         & (_columns(mask, low, min(low + SCORED_BLOCK, num_classes)) > 0)).any(axis=0)
+        ((sparse.columns(labels, low, min(low + SCORED_BLOCK, num_classes)) > 0)
+         & (sparse.columns(mask, low, min(low + SCORED_BLOCK, num_classes)) > 0)).any(axis=0)
         for low in range(0, num_classes, SCORED_BLOCK)])
 
-
-def _columns(matrix, low: int, high: int) -> np.ndarray:
-    return matrix.columns(low, high) if sparse.is_sparse(matrix) else np.asarray(matrix)[:, low:high]
 
 
 def _val_targets(labels, observed, val_labels: str):

@@ -56,8 +56,7 @@ class HeadStack:
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
             num_heads=len(lrs), train_observed=data.observed_for_loss(loss_registry.reads_whole_observed(name)),
-            seed=seed,
-            fidelity=fidelity, train_similarity=data.train_similarity,
+            seed=seed, fidelity=fidelity, train_similarity=data.train_similarity,
             train_crop_similarity=data.train_crop_similarity, **hparams,
         ).to(device)
         self.drop_last, self.early_stop = self.loss.drops_last, self.loss.early_stop  # the fidelity's rules
