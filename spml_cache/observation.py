@@ -64,22 +64,26 @@ class RuleEntry:
     per_split: bool = False  # drawn over each split's rows on its own (train with the seed, val with seed + 1)
     example: str = ""
     sparse_draw: Callable | None = None  # `(labels, seed, **params)` on SparseLabels (observation_sparse.py)
+    observes_nothing: Callable[..., bool] | None = None  # `(**params)`: True where the rule shows no label at all
 
 
 RULES: dict[str, RuleEntry] = {}
 
 
 def register(name: str, *, source: str, summary: str, params: tuple[Param, ...] = (), needs_areas: bool = False,
-             per_split: bool = False, example: str = "", sparse_draw: Callable | None = None):
+             per_split: bool = False, example: str = "", sparse_draw: Callable | None = None,
+             observes_nothing: Callable[..., bool] | None = None):
     def add(draw: Callable) -> Callable:
         RULES[name] = RuleEntry(name, source, summary, params, draw, needs_areas, per_split, example or name,
-                                sparse_draw)
+                                sparse_draw, observes_nothing)
         return draw
 
     return add
 
 
-SEED = Param("seed", int, lambda v: v >= 0, "a whole number >= 0", OBSERVE_SEED)
+# numpy seeds are 32-bit, and a per-split rule draws val with seed + 1
+MAX_SEED = 2**32 - 2
+SEED = Param("seed", int, lambda v: 0 <= v <= MAX_SEED, f"a whole number from 0 to {MAX_SEED}", OBSERVE_SEED)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,9 @@ def parse_rule(text: str, flag: str = FLAG) -> Rule:
             continue
         values[key] = _number(given[key], param, f"{flag} {text}: {key}")
     seed = int(values.pop("seed"))
+    if entry.observes_nothing is not None and entry.observes_nothing(**values):
+        raise SpmlError(f"{flag} {text}: observes no label at all, so every loss would train on nothing; observe at"
+                        f" least one, e.g. {entry.example}")
     return Rule(name, tuple((param.name, values[param.name]) for param in entry.params), seed)
 
 
@@ -210,7 +217,8 @@ def _single(labels, areas, seed):
           summary="K positives and M negatives per image, drawn uniformly (all of them when fewer, or K/M = all)",
           params=(Param("pos", int, lambda v: v >= -1, COUNT, 1, all_is=-1),
                   Param("neg", int, lambda v: v >= -1, COUNT, 0, all_is=-1)),
-          example="uniform:pos=K,neg=M", sparse_draw=on_sparse.uniform)
+          example="uniform:pos=K,neg=M", sparse_draw=on_sparse.uniform,
+          observes_nothing=lambda pos, neg: pos == 0 and neg == 0)
 def _uniform(labels, areas, seed, pos, neg):
     return observe_labels(labels, num_pos=pos, num_neg=neg, seed=seed)
 
@@ -239,7 +247,7 @@ def _keep_positives(labels, areas, seed, f):
 @register("per-class", source="a per-class annotation budget (N labelled images per class and side)",
           summary="per class, N of its positive and N of its negative images observed (all when fewer)",
           params=(Param("n", int, lambda v: v >= 0, "a whole number >= 0"),), per_split=True, example="per-class:N",
-          sparse_draw=on_sparse.per_class)
+          sparse_draw=on_sparse.per_class, observes_nothing=lambda n: n == 0)
 def _per_class(labels, areas, seed, n):
     rng = np.random.RandomState(seed)
     observed = np.zeros(labels.shape, dtype=np.int8)
@@ -375,6 +383,18 @@ def for_cache(features, rules: list[Rule]) -> dict[str, Observed]:
                                      label_masks=(features.train.label_mask, features.val.label_mask))
             found[rule.text] = Observed(rule, train, val, False)
     return found
+
+
+def refuse_unobserved(observed: dict[str, Observed], source) -> None:
+    """A rule whose training rows show no label at all (an all-unknown observed matrix) trains every loss on
+    nothing, to results that look real: refused before training."""
+    for text, found in observed.items():
+        values = found.train.values if sparse.is_sparse(found.train) else np.asarray(found.train)
+        if not np.any(values):
+            fix = ("re-extract the cache (spml-cache extract --force)" if found.stored
+                   else f"choose an {FLAG} rule that observes labels")
+            raise SpmlError(f"{source}: no training label is observed under {text} (every entry unknown), so every"
+                            f" loss would train on nothing: {fix}")
 
 
 def drawn_note(observed: dict[str, Observed], cache_path) -> str | None:

@@ -231,6 +231,23 @@ def check_val_split(val_labels: np.ndarray, source: str) -> None:
                         f" dataset with more training images (val is {VAL_FRAC:.0%} of them)")
 
 
+def check_train_test(num_train: int, test_labels, test_mask, source: str) -> None:
+    """Results that look real and are not: without a training row no head learns (the report would show the
+    initial heads' mAP as a result), and a test split without a row, or without an annotated positive label,
+    scores 0.00 whatever the heads learnt; refuse them before training."""
+    if num_train == 0:
+        raise SpmlError(f"{source}: its train split has no rows, so no head would learn anything: use a dataset with"
+                        " training images")
+    rows = len(test_labels)
+    if rows == 0:
+        raise SpmlError(f"{source}: its test split has no rows, so test mAP would be 0.00 whatever the heads learn:"
+                        " use a dataset with test images")
+    if sparse.count_positive(test_labels, test_mask) == 0:
+        what = "positive label" if test_mask is None else "annotated positive label (every positive cell unknown)"
+        raise SpmlError(f"{source}: its test split has no {what} in {rows} rows, so test mAP would be 0.00 whatever"
+                        " the heads learn: label the test images' classes (a CSV's test rows need known positives)")
+
+
 def check_grid(lrs: Sequence[float], batch_sizes: Sequence[int]) -> tuple[list[float], list[int]]:
     """A grid's learning rates and batch sizes: at least one of each, positive and finite, each once (in the
     order given, which is the grid order selection breaks ties in)."""

@@ -212,9 +212,14 @@ def same(first, second) -> bool:
     return first == second
 
 
-def count_positive(matrix) -> int:
-    """How many entries of a dense or sparse label matrix are positive (> 0)."""
-    return int((matrix.values > 0).sum()) if is_sparse(matrix) else int((np.asarray(matrix) > 0).sum())
+def count_positive(matrix, mask=None) -> int:
+    """How many entries of a dense or sparse label matrix are positive (> 0); with a `mask` (partial labels, the
+    same form: non-zero where annotated), the annotated ones only."""
+    if mask is None:
+        return int((matrix.values > 0).sum()) if is_sparse(matrix) else int((np.asarray(matrix) > 0).sum())
+    if is_sparse(matrix) and is_sparse(mask):
+        return int(contains(mask.keys()[mask.values != 0], matrix.keys()[matrix.values > 0]).sum())
+    return int(((dense(matrix) > 0) & (dense(mask) != 0)).sum())
 
 
 def resolve_format(choice: str, num_classes: int) -> str:

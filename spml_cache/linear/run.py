@@ -35,7 +35,7 @@ from spml_cache.observation import Rule
 from spml_cache.progress import console as progress_console
 from spml_cache.ranks import Ranks
 from spml_cache.ranks import current as current_ranks
-from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS, check_val_split
+from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS, check_train_test, check_val_split
 from spml_cache.selection import HeadRecord, loss_results, select_config
 
 # --- the run ---------------------------------------------------------------------------------------------
@@ -92,11 +92,13 @@ def run_linear(
         memory.keep_within()
     if not plan.train_in_memory or lrs_at_once:
         workers = _streaming(settings, workers) if not plan.train_in_memory else 1
+    check_train_test(len(features.train), features.test.labels, features.test.label_mask, str(features.path))
     check_val_split(features.val.labels, str(features.path))
     if resume is not None or from_run is not None:
         verify(features)  # what goes on, or starts from a head and its state, must read the very same arrays
     settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
+    observation.refuse_unobserved(observed, features.path)
     units, notes = settings.units(observed, features.train.labels)
     notes = text_notes + notes
     used = resolved_hparams(settings, features)

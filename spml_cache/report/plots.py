@@ -74,7 +74,8 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
     oracles = oracle_losses()
     per_column = []
     for column in columns:
-        present = {loss: run for (label, loss), run in chosen.items() if label == column.label}
+        present = {loss: run for (label, loss), run in chosen.items()
+                   if label == column.label and not run.test_unscored}  # test mAP n/a: never ranked, not drawn
         per_column.append((column, {name: present[name] for name in in_spec_order(present)}))
     if pair is not None:
         missing = [name for name in pair if not any(name in by_loss for _, by_loss in per_column)]

@@ -29,7 +29,7 @@ from spml_cache.report.paper import PAPERS, paper_number
 
 @dataclass
 class Cell:
-    mean: float
+    mean: float | None  # None: n/a (a test split that scored no class), never ranked
     std: float | None  # None with one seed
     seeds: int
     run: Path
@@ -40,7 +40,7 @@ class Cell:
 
     @property
     def diff(self) -> float | None:
-        return None if self.paper is None else self.mean - self.paper
+        return None if self.paper is None or self.mean is None else self.mean - self.paper
 
 
 @dataclass
@@ -60,7 +60,8 @@ def _cell(run: Run, loss: str) -> Cell:
     result = run.losses[loss]
     seeds = len(result.get("per_seed") or []) or 1
     std = result.get("test_map_std") if seeds > 1 else None
-    return Cell(mean=float(result["test_map"]), std=None if std is None else float(std), seeds=seeds, run=run.path,
+    mean = None if run.test_unscored else float(result["test_map"])
+    return Cell(mean=mean, std=None if std is None or mean is None else float(std), seeds=seeds, run=run.path,
                 swept=(result.get("selected") or {}).get("swept") or None)
 
 
@@ -84,7 +85,8 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
         rows.append((loss, cells))
     reference = _zero_shot_cells(columns, chosen)
     for column in columns:
-        candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells]
+        candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells
+                      and cells[column.label].mean is not None]
         if candidates:
             max(candidates, key=lambda c: c.mean).best = True
         if paper and column.backbone != DEFAULT_BACKBONE:
@@ -113,6 +115,8 @@ def _zero_shot_cells(columns: list[Column], chosen: dict[tuple[str, str], Run]) 
 def cell_text(cell: Cell | None) -> str:
     if cell is None:
         return "-"
+    if cell.mean is None:
+        return "n/a"
     text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
     return text + (" (" + " ".join(f"{key}={value:g}" for key, value in cell.swept.items()) + ")" if cell.swept else "")
 
