@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from spml_cache.cache.schema import plain
 from spml_cache.errors import SpmlError
 
 SPARSE_MIN_CLASSES = 1000  # `extract --labels auto` stores label matrices of this many classes or more as CSR
@@ -247,7 +248,15 @@ def store(group: h5py.Group, name: str, matrix, sparse: bool, dtype) -> None:
 
 
 def stored_sparse(node) -> bool:
-    return isinstance(node, h5py.Group) and node.attrs.get("format") in ("csr", b"csr")
+    """Whether a stored label matrix is the CSR group (else a dense dataset); a group of another format is refused
+    in one line (no reader could index it)."""
+    if not isinstance(node, h5py.Group):
+        return False
+    found = node.attrs.get("format")
+    if found not in ("csr", b"csr"):
+        raise SpmlError(f"{node.file.filename}: {node.name} is a group with format {plain(found)!r}, not a CSR"
+                        " matrix (format \"csr\") nor a dataset: rebuild the cache (extract --force)")
+    return True
 
 
 def stored_shape(node) -> tuple[int, ...]:
@@ -268,7 +277,21 @@ def read(node, dtype):
             or (nnz and (matrix.indices.min() < 0 or matrix.indices.max() >= columns))):
         raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix of shape {[rows, columns]};"
                         " rebuild the cache (extract --force)")
+    row = unordered_row(matrix)
+    if row is not None:
+        raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix: row {row} holds a class"
+                        " twice or out of ascending order; rebuild the cache (extract --force)")
     return matrix
+
+
+def unordered_row(matrix: SparseLabels) -> int | None:
+    """The first row whose stored classes are not strictly ascending (a class twice, or out of order), or None:
+    every reader (`rows`, `columns`, `keys`, the content hash) takes a row's classes as a sorted set."""
+    within = np.diff(matrix.indices) <= 0  # entry k+1 not after entry k ...
+    starts = matrix.indptr[1:-1]
+    within[starts[(starts > 0) & (starts < matrix.nnz)] - 1] = False  # ... unless k+1 starts the next row
+    bad = np.flatnonzero(within)
+    return int(np.searchsorted(matrix.indptr, bad[0], side="right") - 1) if len(bad) else None
 
 
 def signed_annotations(labels: SparseLabels, mask: SparseLabels) -> SparseLabels:

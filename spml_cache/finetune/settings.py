@@ -206,13 +206,13 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
                             " there): resume with its settings, or start a new run")
         options, root = FinetuneOptions.of(resumed.settings), root if root is not None else resumed.root
     features, start = _starting_point(options, out, cache_dir)
-    if resumed is not None or start is not None:
-        cache.verify(features)  # what goes on, or starts from a linear head, must read the very same arrays
+    # what goes on, or starts from a linear head, must read the very same arrays
+    unverified = cache.verify(features) if resumed is not None or start is not None else None
     if resumed is not None and cache.cache_id(features.attrs) != resumed.cache_id:
         raise SpmlError(f"--resume {resumed.run_dir}: {features.path} was rebuilt since that run began;"
                         " start a new run")
     settings = _settings(options, features, start, processes)
-    notes = [describe_start(start, settings)]
+    notes = [describe_start(start, settings)] + ([unverified] if unverified else [])
     if root is None:
         raise SpmlError("no image root: pass --root DIR (where the cache was extracted from) or set SPML_DATA")
     ids = {split: getattr(features, split).ids for split in cache.SPLITS}

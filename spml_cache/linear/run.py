@@ -94,8 +94,8 @@ def run_linear(
         workers = _streaming(settings, workers) if not plan.train_in_memory else 1
     check_train_test(len(features.train), features.test.labels, features.test.label_mask, str(features.path))
     check_val_split(features.val.labels, str(features.path))
-    if resume is not None or from_run is not None:
-        verify(features)  # what goes on, or starts from a head and its state, must read the very same arrays
+    # what goes on, or starts from a head and its state, must read the very same arrays
+    unverified = verify(features) if resume is not None or from_run is not None else None
     settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
     observation.refuse_unobserved(observed, features.path)
@@ -108,7 +108,8 @@ def run_linear(
     grouped = lrs_at_once and (
         f"memory budget: the grid's heads do not fit at once; trained {lrs_at_once} lr{'s' * (lrs_at_once > 1)} of"
         " one batch size at a time (the same heads, in turn)")
-    for note in [observation.drawn_note(observed, features.path), *notes, plan.streams and plan.describe(), grouped]:
+    for note in [unverified, observation.drawn_note(observed, features.path), *notes, plan.streams and plan.describe(),
+                 grouped]:
         if note and (ranks is None or ranks.main):
             (console or progress_console).print(note, markup=False, highlight=False, soft_wrap=True)
     whole = LinearData.from_features(features, target, settings.val_labels, plan)
