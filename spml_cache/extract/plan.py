@@ -72,11 +72,24 @@ def _same(a, b) -> bool:
     return json.dumps(cache.plain(a), sort_keys=True) == json.dumps(cache.plain(b), sort_keys=True)
 
 
+NEVER_REPLACED = "pick another --out (a cache is never written over a file that is not one, not even with --force)"
+
+
 def refuse_foreign_file(path: Path) -> None:
-    """Extraction replaces a cache (with --force), never a file of something else that happens to sit there."""
-    if path.exists() and not (path.is_file() and h5py.is_hdf5(path)):
-        raise SpmlError(f"{path} exists and is not an HDF5 cache: pick another --out (extract never replaces a file"
-                        " that is not a cache, not even with --force)")
+    """Extraction replaces a cache (with --force), never a file of something else that happens to sit there: not
+    an HDF5 file, nor an HDF5 file without the `schema_version` every cache carries from its creation."""
+    if not path.exists():
+        return
+    if not (path.is_file() and h5py.is_hdf5(path)):
+        raise SpmlError(f"{path} exists and is not an HDF5 cache: {NEVER_REPLACED}")
+    try:
+        with h5py.File(path, "r") as file:
+            foreign = "schema_version" not in file.attrs
+    except OSError:  # locked by its writer, or damaged: a cache's own checks say which
+        foreign = False
+    if foreign:
+        raise SpmlError(f"{path} is an HDF5 file but not an spml-cache cache (no schema_version attribute):"
+                        f" {NEVER_REPLACED}")
 
 
 def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.SplitRows], was: str, fix: str,

@@ -26,6 +26,7 @@ from spml_cache.backbone import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.datasets import voc
 from spml_cache.errors import SpmlError
 from spml_cache.extract.pipeline import run_attrs
+from spml_cache.extract.plan import refuse_foreign_file
 
 FILES = {
     "images": "formatted_{split}_images.npy",
@@ -122,6 +123,7 @@ def import_features(
     if not folder.is_dir():
         raise SpmlError(f"{folder} is not a folder; pass the folder that holds the authors' formatted_*.npy files")
     path = cache.default_path(dataset, RESOLUTION) if out is None else Path(out).expanduser()
+    refuse_foreign_file(path)
     if path.exists() and not force:
         raise SpmlError(f"{path} already exists: pass --force to replace it, or pick another --out")
     train = _read_split(folder, "train", with_observed=True)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import shlex
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from spml_cache import cache
+from spml_cache import cache, locks
 from spml_cache.cache import sparse
 from spml_cache.errors import SpmlError
 from spml_cache.ranks import Ranks
@@ -83,8 +84,13 @@ def refuse_other_layouts(final: Path, shard: Shard | None, force: bool) -> None:
         return
     if force:
         if shard is None or shard.main:
-            for path in others:
-                path.unlink(missing_ok=True)
+            with ExitStack() as held:  # every lock first: a running extraction's files are never removed
+                held.enter_context(locks.held(final, f"the cache {final}"))  # rank 0 holds it while it joins
+                for path in others:
+                    writer = path.with_name(path.name.removesuffix(".partial"))  # the name its rank locks
+                    held.enter_context(locks.held(writer, f"the cache shard {writer}"))
+                for path in others:
+                    path.unlink(missing_ok=True)
         return
     world = others[0].name.rsplit("-of-", 1)[1].split(".")[0]
     now = f"{shard.world} processes" if shard else "one process"
