@@ -30,11 +30,19 @@ class DiskFull(SpmlError):
 
     @staticmethod
     def caused(err: BaseException) -> bool:
-        """Whether `err` (an OSError, or the RuntimeError torch or h5py make of one) is a full disk or quota."""
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(err)
-        return "No space left on device" in text or "errno = 28" in text or "file write failed" in text
+        """Whether `err` (an OSError, or the RuntimeError torch or h5py make of one) is a full disk or quota. The
+        chain is followed: torch.save's "unexpected pos" RuntimeError carries the OSError it began with as its
+        context."""
+        seen = set()
+        while err is not None and id(err) not in seen:
+            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                return True
+            text = str(err)
+            if "No space left on device" in text or "errno = 28" in text or "file write failed" in text:
+                return True
+            seen.add(id(err))
+            err = err.__cause__ or err.__context__
+        return False
 
 
 class Interrupted(Exception):

@@ -109,14 +109,20 @@ def write_json(path: Path | str, data: Any) -> Path:
     return path
 
 
-def read_json(path: Path | str) -> Any:
+def read_json(path: Path | str, expect: type | None = None) -> Any:
+    """A JSON file's contents; `expect` (dict for the object a run directory's files hold): anything else is one
+    line naming the file."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpmlError(f"{path} does not exist") from None
     except json.JSONDecodeError as err:
         raise SpmlError(f"{path} is not valid JSON ({err})") from None
+    if expect is not None and not isinstance(data, expect):
+        raise SpmlError(f"{path} holds a JSON {type(data).__name__}, not the object spml-cache writes there (damaged,"
+                        " or written by hand): run that stage again")
+    return data
 
 
 def append_metrics(run_dir: Path | str, rows: Iterable[dict]) -> None:
@@ -297,7 +303,7 @@ def load_results(run_dir: Path | str) -> dict:
         raise SpmlError(f"{run_dir} is not a run directory")
     if not is_complete(run_dir):
         raise SpmlError(f"{run_dir} has no {RESULTS}: the run did not finish; run it again")
-    return read_json(run_dir / RESULTS)
+    return read_json(run_dir / RESULTS, dict)
 
 
 def open_for_resume(run_dir: Path | str, stage: str) -> dict:
@@ -305,7 +311,7 @@ def open_for_resume(run_dir: Path | str, stage: str) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
-    config = read_json(run_dir / "config.json")
+    config = read_json(run_dir / "config.json", dict)
     if config.get("stage") != stage:
         raise SpmlError(f"--resume {run_dir}: a {config.get('stage')} run; resume it with"
                         f" spml-cache {config.get('stage')} --resume {run_dir}")
@@ -324,7 +330,7 @@ def newest_run(runs_root: Path | str, dataset: str, stage: str, *, loss: str,
         if not (is_complete(path) and (path / "best.pt").exists()):
             continue
         try:
-            results = read_json(path / RESULTS)
+            results = read_json(path / RESULTS, dict)
         except SpmlError:  # a garbled results.json: not a run to start from
             continue
         if loss in results.get("losses", {}) and cache in (None, results.get("cache_id")):
@@ -380,7 +386,7 @@ def read_linear_head(run: Path, loss: str | None) -> LinearHead:
     entry = load_checkpoint(run / "best.pt").get(loss)
     if not isinstance(entry, dict) or "head" not in entry:
         raise SpmlError(f"{run / 'best.pt'} holds no head for {loss}: re-run spml-cache linear --loss {loss}")
-    config = read_json(run / "config.json") if (run / "config.json").exists() else {}
+    config = read_json(run / "config.json", dict) if (run / "config.json").exists() else {}
     return LinearHead(
         run=Path(run), loss=trained[loss].get("loss", loss), weight=entry["head"]["weight"].float(),
         bias=entry["head"]["bias"].float(), rule=trained[loss].get("rule", DEFAULT_RULE),

@@ -75,8 +75,8 @@ def read_run(path: Path) -> Run:
     config = results = None
     problem = f"no {RESULTS}: interrupted or still running"
     try:
-        config = read_json(path / "config.json") if (path / "config.json").exists() else None
-        results = read_json(path / RESULTS) if is_complete(path) else None
+        config = read_json(path / "config.json", dict) if (path / "config.json").exists() else None
+        results = read_json(path / RESULTS, dict) if is_complete(path) else None
     except SpmlError as err:  # half-written by hand or by a crash: report it, do not stop the table
         problem = str(err)
     if results is not None and not (results.get("complete") and isinstance(results.get("losses"), dict)):

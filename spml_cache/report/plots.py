@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
+from numpy.lib.npyio import NpzFile
 from rich.console import Console
 from rich.text import Text
 
@@ -164,9 +168,9 @@ def _train_summary(run: Run, loss: str) -> dict:
     score_file, label_file = scores_path(run.path, run.key(loss)), run.path / "labels.npz"
     if not (score_file.exists() and label_file.exists()):
         return summary
-    with np.load(score_file) as scores, np.load(label_file) as labels:
-        observed = labels[run.observed_key if run.observed_key in labels else "train_observed"]
-        train, full = scores["train"].astype(np.float32), labels["train_labels"]
+    labels = run_arrays(label_file, (run.observed_key, "train_observed", "train_labels"))
+    observed = labels[run.observed_key if run.observed_key in labels else "train_observed"]
+    train, full = run_arrays(score_file, ("train",))["train"].astype(np.float32), labels["train_labels"]
     if train.shape != full.shape or full.shape != observed.shape:
         raise SpmlError(f"{score_file}: train scores {train.shape} do not match {label_file} {full.shape}; re-run the stage")
     unobserved = observed == 0
@@ -177,6 +181,22 @@ def _train_summary(run: Run, loss: str) -> dict:
     if summary["train_map"] is None:
         summary["train_map"] = mean_average_precision(train, full)
     return summary
+
+
+def run_arrays(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The arrays `keys` of an .npz file a run wrote (those it holds; the last key is required), or one line
+    naming the file: a file damaged or replaced by something else stops the report, not as a traceback."""
+    try:
+        found = np.load(path)
+        if not isinstance(found, NpzFile):
+            raise ValueError("an .npy array, not an .npz archive")
+        with found:
+            if keys[-1] not in found:
+                raise ValueError(f"no {keys[-1]!r} array in it")
+            return {key: found[key] for key in keys if key in found}
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, zlib.error) as err:
+        raise SpmlError(f"{path} is not the .npz file of a run ({err}): run that stage again, or remove the"
+                        " file") from None
 
 
 def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
