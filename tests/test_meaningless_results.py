@@ -2,7 +2,6 @@
 untrained heads, or a grid trained on no observed label, are refused in one line before anything is written; and
 `report` never ranks a result whose test split scored no class (an older run's), showing n/a instead."""
 
-import json
 from pathlib import Path
 
 import h5py

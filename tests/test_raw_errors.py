@@ -6,18 +6,16 @@ another format: test_damaged_inputs.py.)"""
 import errno
 import json
 import re
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from cli_support import run_cli, run_main
 from linear_support import quiet, write_synthetic_cache
-from test_disk_full import fill, mounted
+from test_disk_full import fill, linear_stopped_by_full_disk, mounted
 from test_report import make_run
 
-from spml_cache import locks, observation, report, runs
+from spml_cache import locks, observation, runs
 from spml_cache.errors import DiskFull, SpmlError
 from spml_cache.linear import run_linear
 from spml_cache.report import collect, plots
@@ -79,12 +77,7 @@ def test_linear_filling_the_disk_inside_torch_save_names_the_file_and_the_resume
                                        classes=10)
     grid = {"losses": ["an"], "lrs": [1e-2], "batch_sizes": [8], "epochs": 1}
     fill(small_disk, leave=leave)
-    with pytest.raises(DiskFull) as full:
-        run_linear(cache=cache_path, out=small_disk, console=quiet(), **grid)
-    (run_dir,) = (small_disk / "voc").iterdir()
-    assert re.fullmatch(rf"no space left on the disk to write {re.escape(str(run_dir))}/\S+ \([\d.]+ MiB free\):"
-                        rf" free some space, then go on with: spml-cache linear --resume {re.escape(str(run_dir))}",
-                        str(full.value))
+    run_dir = linear_stopped_by_full_disk(cache_path, small_disk, **grid)
     assert not list(run_dir.rglob(".*.tmp-*"))  # no temporary file left behind
 
 
