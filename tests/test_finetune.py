@@ -419,3 +419,25 @@ def test_a_text_side_loss_is_refused_in_one_line_with_or_without_a_clip_cache(wo
     with pytest.raises(SpmlError, match=r"clip:ViT-B-16/openai is a CLIP image tower, which spml-cache does not"
                                         r" fine-tune end to end"):
         finetune.finetune(init="imagenet", loss="vlpl", cache_path=clip, **common(world, out=tmp_path, epochs=1))
+
+
+def test_a_start_on_a_cache_without_checksum_notes_that_it_cannot_verify(world, tmp_path):
+    """A cache written before checksums existed (no content_hash attr) cannot be verified: said in a note (issue
+    36, item 6), where a sealed cache is verified in silence."""
+    import h5py
+
+    unsealed = tmp_path / "voc.h5"
+    shutil.copy(world.cache, unsealed)
+    with h5py.File(unsealed, "r+") as file:
+        del file.attrs["content_hash"]
+    classes = len(world.features.classes)
+    head = {"weight": torch.zeros(classes, 2048), "bias": torch.zeros(classes)}
+    older = write_linear_run(tmp_path / "runs" / "voc" / "linear-role-20240101-000000", unsealed, {"role": head})
+    processes = parallel.Processes(0, 1, torch.device("cpu"))
+    for run, noted in ((older, True), (world.linear, False)):
+        options = FinetuneOptions(from_run=run, loss="role", weights=str(world.weights))
+        setup = resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0, processes=processes)
+        cache_path = unsealed if noted else world.cache
+        expected = [f"note: cannot verify {cache_path}: it has no content checksum (written before checksums existed),"
+                    " so a changed or swapped cache would go unnoticed; extract it again to give it one"]
+        assert [note for note in setup.notes if "cannot verify" in note] == (expected if noted else [])
