@@ -118,17 +118,19 @@ def cell_text(cell: Cell | None) -> str:
 
 
 def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
-    """Header and text rows shared by the terminal and Markdown tables; `mark_best` decorates best cells."""
+    """Header and text rows shared by the terminal and Markdown tables; `mark_best` decorates best cells. With
+    --paper, a "paper" and a "Δ" column follow each column that has a published number, and no other."""
+    published = {label for _, cells in table.rows for label, cell in cells.items() if cell.paper is not None}
     header = ["loss"]
     for column in table.columns:
-        header += [column.label] + (["paper", "Δ"] if table.paper else [])
+        header += [column.label] + (["paper", "Δ"] if column.label in published else [])
     rows = []
     for loss, cells in table.rows:
         row = [f"{loss} (oracle)" if loss in table.oracles else loss]
         for column in table.columns:
             cell = cells.get(column.label)
             row.append(mark_best(cell_text(cell)) if cell is not None and cell.best else cell_text(cell))
-            if table.paper:
+            if column.label in published:
                 # the published number as the paper prints it, then ours minus it
                 has_paper = cell is not None and cell.paper is not None
                 row += [str(cell.paper), f"{cell.diff:+.2f}"] if has_paper else ["", ""]
@@ -198,8 +200,9 @@ def print_table(table: Table, console: Console) -> None:
     header, rows = _grid(table, lambda text: f"[bold green]{text} *[/]")
     title = "Test mAP at the selected epoch (mean ± std over seeds)"
     rich_table = RichTable(title=title, title_justify="left", min_width=len(title))
-    for i, name in enumerate(header):
-        rich_table.add_column(name, justify="left" if i == 0 else "right", style="dim" if name == "paper" else None)
+    for i, name in enumerate(header):  # the losses' names whole on their line: the cells wrap first
+        rich_table.add_column(name, justify="left" if i == 0 else "right", style="dim" if name == "paper" else None,
+                              no_wrap=i == 0)
     losses = [loss for loss, _ in table.rows] + [None]
     for i, row in enumerate(rows):
         # the papers' break between the oracles and the single-positive losses
