@@ -265,7 +265,7 @@ def demo_command(
     lr: Optional[str] = typer.Option(None, "--lr", hidden=True),
     batch_size: Optional[str] = typer.Option(None, "--batch-size", hidden=True),
 ) -> None:
-    """The whole pipeline on a generated VOC-style dataset, in about a minute on two CPU cores.
+    """The whole pipeline on a generated VOC-style dataset, in one to two minutes on two CPU cores.
 
     Generates images, extracts ResNet-50 features, trains every loss, fine-tunes the best head for one epoch,
     prints the table and writes the figures.
