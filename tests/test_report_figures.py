@@ -121,11 +121,13 @@ def test_a_loss_whose_curve_repeats_another_is_drawn_dotted_and_says_whose(tmp_p
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     figure = drawn_figures(tmp_path, "VOC linear")["val_curves"]
     (axes,) = figure.axes
-    styles = {line.get_label().split(":")[0].split()[-1]: (line.get_linestyle(), line.get_label()) for line in axes.get_lines()}
+    styles = {line.get_label().split(":")[0].split()[-1]: (line.get_linestyle(), line.get_label())
+              for line in axes.get_lines()}
     assert styles["opml"][0] == ":" and styles["opml"][1].endswith("same curve as zlpr")
     assert styles["zlpr"][0] == "-" and styles["an"][0] == "-" and "same curve" not in styles["an"][1]
     assert "dotted: the same curve as an earlier loss" in figure.get_suptitle().replace("\n", " ")
-    assert val_curves.repeats({"a": ([1, 2], [3.0, 4.0]), "b": ([1, 2], [3.0, 4.5]), "c": ([1, 2], [3.0, 4.0])}) == {"c": "a"}
+    curves = {"a": ([1, 2], [3.0, 4.0]), "b": ([1, 2], [3.0, 4.5]), "c": ([1, 2], [3.0, 4.0])}
+    assert val_curves.repeats(curves) == {"c": "a"}  # c repeats a exactly; b differs at its last epoch
 
 
 def test_the_observed_fraction_figure_names_the_losses_it_leaves_out():

@@ -163,5 +163,6 @@ def build(description: Description) -> nn.Module:
         hub = (open_clip.get_pretrained_cfg(arch, weights) or {}).get("hf_hub") or "its hub repository"
         raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights ({hub.rstrip('/')}) are not in the hub cache"
                         f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there is a"
-                        f" network (HF_HOME says where they go), pass --weights PATH to a local checkpoint, {backbone.WEIGHTS_NONE}") from None
+                        " network (HF_HOME says where they go), pass --weights PATH to a local checkpoint,"
+                        f" {backbone.WEIGHTS_NONE}") from None
     return ClipTrunk(model, arch, pre, description.grid)

@@ -111,7 +111,8 @@ def build(description: Description) -> nn.Module:
             raise SpmlError(
                 f"timm:{name}: its pretrained weights ({description.extra.get('hub')}) are not in the hub cache"
                 f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there"
-                f" is a network (HF_HOME says where they go), pass --weights PATH to a local .pth, {backbone.WEIGHTS_NONE}"
+                " is a network (HF_HOME says where they go), pass --weights PATH to a local .pth,"
+                f" {backbone.WEIGHTS_NONE}"
             ) from None
     model = _create(name, extra)
     _load_file(model, Path(weights).expanduser(), name)

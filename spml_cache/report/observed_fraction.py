@@ -60,7 +60,8 @@ def _figure(Figure, title: str, curves: dict[str, list[tuple[float, float]]]):
     which = (f"the best {len(shown)} of {len(ranked)} losses at P = {largest:g} (left out: {', '.join(ranked[SHOWN:])})"
              if len(ranked) > SHOWN else f"all {len(ranked)} losses")
     axes.set(xlabel="fraction of training labels observed (entry:P)", ylabel="test mAP")
-    axes.set_title(wrapped(f"{title}: test mAP against the fraction of labels observed; {which}", figure, 10), fontsize=10)
+    heading = f"{title}: test mAP against the fraction of labels observed; {which}"
+    axes.set_title(wrapped(heading, figure, 10), fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()

@@ -112,7 +112,8 @@ def draw(Figure, title: str, by_loss: dict[str, Run], oracles: set[str]):
     notes += ["dashed: oracle (full labels)"] if oracles & set(curves) else []
     notes += ["dotted: the same curve as an earlier loss, drawn over it"] if same else []
     notes += ["one epoch: one point per loss"] if len(set(every_epoch)) == 1 else []
-    lines = [f"{title}: validation mAP per epoch (selected config, mean over seeds)"] + (["; ".join(notes)] if notes else [])
+    lines = [f"{title}: validation mAP per epoch (selected config, mean over seeds)"]
+    lines += ["; ".join(notes)] if notes else []
     heading = figure.suptitle(wrapped("\n".join(lines), figure, 11), fontsize=11)
     under_suptitle(figure, heading)
     return figure
@@ -130,7 +131,8 @@ def _panel(axes, names: list[str], curves: dict, test_map: dict[str, float], bes
         epochs, values, selected = curves[name]
         rank = f"#{best.index(name) + 1} " if name in best else ""
         config = f" (lr {selected['lr']:g}, batch {selected.get('batch_size')})" if "lr" in selected else ""
-        label = f"{rank}{name}: test {test_map[name]:.1f}{config}" + (f", same curve as {same[name]}" if name in same else "")
+        label = f"{rank}{name}: test {test_map[name]:.1f}{config}"
+        label += f", same curve as {same[name]}" if name in same else ""
         style = ":" if name in same else "--" if name in oracles else "-"
         colour = palette(best.index(name) if name in best else next(free))
         marker = {"marker": "o", "markersize": 8} if len(epochs) == 1 else {"marker": "."} if len(epochs) < 30 else {}
