@@ -56,6 +56,7 @@ def test_help_examples_survive_80_columns(tmp_path, command):
     (["linear", "--loss", "an", "--observe", "singel", "--cache", "m.h5"], "rule 'singel' (did you mean single?)"),
     (["extract", "vocc", "--root", "."], "unknown dataset 'vocc' (did you mean voc?); choose one of voc, coco"),
     (["import-features", ".", "--dataset", "cocoo"], "unknown dataset 'cocoo' (did you mean coco?)"),
+    (["report", "--format", "mdd"], "--format mdd: unknown format 'mdd' (did you mean md?); use one of csv, md"),
     (["linear", "--loss", "xyzzy", "--cache", "missing.h5"], "unknown loss 'xyzzy'; valid: bce,"),  # nothing close
 ])  # fmt: skip
 def test_a_misspelt_name_gets_the_closest_one_beside_the_list(tmp_path, monkeypatch, capsys, args, expected):

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import (
     DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
@@ -192,7 +192,7 @@ def formatter(fmt: str):
     """The function that renders a table as `fmt` (csv, md, json)."""
     formatters = {"csv": to_csv, "md": to_markdown, "json": to_json}
     if fmt not in formatters:
-        raise SpmlError(f"--format {fmt}: unknown format; use one of {', '.join(formatters)}")
+        raise SpmlError(f"--format {fmt}: {unknown_name('format', fmt, formatters)}; use one of {', '.join(formatters)}")
     return formatters[fmt]
 
 
