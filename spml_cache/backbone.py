@@ -28,6 +28,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 FEATURE_DIM = 2048
 WEIGHT_NAMES = ("IMAGENET1K_V1", "IMAGENET1K_V2")
 DOWNLOAD_TIMEOUT_S = 20.0
+# The last way out of every "weights not here" error: features from a random trunk still run the whole pipeline.
+WEIGHTS_NONE = "or --weights none (random features, to try the pipeline)"
 JPEG_MAGIC = b"\xff\xd8"  # SOI
 JPEG_END = b"\xff\xd9"  # EOI
 # torchvision 0.29 deprecates its decoders in favour of torchcodec; they still work and are what we want here.
@@ -118,7 +120,7 @@ def fetch_checkpoint(url: str, what: str, other_way: str) -> Path:
         f"{what} are not cached (expected {path}; the cache folder is TORCH_HOME="
         f"{os.environ.get('TORCH_HOME', '~/.cache/torch')})"
     )
-    fix = f"copy {path.name} there, {other_way}"
+    fix = f"copy {path.name} there, {other_way}, {WEIGHTS_NONE}"
     if os.environ.get("SPML_OFFLINE"):
         raise SpmlError(f"{way_out} and SPML_OFFLINE is set: {fix}")
     previous = socket.getdefaulttimeout()

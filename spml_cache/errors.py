@@ -3,13 +3,23 @@ exit code 130)."""
 
 from __future__ import annotations
 
+import difflib
 import errno
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 
 class SpmlError(Exception):
     """A problem the user can fix: the message names the file or flag and what to do."""
+
+
+def unknown_name(kind: str, name: str, valid: Iterable[str]) -> str:
+    """`unknown <kind> '<name>'`, with the closest of the `valid` names as a suggestion when one is close
+    (`rolee` -> ` (did you mean role?)`): the one wording of every registry's refusal (losses, observation rules,
+    backbones, datasets), which each follows with its own list of valid names."""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f"unknown {kind} '{name}'" + (f" (did you mean {close[0]}?)" if close else "")
 
 
 class DiskFull(SpmlError):

@@ -24,7 +24,7 @@ import numpy as np
 
 from spml_cache import observation_sparse as on_sparse
 from spml_cache.cache import sparse
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 from spml_cache.protocol import OBSERVE_SEED, hide_unannotated, observe_labels, split_train_val
 
 DEFAULT_RULE = "single"
@@ -134,7 +134,7 @@ def parse_rule(text: str, flag: str = FLAG) -> Rule:
     name = name.strip()
     if name not in RULES:
         known = ", ".join(entry.example for entry in RULES.values())
-        raise SpmlError(f"{flag} {text}: unknown rule '{name}'; use one of {known} (docs/protocol.md, \"Observation"
+        raise SpmlError(f"{flag} {text}: {unknown_name('rule', name, RULES)}; use one of {known} (docs/protocol.md, \"Observation"
                         " rules\")")
     entry = RULES[name]
     params = {param.name: param for param in (*entry.params, SEED)}

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:  # the registry's names and defaults stay importable without torch (the report reads them)
     from torch import nn
@@ -110,8 +110,8 @@ def family_of(name: str) -> tuple[str, str]:
     if not colon:
         return "tv", name
     if prefix not in FAMILIES:
-        raise SpmlError(f"--backbone {name}: unknown family {prefix!r}; use a torchvision name (resnet50,"
-                        " vit_b_16, ...), timm:NAME or clip:ARCH/TAG")
+        raise SpmlError(f"--backbone {name}: {unknown_name('backbone family', prefix, ('timm', 'clip', 'tv'))}; use a"
+                        " torchvision name (resnet50, vit_b_16, ...), timm:NAME or clip:ARCH/TAG")
     return prefix, rest
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from spml_cache import backbone
 from spml_cache.backbones import Description
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 
 PRETRAINED = "pretrained"
 STRIPPED_PREFIXES = ("module.", "model.", "trunk.", "backbone.")
@@ -37,7 +37,8 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('.')[0][:6]}*")[:5]
         hint = f" (e.g. {', '.join(close)})" if close else ""
-        raise SpmlError(f"--backbone timm:{name}: timm has no such model{hint}; timm.list_models() lists them")
+        raise SpmlError(f"--backbone timm:{name}: {unknown_name('backbone', name, timm.list_models())}: timm has no"
+                        f" such model{hint}; timm.list_models() lists them")
     weights = weights or PRETRAINED
     source = _tagged(name, weights) or name  # `--weights TAG`: that tag's weights (and its preprocessing)
     with torch.device("meta"):
@@ -110,7 +111,8 @@ def build(description: Description) -> nn.Module:
             raise SpmlError(
                 f"timm:{name}: its pretrained weights ({description.extra.get('hub')}) are not in the hub cache"
                 f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there"
-                " is a network (HF_HOME says where they go), or pass --weights PATH to a local .pth"
+                " is a network (HF_HOME says where they go), pass --weights PATH to a local .pth,"
+                f" {backbone.WEIGHTS_NONE}"
             ) from None
     model = _create(name, extra)
     _load_file(model, Path(weights).expanduser(), name)

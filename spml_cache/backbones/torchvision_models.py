@@ -19,7 +19,7 @@ from torch import nn
 from spml_cache import backbone
 from spml_cache.backbones import Description
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 
 RESNET50 = "resnet50"
 RESNET50_RESOLUTION = 448  # the papers' 448 x 448 squash
@@ -30,8 +30,8 @@ def _check_name(name: str) -> None:
     known = torchvision.models.list_models(module=torchvision.models)
     if name not in known:
         close = [k for k in known if k.startswith(name[:4])][:6] or ["resnet50", "resnet101", "vit_b_16"]
-        raise SpmlError(f"--backbone {name}: not a torchvision classification model (e.g. {', '.join(close)});"
-                        " for timm or CLIP use timm:NAME or clip:ARCH/TAG")
+        raise SpmlError(f"--backbone {name}: {unknown_name('backbone', name, known)}, not a torchvision classification"
+                        f" model (e.g. {', '.join(close)}); for timm or CLIP use timm:NAME or clip:ARCH/TAG")
 
 
 def _enum(name: str):

@@ -131,7 +131,7 @@ def extract_command(
     torchrun --nproc-per-node N -m spml_cache extract ..., each process extracts every N-th row and rank 0 joins
     them into the one cache.
 
-    Example: spml-cache extract voc --root ~/data --batch-size 128 --observe entry:0.1,largest
+    Example: spml-cache extract voc --root ~/data --observe entry:0.1,largest
     """
     from spml_cache.observation import parse_rules
 
@@ -225,8 +225,9 @@ def linear_command(
     Every finished (loss, seed, batch size) is kept as it finishes: after Ctrl-C, --resume RUN goes on. A
     hyperparameter given as a comma list is swept, every value beside every lr and batch size.
 
-    Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3 --hp ll_r.delta=0.001,0.002,0.003
-    Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1,entry:0.5
+    Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3
+    Example: spml-cache linear --dataset voc --loss ll_r --hp delta=0.001,0.002
+    Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1
     """
     from spml_cache.memory import parse_size
     from spml_cache.observation import parse_rules
@@ -264,7 +265,7 @@ def demo_command(
     lr: Optional[str] = typer.Option(None, "--lr", hidden=True),
     batch_size: Optional[str] = typer.Option(None, "--batch-size", hidden=True),
 ) -> None:
-    """The whole pipeline on a generated VOC-style dataset, in about a minute on two CPU cores.
+    """The whole pipeline on a generated VOC-style dataset, in one to two minutes on two CPU cores.
 
     Generates images, extracts ResNet-50 features, trains every loss, fine-tunes the best head for one epoch,
     prints the table and writes the figures.
@@ -314,7 +315,7 @@ def finetune_command(
     Images, splits and observed labels are the cache's rows. For data parallel, launch it with
     torchrun --nproc-per-node N -m spml_cache finetune ... (the global batch is shared by the processes).
 
-    Example: spml-cache finetune --init best --dataset voc --loss role --root ~/data --lr 1e-5 --batch-size 8
+    Example: spml-cache finetune --dataset voc --loss role --root ~/data --lr 1e-5
     """
     from spml_cache.finetune import finetune
     from spml_cache.protocol import GRID_LRS

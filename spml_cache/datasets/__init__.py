@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from spml_cache.datasets import coco, cub, nus, openimages, voc
 from spml_cache.datasets import csv as csv_reader
 from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -34,7 +34,7 @@ def names() -> list[str]:
 def reader(name: str) -> ModuleType:
     """The module that reads `name` (with NAME, TITLE, MARKER, LAYOUT, ABOUT and read())."""
     if name not in READERS:
-        raise SpmlError(f"unknown dataset {name!r}; choose one of {', '.join(READERS)}")
+        raise SpmlError(f"{unknown_name('dataset', name, READERS)}; choose one of {', '.join(READERS)}")
     return READERS[name]
 
 

@@ -1,4 +1,4 @@
-"""`spml-cache demo`: the whole pipeline on a generated dataset, in about a minute on two CPU cores.
+"""`spml-cache demo`: the whole pipeline on a generated dataset, in one to two minutes on two CPU cores.
 
 Writes, under the output folder: `data/` (a synthetic dataset in the PASCAL VOC 2012 layout), `cache/` (its
 ResNet-50 features), `runs/` (stage two with every loss, and one epoch of stage three from the best

@@ -24,7 +24,7 @@ import torch
 from spml_cache import cache, protocol
 from spml_cache.backbone import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.datasets import voc
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 from spml_cache.extract.pipeline import run_attrs
 from spml_cache.extract.plan import refuse_foreign_file
 
@@ -119,7 +119,8 @@ def import_features(
     """Write the cache of `dataset` from the authors' files in `folder`; refuses to replace a cache unless `force`."""
     folder = Path(folder).expanduser()
     if dataset not in ID_PREFIX:
-        raise SpmlError(f"--dataset {dataset}: choose one of {', '.join(ID_PREFIX)}")
+        raise SpmlError(f"--dataset {dataset}: {unknown_name('dataset', dataset, ID_PREFIX)}; choose one of"
+                        f" {', '.join(ID_PREFIX)}")
     if not folder.is_dir():
         raise SpmlError(f"{folder} is not a folder; pass the folder that holds the authors' formatted_*.npy files")
     path = cache.default_path(dataset, RESOLUTION) if out is None else Path(out).expanduser()

@@ -236,6 +236,8 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
 def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
     """The cache fine-tuning reads and, for LinearInit, the linear head it starts from (checked to fit)."""
     best = options.init in (None, "best")
+    if options.loss is not None:
+        losses.get(split_key(options.loss)[0])  # a misspelt name fails here, with a suggestion, not as "no run"
     if not best and options.from_run is not None:
         raise SpmlError("--from RUN names a linear run to start from: it goes with --init best, not --init imagenet")
     features = cache.load(options.cache) if options.cache is not None else None

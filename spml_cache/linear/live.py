@@ -28,7 +28,9 @@ def summary_table(results: dict, title: str = "linear heads: best config per los
     swept = any((result.get("selected") or {}).get("swept") for result in results["losses"].values())
     columns = ("loss", "val mAP", "test mAP", "lr", "batch") + (("swept values",) if swept else ()) + ("best epoch", "time")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("loss", "swept values") else "right", overflow="fold")
+        # a loss's name (loss@rule) and the short values whole on their line: mAP ± std and lists wrap first
+        table.add_column(column, justify="left" if column in ("loss", "swept values") else "right", overflow="fold",
+                         no_wrap=column in ("loss", "lr", "batch", "time"))
     for name, result in results["losses"].items():
         selected = result.get("selected")
         if selected is None:
@@ -61,7 +63,8 @@ class LiveTable:
     def _table(self) -> Table:
         table = Table(title="training linear heads")
         for column in ("loss", "progress", "best val mAP", "its test mAP", "config"):
-            table.add_column(column, justify="left" if column in ("loss", "progress", "config") else "right")
+            table.add_column(column, justify="left" if column in ("loss", "progress", "config") else "right",
+                             no_wrap=column == "loss")
         for name, row in self.rows.items():
             table.add_row(name, *row)
         return table

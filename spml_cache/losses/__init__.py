@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 from spml_cache.losses.base import _REGISTRY, Loss, register
 from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
 
@@ -53,7 +53,7 @@ def get(name: str) -> type[Loss]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise SpmlError(f"unknown loss '{name}'; valid: {', '.join(names())}") from None
+        raise SpmlError(f"{unknown_name('loss', name, names())}; valid: {', '.join(names())}") from None
 
 
 def reads_whole_observed(name: str) -> bool:

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, unknown_name
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import (
     DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
@@ -122,17 +122,19 @@ def cell_text(cell: Cell | None) -> str:
 
 
 def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
-    """Header and text rows shared by the terminal and Markdown tables; `mark_best` decorates best cells."""
+    """Header and text rows shared by the terminal and Markdown tables; `mark_best` decorates best cells. With
+    --paper, a "paper" and a "Δ" column follow each column that has a published number, and no other."""
+    published = {label for _, cells in table.rows for label, cell in cells.items() if cell.paper is not None}
     header = ["loss"]
     for column in table.columns:
-        header += [column.label] + (["paper", "Δ"] if table.paper else [])
+        header += [column.label] + (["paper", "Δ"] if column.label in published else [])
     rows = []
     for loss, cells in table.rows:
         row = [f"{loss} (oracle)" if loss in table.oracles else loss]
         for column in table.columns:
             cell = cells.get(column.label)
             row.append(mark_best(cell_text(cell)) if cell is not None and cell.best else cell_text(cell))
-            if table.paper:
+            if column.label in published:
                 # the published number as the paper prints it, then ours minus it
                 has_paper = cell is not None and cell.paper is not None
                 row += [str(cell.paper), f"{cell.diff:+.2f}"] if has_paper else ["", ""]
@@ -194,7 +196,7 @@ def formatter(fmt: str):
     """The function that renders a table as `fmt` (csv, md, json)."""
     formatters = {"csv": to_csv, "md": to_markdown, "json": to_json}
     if fmt not in formatters:
-        raise SpmlError(f"--format {fmt}: unknown format; use one of {', '.join(formatters)}")
+        raise SpmlError(f"--format {fmt}: {unknown_name('format', fmt, formatters)}; use one of {', '.join(formatters)}")
     return formatters[fmt]
 
 
@@ -202,8 +204,9 @@ def print_table(table: Table, console: Console) -> None:
     header, rows = _grid(table, lambda text: f"[bold green]{text} *[/]")
     title = "Test mAP at the selected epoch (mean ± std over seeds)"
     rich_table = RichTable(title=title, title_justify="left", min_width=len(title))
-    for i, name in enumerate(header):
-        rich_table.add_column(name, justify="left" if i == 0 else "right", style="dim" if name == "paper" else None)
+    for i, name in enumerate(header):  # the losses' names whole on their line: the cells wrap first
+        rich_table.add_column(name, justify="left" if i == 0 else "right", style="dim" if name == "paper" else None,
+                              no_wrap=i == 0)
     losses = [loss for loss, _ in table.rows] + [None]
     for i, row in enumerate(rows):
         # the papers' break between the oracles and the single-positive losses
