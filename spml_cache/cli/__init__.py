@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's API, tested as cli.parse_*)
@@ -94,8 +95,10 @@ def make_demo_data_command(
     from spml_cache.demo.data import make_demo_data
 
     root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
-    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {root}")
-    console.print(f"[dim]next: spml-cache extract voc --root {root} --weights none --resolution {size}[/dim]")
+    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {escape(str(root))}")
+    next_command = shlex.join(["spml-cache", "extract", "voc", "--root", str(root), "--weights", "none",
+                               "--resolution", str(size)])
+    console.print(f"[dim]next: {escape(next_command)}[/dim]")
 
 
 # --- extract, import-features (extract helper) ---
@@ -166,9 +169,9 @@ def import_features_command(
 
     report = import_features(folder, dataset=dataset, out=out, classes_file=classes, force=force)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
-    console.print(f"wrote {report.path} ({counts})")
+    console.print(f"wrote {escape(str(report.path))} ({counts})")
     for note in report.notes:
-        console.print(f"[dim]{note}[/dim]")
+        console.print(f"[dim]{escape(note)}[/dim]")
 
 
 # --- losses (losses helper) ---
@@ -249,7 +252,7 @@ def linear_command(
     if run is None:  # under torchrun, rank 0 reports for every process
         return
     console.print(summary_table(run.results))
-    console.print(f"run directory: {run.run_dir}")
+    console.print(f"run directory: {escape(str(run.run_dir))}")
 
 
 @app.command("demo")
@@ -331,12 +334,13 @@ def finetune_command(
     for name, summary in results.get("losses", {}).items():  # other torchrun processes return nothing
         selected = summary["selected"]
         if selected is None:
-            console.print(f"[bold]{name}[/bold]: {summary['error']} -> {results['run_dir']}", soft_wrap=True)
+            console.print(f"[bold]{escape(name)}[/bold]: {escape(summary['error'])} -> {escape(str(results['run_dir']))}",
+                          soft_wrap=True)
             continue
         console.print(
-            f"[bold]{name}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP {summary['val_map']:.2f}"
+            f"[bold]{escape(name)}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP {summary['val_map']:.2f}"
             f" ± {summary['val_map_std']:.2f}, test mAP {summary['test_map']:.2f} ± {summary['test_map_std']:.2f}"
-            f" (best epoch {summary['best_epoch']}) -> {results['run_dir']}",
+            f" (best epoch {summary['best_epoch']}) -> {escape(str(results['run_dir']))}",
             soft_wrap=True,
         )
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from spml_cache.errors import SpmlError
@@ -86,7 +87,7 @@ def extract_report(report, console: Console) -> None:
     """What `spml-cache extract` prints about the cache it made (or would make)."""
     from rich.table import Table
 
-    console.print(f"[bold]{report.status}[/bold]: {report.path}")
+    console.print(f"[bold]{report.status}[/bold]: {escape(str(report.path))}")
     table = Table(show_header=True)
     for column in ("split", "images"):
         table.add_column(column)
@@ -94,7 +95,7 @@ def extract_report(report, console: Console) -> None:
         table.add_row(split, str(count))
     console.print(table)
     size = f"{report.size_bytes / 2**20:.1f} MiB" + (" (estimated)" if report.status == "dry run" else "")
-    console.print(f"size {size}; device {report.device}")
+    console.print(f"size {size}; device {escape(str(report.device))}")
     if report.status == "written":
         # in fp16/bf16, always how many rows the finite check sent back to fp32 (0 is the expected count)
         reduced = report.precision in ("fp16", "bf16")
@@ -106,10 +107,10 @@ def extract_report(report, console: Console) -> None:
             + (f"; {report.resumed} were already done (resumed)" if report.resumed else "")
         )
     if report.missing:
-        shown = ", ".join(report.missing[:5]) + (" ..." if len(report.missing) > 5 else "")
+        shown = escape(", ".join(report.missing[:5])) + (" ..." if len(report.missing) > 5 else "")
         console.print(f"[yellow]{len(report.missing)} image files missing: {shown}[/yellow]")
     for split, ids in report.skipped.items():
         if ids:
-            console.print(f"[yellow]{split}: {len(ids)} undecodable images left out: {', '.join(ids[:5])}[/yellow]")
+            console.print(f"[yellow]{split}: {len(ids)} undecodable images left out: {escape(', '.join(ids[:5]))}[/yellow]")
     for note in report.notes:
-        console.print(f"[dim]{note}[/dim]")
+        console.print(f"[dim]{escape(note)}[/dim]")

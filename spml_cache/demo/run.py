@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from spml_cache import report
 from spml_cache.backbone import RandomWeightsWarning, checkpoint_path
@@ -79,7 +80,7 @@ def run_demo(
     if weights == "none":
         console.print("[yellow]warning: no ImageNet ResNet-50 weights in the torch cache; the demo uses a randomly "
                       "initialised trunk (its numbers are not the papers')[/yellow]")
-    console.print(f"[bold]1/5[/bold] generating {num_train} + {num_test} demo images in {data_root}")
+    console.print(f"[bold]1/5[/bold] generating {num_train} + {num_test} demo images in {escape(str(data_root))}")
     make_demo_data(data_root, num_train=num_train, num_test=num_test, size=size, overwrite=True)
     console.print(f"[bold]2/5[/bold] extracting features (ResNet-50, weights {weights}, {resolution} px)")
     cache_path = default_path("voc", resolution, folder=out / "cache")
@@ -88,19 +89,19 @@ def run_demo(
         torch.manual_seed(TRUNK_SEED)
         extracted = extract("voc", data_root, out=cache_path, weights=weights, resolution=resolution,
                             device=device, force=True)
-    console.print(f"[bold]3/5[/bold] training linear heads with every loss ({extracted.path})")
+    console.print(f"[bold]3/5[/bold] training linear heads with every loss ({escape(str(extracted.path))})")
     run = run_linear(cache=extracted.path, losses="all", lrs=lrs, batch_sizes=batch_sizes, epochs=epochs,
                      device=device, out=out / "runs", console=console)
     best = best_loss(run.results["losses"])
     if best is None:
         raise SpmlError("every single-positive loss diverged in the demo's linear stage: nothing to fine-tune")
-    console.print(f"[bold]4/5[/bold] fine-tuning end to end from the best single-positive head ({best}), "
+    console.print(f"[bold]4/5[/bold] fine-tuning end to end from the best single-positive head ({escape(best)}), "
                   f"{FINETUNE['epochs']} epoch")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RandomWeightsWarning)
         tuned = finetune(init="best", from_run=run.run_dir, loss=best, root=data_root, weights=weights,
                          device=device, out=out / "runs", workers=0, **FINETUNE)
-    console.print(f"[bold]5/5[/bold] report and plots ({out / 'runs'})")
+    console.print(f"[bold]5/5[/bold] report and plots ({escape(str(out / 'runs'))})")
     plots = _report([run.run_dir, Path(tuned["run_dir"])], out / "plots", console)
     return DemoResult(out, weights, extracted.path, run.run_dir, plots, run.results)
 

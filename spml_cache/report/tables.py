@@ -195,15 +195,17 @@ def formatter(fmt: str):
 
 
 def print_table(table: Table, console: Console) -> None:
-    header, rows = _grid(table, lambda text: f"[bold green]{text} *[/]")
+    # Text, never markup: column labels hold backbones in brackets ([clip:ViT-B-32]) that markup would eat
+    header, rows = _grid(table, lambda text: Text(f"{text} *", style="bold green"))
     title = "Test mAP at the selected epoch (mean ± std over seeds)"
     rich_table = RichTable(title=title, title_justify="left", min_width=len(title))
     for i, name in enumerate(header):
-        rich_table.add_column(name, justify="left" if i == 0 else "right", style="dim" if name == "paper" else None)
+        rich_table.add_column(Text(name), justify="left" if i == 0 else "right", style="dim" if name == "paper" else None)
     losses = [loss for loss, _ in table.rows] + [None]
     for i, row in enumerate(rows):
+        cells = [cell if isinstance(cell, Text) else Text(cell) for cell in row]
         # the papers' break between the oracles and the single-positive losses
-        rich_table.add_row(*row, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
+        rich_table.add_row(*cells, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
     console.print(rich_table if rows else "no complete runs to tabulate")
     print_notes(table, console)
 
