@@ -23,6 +23,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     ERR_CONSOLE as err_console,
     default_data_root,
     extract_report,
+    finetune_summary,
     no_type_for_flags,
     one_line_warning,
     parse_hparams,
@@ -331,18 +332,8 @@ def finetune_command(
         head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, device=device, out=out, resume=resume,
         workers=workers, fidelity=fidelity, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
     )
-    for name, summary in results.get("losses", {}).items():  # other torchrun processes return nothing
-        selected = summary["selected"]
-        if selected is None:
-            console.print(f"[bold]{escape(name)}[/bold]: {escape(summary['error'])} -> {escape(str(results['run_dir']))}",
-                          soft_wrap=True)
-            continue
-        console.print(
-            f"[bold]{escape(name)}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP {summary['val_map']:.2f}"
-            f" ± {summary['val_map_std']:.2f}, test mAP {summary['test_map']:.2f} ± {summary['test_map_std']:.2f}"
-            f" (best epoch {summary['best_epoch']}) -> {escape(str(results['run_dir']))}",
-            soft_wrap=True,
-        )
+    for line in finetune_summary(results):  # other torchrun processes return nothing
+        console.print(line, soft_wrap=True)
 
 
 # --- report (report helper) ---

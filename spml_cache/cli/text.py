@@ -83,6 +83,25 @@ def no_type_for_flags() -> None:
         TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else shown(self, ctx)
 
 
+def finetune_summary(results: dict) -> list[str]:
+    """What `spml-cache finetune` prints per loss (rich markup; names and paths escaped): the selected config,
+    its val and test mAP, and a result that ended below its start (epoch 0)."""
+    lines, run_dir = [], escape(str(results.get("run_dir")))
+    for name, summary in results.get("losses", {}).items():
+        selected = summary["selected"]
+        if selected is None:
+            lines.append(f"[bold]{escape(name)}[/bold]: {escape(summary['error'])} -> {run_dir}")
+            continue
+        below = (f", below its start (epoch 0: test mAP {summary['start']['test_map']:.2f})"
+                 if summary.get("below_start") else "")
+        lines.append(
+            f"[bold]{escape(name)}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP"
+            f" {summary['val_map']:.2f} ± {summary['val_map_std']:.2f}, test mAP {summary['test_map']:.2f} ±"
+            f" {summary['test_map_std']:.2f} (best epoch {summary['best_epoch']}){below} -> {run_dir}"
+        )
+    return lines
+
+
 def extract_report(report, console: Console) -> None:
     """What `spml-cache extract` prints about the cache it made (or would make)."""
     from rich.table import Table

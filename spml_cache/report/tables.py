@@ -37,10 +37,16 @@ class Cell:
     paper: float | None = None
     source: str | None = None
     swept: dict | None = None  # the selected values of the hyperparameters the run swept
+    start: float | None = None  # fine-tuned: the test mAP of its model before any step (epoch 0)
 
     @property
     def diff(self) -> float | None:
         return None if self.paper is None else self.mean - self.paper
+
+    @property
+    def below_start(self) -> bool:
+        """Fine-tuning ended below where it started (marked ↓ in the table)."""
+        return self.start is not None and self.mean < self.start
 
 
 @dataclass
@@ -60,8 +66,9 @@ def _cell(run: Run, loss: str) -> Cell:
     result = run.losses[loss]
     seeds = len(result.get("per_seed") or []) or 1
     std = result.get("test_map_std") if seeds > 1 else None
+    start = (result.get("start") or {}).get("test_map")
     return Cell(mean=float(result["test_map"]), std=None if std is None else float(std), seeds=seeds, run=run.path,
-                swept=(result.get("selected") or {}).get("swept") or None)
+                swept=(result.get("selected") or {}).get("swept") or None, start=None if start is None else float(start))
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:
@@ -114,6 +121,7 @@ def cell_text(cell: Cell | None) -> str:
     if cell is None:
         return "-"
     text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    text += " ↓" if cell.below_start else ""
     return text + (" (" + " ".join(f"{key}={value:g}" for key, value in cell.swept.items()) + ")" if cell.swept else "")
 
 
@@ -139,6 +147,8 @@ def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
 def footnotes(table: Table) -> list[str]:
     notes = ["best single-positive loss per column in bold (*); oracles (full labels) excluded"] if table.rows else []
     notes += table.notes
+    notes += [f"↓ {loss}, {label}: fine-tuning ended below its start (test mAP {cell.start:.2f} before any step,"
+              " epoch 0)" for loss, cells in table.rows for label, cell in cells.items() if cell.below_start]
     used = sorted({cell.source for _, cells in table.rows for cell in cells.values() if cell.source})
     if used:
         notes.append(f"paper numbers: {'; '.join(used)}")
