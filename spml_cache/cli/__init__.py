@@ -281,10 +281,7 @@ def demo_command(
     sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution, "epochs": epochs,
              "lrs": None if lr is None else parse_list(lr, "--lr", float),
              "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int)}
-    result = run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
-    console.print(f"run directory: {result.run_dir}")
-    if result.plots:
-        console.print(f"plots: {result.plots[0].parent}")
+    run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
 
 
 # --- finetune (finetune helper) ---

@@ -9,6 +9,7 @@ classes) and a warning says so. Nothing is downloaded.
 
 from __future__ import annotations
 
+import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,10 +101,34 @@ def run_demo(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RandomWeightsWarning)
         tuned = finetune(init="best", from_run=run.run_dir, loss=best, root=data_root, weights=weights,
-                         device=device, out=out / "runs", workers=0, **FINETUNE)
+                         device=device, out=out / "runs", workers=0,
+                         log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+                         **FINETUNE)
     console.print(f"[bold]5/5[/bold] report and plots ({escape(str(out / 'runs'))})")
     plots = _report([run.run_dir, Path(tuned["run_dir"])], out / "plots", console)
-    return DemoResult(out, weights, extracted.path, run.run_dir, plots, run.results)
+    result = DemoResult(out, weights, extracted.path, run.run_dir, plots, run.results)
+    for line in next_steps(result, best):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return result
+
+
+def next_steps(result: DemoResult, loss: str) -> list[str]:
+    """The demo's last lines: where its cache, runs and figures are, and commands that go on from them when
+    pasted in the folder the demo ran in (its own data has no `cache/` or `runs/` there: each names its folder)."""
+    runs_dir = result.out / "runs"
+    commands = [
+        ["spml-cache", "linear", "--cache", str(result.cache), "--loss", loss, "--out", str(runs_dir)],
+        ["spml-cache", "finetune", "--from", str(result.run_dir), "--loss", loss, "--root", str(result.out / "data"),
+         "--out", str(runs_dir), "--epochs", str(FINETUNE["epochs"]), "--lr", ",".join(f"{lr:g}" for lr in FINETUNE["lrs"]),
+         "--batch-size", ",".join(str(size) for size in FINETUNE["batch_sizes"])],
+        ["spml-cache", "report", "--runs", str(runs_dir), "--plots", str(result.out / "plots")],
+    ]
+    return [
+        f"cache: {result.cache}; runs: {runs_dir}" + (f"; plots: {result.plots[0].parent}" if result.plots else ""),
+        "next, from this folder (or export SPML_CACHE=" + shlex.quote(str(result.cache.parent))
+        + " and use --dataset voc in place of --cache):",
+        *("  " + shlex.join(command) for command in commands),
+    ]
 
 
 def _report(run_dirs: list[Path], plots_dir: Path, console: Console) -> list[Path]:
