@@ -197,6 +197,23 @@ def test_finetune_from_imagenet_is_its_own_column(tmp_path):
     assert table.notes == []  # two experiments, not a newer run of the same one
 
 
+def test_a_fine_tuned_row_that_ends_below_its_start_is_marked(tmp_path):
+    run = make_run(tmp_path, "voc", "finetune", {"an_ls": [10.07], "role": [60.0]}, stamp="20240101-000000",
+                   init="best")
+    results = json.loads((run / "results.json").read_text())
+    starts = {"an_ls": 38.40, "role": 55.0}  # an_ls fell from its start (the demo's case), role rose above its own
+    for loss, start in starts.items():
+        results["losses"][loss]["start"] = {"val_map": 40.0, "test_map": start}
+    (run / "results.json").write_text(json.dumps(results))
+    console = Console(file=io.StringIO(), width=200)
+    report.print_report([tmp_path], console=console)
+    text = console.file.getvalue()
+    below = [loss for loss, start in starts.items() if results["losses"][loss]["test_map"] < start]
+    assert below == ["an_ls"] and "10.07 ↓" in text and "60.00 ↓" not in text
+    assert "↓ an_ls, VOC fine-tuned: fine-tuning ended below its start (test mAP 38.40 before any step" in text
+    assert "↓ role" not in text
+
+
 def read_png_size(path):
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"

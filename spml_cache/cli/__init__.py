@@ -16,12 +16,14 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's API, tested as cli.parse_*)
     ERR_CONSOLE as err_console,
     default_data_root,
     extract_report,
+    finetune_summary,
     no_type_for_flags,
     one_line_warning,
     parse_hparams,
@@ -94,8 +96,10 @@ def make_demo_data_command(
     from spml_cache.demo.data import make_demo_data
 
     root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
-    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {root}")
-    console.print(f"[dim]next: spml-cache extract voc --root {root} --weights none --resolution {size}[/dim]")
+    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {escape(str(root))}")
+    next_command = shlex.join(["spml-cache", "extract", "voc", "--root", str(root), "--weights", "none",
+                               "--resolution", str(size)])
+    console.print(f"[dim]next: {escape(next_command)}[/dim]")
 
 
 # --- extract, import-features (extract helper) ---
@@ -166,9 +170,9 @@ def import_features_command(
 
     report = import_features(folder, dataset=dataset, out=out, classes_file=classes, force=force)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
-    console.print(f"wrote {report.path} ({counts})")
+    console.print(f"wrote {escape(str(report.path))} ({counts})")
     for note in report.notes:
-        console.print(f"[dim]{note}[/dim]")
+        console.print(f"[dim]{escape(note)}[/dim]")
 
 
 # --- losses (losses helper) ---
@@ -250,7 +254,7 @@ def linear_command(
     if run is None:  # under torchrun, rank 0 reports for every process
         return
     console.print(summary_table(run.results))
-    console.print(f"run directory: {run.run_dir}")
+    console.print(f"run directory: {escape(str(run.run_dir))}")
 
 
 @app.command("demo")
@@ -278,10 +282,7 @@ def demo_command(
     sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution, "epochs": epochs,
              "lrs": None if lr is None else parse_list(lr, "--lr", float),
              "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int)}
-    result = run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
-    console.print(f"run directory: {result.run_dir}")
-    if result.plots:
-        console.print(f"plots: {result.plots[0].parent}")
+    run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
 
 
 # --- finetune (finetune helper) ---
@@ -329,17 +330,8 @@ def finetune_command(
         head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, device=device, out=out, resume=resume,
         workers=workers, fidelity=fidelity, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
     )
-    for name, summary in results.get("losses", {}).items():  # other torchrun processes return nothing
-        selected = summary["selected"]
-        if selected is None:
-            console.print(f"[bold]{name}[/bold]: {summary['error']} -> {results['run_dir']}", soft_wrap=True)
-            continue
-        console.print(
-            f"[bold]{name}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP {summary['val_map']:.2f}"
-            f" ± {summary['val_map_std']:.2f}, test mAP {summary['test_map']:.2f} ± {summary['test_map_std']:.2f}"
-            f" (best epoch {summary['best_epoch']}) -> {results['run_dir']}",
-            soft_wrap=True,
-        )
+    for line in finetune_summary(results):  # other torchrun processes return nothing
+        console.print(line, soft_wrap=True)
 
 
 # --- report (report helper) ---

@@ -127,7 +127,7 @@ def survey_table(root: Path | None) -> Table:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"datasets under {root}" if root else "datasets", show_lines=True)
+    table = Table(title=Text(f"datasets under {root}") if root else "datasets", show_lines=True)
     table.add_column("dataset", ratio=2)
     table.add_column("layout expected under the root", ratio=3, overflow="fold")
     if root is not None:

@@ -229,6 +229,10 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     if start is not None:
         head.weight.data.copy_(start.weight)
         head.bias.data.copy_(start.bias)
+    if settings.weights == "none":
+        notes.append("note: the trunk is random (--weights none): training moves its BatchNorm statistics, and with"
+                     " them the random features the head was fitted to, so mAP can fall below epoch 0's whatever the"
+                     " loss does")
     model = FineTuneModel(trunk, head)
     return Setup(settings, features, image_root, rows, start, model, processes, workers, notes, described.preprocess)
 

@@ -37,10 +37,16 @@ class Cell:
     paper: float | None = None
     source: str | None = None
     swept: dict | None = None  # the selected values of the hyperparameters the run swept
+    start: float | None = None  # fine-tuned: the test mAP of its model before any step (epoch 0)
 
     @property
     def diff(self) -> float | None:
         return None if self.paper is None or self.mean is None else self.mean - self.paper
+
+    @property
+    def below_start(self) -> bool:
+        """Fine-tuning ended below where it started (marked ↓ in the table)."""
+        return self.start is not None and self.mean is not None and self.mean < self.start
 
 
 @dataclass
@@ -61,8 +67,9 @@ def _cell(run: Run, loss: str) -> Cell:
     seeds = len(result.get("per_seed") or []) or 1
     std = result.get("test_map_std") if seeds > 1 else None
     mean = None if run.test_unscored else float(result["test_map"])
+    start = (result.get("start") or {}).get("test_map")
     return Cell(mean=mean, std=None if std is None or mean is None else float(std), seeds=seeds, run=run.path,
-                swept=(result.get("selected") or {}).get("swept") or None)
+                swept=(result.get("selected") or {}).get("swept") or None, start=None if start is None else float(start))
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:
@@ -118,6 +125,7 @@ def cell_text(cell: Cell | None) -> str:
     if cell.mean is None:
         return "n/a"
     text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    text += " ↓" if cell.below_start else ""
     return text + (" (" + " ".join(f"{key}={value:g}" for key, value in cell.swept.items()) + ")" if cell.swept else "")
 
 
@@ -145,6 +153,8 @@ def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
 def footnotes(table: Table) -> list[str]:
     notes = ["best single-positive loss per column in bold (*); oracles (full labels) excluded"] if table.rows else []
     notes += table.notes
+    notes += [f"↓ {loss}, {label}: fine-tuning ended below its start (test mAP {cell.start:.2f} before any step,"
+              " epoch 0)" for loss, cells in table.rows for label, cell in cells.items() if cell.below_start]
     used = sorted({cell.source for _, cells in table.rows for cell in cells.values() if cell.source})
     if used:
         notes.append(f"paper numbers: {'; '.join(used)}")
@@ -201,16 +211,18 @@ def formatter(fmt: str):
 
 
 def print_table(table: Table, console: Console) -> None:
-    header, rows = _grid(table, lambda text: f"[bold green]{text} *[/]")
+    # Text, never markup: column labels hold backbones in brackets ([clip:ViT-B-32]) that markup would eat
+    header, rows = _grid(table, lambda text: Text(f"{text} *", style="bold green"))
     title = "Test mAP at the selected epoch (mean ± std over seeds)"
     rich_table = RichTable(title=title, title_justify="left", min_width=len(title))
     for i, name in enumerate(header):  # the losses' names whole on their line: the cells wrap first
-        rich_table.add_column(name, justify="left" if i == 0 else "right", style="dim" if name == "paper" else None,
+        rich_table.add_column(Text(name), justify="left" if i == 0 else "right", style="dim" if name == "paper" else None,
                               no_wrap=i == 0)
     losses = [loss for loss, _ in table.rows] + [None]
     for i, row in enumerate(rows):
+        cells = [cell if isinstance(cell, Text) else Text(cell) for cell in row]
         # the papers' break between the oracles and the single-positive losses
-        rich_table.add_row(*row, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
+        rich_table.add_row(*cells, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
     console.print(rich_table if rows else "no complete runs to tabulate")
     print_notes(table, console)
 
