@@ -49,20 +49,27 @@ def long_cache(tmp_path_factory):
                                  test=40, dim=32)
 
 
-def start_long_run(tmp_path: Path, cache_path: Path) -> tuple[subprocess.Popen, set[int]]:
-    """`spml-cache linear` of 3 losses x 40 epochs with 2 worker processes, in its own process group (as a
-    terminal starts it); returns once both workers are training."""
+def start_linear(tmp_path: Path, cache_path: Path, flags: list[str], ready) -> subprocess.Popen:
+    """`spml-cache linear --cache CACHE FLAGS` in its own process group (as a terminal starts it), its stderr in
+    err.txt; returns once `ready(process)`."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
     env.update(PYTHONPATH=str(REPO), COLUMNS="400")
     err = open(tmp_path / "err.txt", "w")
-    process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", "--cache", str(cache_path), *LONG],
+    process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", "--cache", str(cache_path), *flags],
                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     err.close()
     deadline = time.monotonic() + 120
-    while len(children(process.pid)) < 2:
+    while not ready(process):
         assert process.poll() is None, (tmp_path / "err.txt").read_text()
-        assert time.monotonic() < deadline, "the workers never started"
+        assert time.monotonic() < deadline, "training never started"
         time.sleep(0.02)
+    return process
+
+
+def start_long_run(tmp_path: Path, cache_path: Path) -> tuple[subprocess.Popen, set[int]]:
+    """`spml-cache linear` of 3 losses x 40 epochs with 2 worker processes; returns once both workers are
+    training."""
+    process = start_linear(tmp_path, cache_path, LONG, lambda process: len(children(process.pid)) >= 2)
     return process, children(process.pid)
 
 
@@ -201,20 +208,10 @@ IN_MEMORY = ["--loss", "an", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epoc
 
 
 def start_training(tmp_path: Path, cache_path: Path, flags: list[str]) -> subprocess.Popen:
-    """`spml-cache linear FLAGS` in its own process group; returns once its run directory holds the labels
-    (written under the run's lock, right before the first step)."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
-    env.update(PYTHONPATH=str(REPO), COLUMNS="400")
-    err = open(tmp_path / "err.txt", "w")
-    process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", "--cache", str(cache_path), *flags],
-                               cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    err.close()
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "runs").glob("voc/*/labels.npz")):
-        assert process.poll() is None, (tmp_path / "err.txt").read_text()
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.02)
-    return process
+    """`spml-cache linear FLAGS`; returns once its run directory holds the labels (written under the run's lock,
+    right before the first step)."""
+    return start_linear(tmp_path, cache_path, flags,
+                        lambda process: list((tmp_path / "runs").glob("voc/*/labels.npz")))
 
 
 @pytest.mark.parametrize("flags, signum, code, delay", [
