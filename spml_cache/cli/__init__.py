@@ -7,11 +7,9 @@ traceback instead.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import List, Optional
@@ -24,6 +22,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     ERR_CONSOLE as err_console,
     default_data_root,
     extract_report,
+    last_line,
     no_type_for_flags,
     one_line_warning,
     parse_hparams,
@@ -31,7 +30,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     parse_names,
     require_root,
 )
-from spml_cache.cli.stopping import exit_code, stopping_on_signals, under_torchrun
+from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache import backbones
 from spml_cache.errors import Interrupted, SpmlError, stop_requested
 
@@ -387,32 +386,20 @@ def main() -> None:
                 app()
         except Interrupted as stop:
             command = stop.command or shlex.join(["spml-cache", *sys.argv[1:]])
-            _last_line(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"), exit_code())
+            last_line(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"), exit_code())
         except KeyboardInterrupt:
-            _last_line(Text("interrupted", style="yellow"), exit_code())
+            last_line(Text("interrupted", style="yellow"), exit_code())
         except SystemExit as done:  # typer turns a KeyboardInterrupt it sees (one during an import) into exit 130
             if stop_requested() is None or not isinstance(done.__context__, typer.Exit):
                 raise
-            _last_line(Text("interrupted", style="yellow"), exit_code())
+            last_line(Text("interrupted", style="yellow"), exit_code())
         except SpmlError as err:
             if _debug["on"]:
                 raise
-            _last_line(Text("error: ", style="bold red") + Text(str(err), style="red"), 1)
+            last_line(Text("error: ", style="bold red") + Text(str(err), style="red"), 1)
         except Exception as err:  # a bug or an environment failure: still one line unless --debug
             if _debug["on"]:
                 raise
             message = f"{type(err).__name__}: {err} (run with --debug for the traceback)"
-            _last_line(Text("error: ", style="bold red") + Text(message, style="red"), 1)
+            last_line(Text("error: ", style="bold red") + Text(message, style="red"), 1)
 
-
-def _last_line(line: Text, code: int) -> None:
-    """The command's last word, and its exit. Under torchrun the line is also the process's error file, which the
-    launcher's failure report shows as this process's message instead of a link to its docs (README, torchrun)."""
-    err_console.print(line)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
-    if error_file:
-        try:  # torchrun's format: {"message": text, "timestamp": seconds}
-            Path(error_file).write_text(json.dumps({"message": line.plain, "timestamp": int(time.time())}))
-        except OSError:  # the report then links to torchrun's docs, as without it
-            pass
-    sys.exit(code)
