@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -199,12 +200,10 @@ def test_linear_under_torchrun_shares_the_parts_and_gives_the_one_process_result
     assert lines(run_dir) == lines(whole.run_dir)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
-def test_ctrl_c_under_torchrun_ends_with_the_tools_line(tmp_path):
-    """A Ctrl-C reaches torchrun and its processes, and torchrun passes it on again: rank 0 takes both as one stop
-    and says what was kept and how to go on (it used to end at once on the copy, silently, leaving torchrun's
-    traceback alone on the screen); torchrun then adds its own report (README.md, torchrun)."""
-    import signal
+
+def torchrun_training(tmp_path) -> subprocess.Popen:
+    """A long `linear` under torchrun with 2 CPU processes, in its own process group; returns once rank 0 trains
+    (the run directory's labels are written right before the first step)."""
     import time
 
     cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=600, val=40, test=40, dim=32)
@@ -214,12 +213,45 @@ def test_ctrl_c_under_torchrun_ends_with_the_tools_line(tmp_path):
         cwd=tmp_path, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     deadline = time.monotonic() + 120
-    while not list((tmp_path / "runs").glob("voc/*/labels.npz")):  # written right before the first step
+    while not list((tmp_path / "runs").glob("voc/*/labels.npz")):
         assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
         time.sleep(0.05)
     time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
-    output = process.communicate(timeout=60)[0]
+    return process
+
+
+def tools_line(tmp_path, output: str) -> str:
+    """Rank 0's one line: what was kept and the command that goes on."""
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     ours = [line for line in output.splitlines() if line.startswith("interrupted: ")]
     assert len(ours) == 1 and f"go on with: spml-cache linear --resume runs/voc/{run_dir.name}" in ours[0], output
+    return ours[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
+def test_ctrl_c_under_torchrun_ends_with_the_tools_line(tmp_path):
+    """A Ctrl-C reaches torchrun and its processes, and torchrun passes it on again: rank 0 takes both as one stop
+    and says what was kept and how to go on (it used to end at once on the copy, silently, leaving torchrun's
+    traceback alone on the screen); torchrun then adds its own words (README.md, torchrun)."""
+    import signal
+
+    process = torchrun_training(tmp_path)
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+    tools_line(tmp_path, process.communicate(timeout=60)[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
+def test_a_killed_process_under_torchrun_leaves_the_tools_line_in_torchruns_report(tmp_path):
+    """torchrun stops the others when one process dies; rank 0 says what was kept, and torchrun's failure report
+    shows that line as rank 0's message (it showed a link to torchrun's docs)."""
+    import signal
+
+    process = torchrun_training(tmp_path)
+    workers = [int(child) for task in Path(f"/proc/{process.pid}/task").glob("*")
+               for child in (task / "children").read_text().split()]
+    ranks = {int(dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                      if "=" in line)["RANK"]): pid for pid in workers}
+    os.kill(ranks[1], signal.SIGKILL)
+    output = process.communicate(timeout=60)[0]
+    line = tools_line(tmp_path, output)
+    assert f"traceback : {line}" in output, output
