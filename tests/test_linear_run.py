@@ -255,3 +255,32 @@ def test_a_killed_process_under_torchrun_leaves_the_tools_line_in_torchruns_repo
     output = process.communicate(timeout=60)[0]
     line = tools_line(tmp_path, output)
     assert f"traceback : {line}" in output, output
+
+
+def test_a_process_lost_while_rank_0_gathers_is_a_stop_with_the_tools_line(tmp_path, monkeypatch):
+    """gloo's error when another process ended mid-exchange ("Connection closed by peer") becomes `PeerLost`, and
+    rank 0 says what was kept and how to go on, as for a stop (it was `error: RuntimeError: ...`)."""
+    import torch.distributed as dist
+
+    from spml_cache import ranks as ranks_module
+    from spml_cache.errors import Interrupted
+    from spml_cache.linear import run as linear_run
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+
+    class RankZeroOfTwo(ranks_module.Ranks):
+        def broadcast(self, value):  # every process plans the same parts: nothing to exchange with itself
+            return value
+
+    monkeypatch.setattr(dist, "gather_object", closed)
+    monkeypatch.setattr(linear_run, "current_ranks", lambda: RankZeroOfTwo(0, 2, 0))
+    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20)
+    with pytest.raises(Interrupted) as stopped:
+        run_linear(cache=cache_path, out=tmp_path / "runs", console=quiet(), losses=["an"], lrs=[1e-2],
+                   batch_sizes=[4, 8], epochs=1)
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert stopped.value.kept == ("another process of this torchrun command ended ([gloo/transport/tcp/pair.cc:534]"
+                                  f" Connection closed by peer [127.0.0.1]:29500): 1 of 2 (loss, seed, batch size)"
+                                  f" parts are kept in {run_dir}")
+    assert stopped.value.command == f"spml-cache linear --resume {run_dir}"
