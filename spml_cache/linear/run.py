@@ -62,12 +62,11 @@ def run_linear(
 
     A job trains every lr of one (loss, seed) and its batch sizes; with `workers` > 1 each batch size is its
     own job, so that even one loss's grid spreads over the cores (same results either way). `losses`: "all" (the
-    default) or names; the grid's defaults are the protocol's (`GRID_LRS`, `GRID_BATCH_SIZES`, `LINEAR_EPOCHS`, one
-    seed, clean val labels). `from_run`: every
-    head starts from that linear run's head (`start_heads`) instead of its seed's initialisation. `resume`: an
-    interrupted run directory, whose settings are used: a setting given beside it that differs is refused
-    (`refuse_contradictions`). `fidelity`:
-    exact (the papers' math, stably; the default) or authors (their code's numerics and rules, docs/fidelity.md).
+    default) or names; the grid's defaults are the protocol's (`GRID_LRS`, `GRID_BATCH_SIZES`, `LINEAR_EPOCHS`,
+    one seed, clean val labels). `from_run`: every head starts from that linear run's head (`start_heads`)
+    instead of its seed's initialisation. `resume`: an interrupted run directory, whose settings are used: a
+    setting given beside it that differs is refused (`refuse_contradictions`). `fidelity`: exact (the papers'
+    math, stably; the default) or authors (their code's numerics and rules, docs/fidelity.md).
     A hyperparameter given as a list is swept: every combination of the values is trained beside every (lr,
     batch size), heads that differ only in a hyperparameter the loss takes per head in the same stack, and
     selection runs over the whole grid; `hp_grid="paper"` sweeps each loss's own search space where its paper
@@ -119,6 +118,7 @@ def _given_settings(given: dict, resume: Path | str | None, cache_dir):
 
 
 def _run(given: dict, cache_dir, device: str, out, workers: int, resume, graphs: bool, console) -> LinearRun | None:
+    """`run_linear` once its arguments are gathered: plan, load, check, then train under the run's lock."""
     config, settings, from_run, cache_path, budget, chunk_rows = _given_settings(given, resume, cache_dir)
     ranks = current_ranks()  # under torchrun: this process's share of the parts
     target = ranks.device(resolve_device(device)) if ranks else resolve_device(device)
