@@ -1,12 +1,15 @@
 """The exceptions the command line turns into a single line: `SpmlError` (exit code 1) and `Interrupted` (Ctrl-C,
-exit code 130)."""
+exit code 130); and the stop a signal asks for, which long loops check at their safe points (`check_stop`)."""
 
 from __future__ import annotations
 
 import difflib
 import errno
 import shutil
+import signal
+import time
 from collections.abc import Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -62,3 +65,54 @@ class Interrupted(Exception):
     def __init__(self, kept: str, command: str | None = None) -> None:
         super().__init__(kept)
         self.kept, self.command = kept, command
+
+
+# The stop a signal asked for: the signal and when (cli/stopping.py's handler sets it), and whether the code running
+# now checks it itself (`stops_deferred`) rather than taking a KeyboardInterrupt wherever the handler lands.
+_stop: dict = {"by": None, "at": 0.0, "deferred": 0}
+
+
+def request_stop(signum: int) -> bool:
+    """A signal asks the command to stop; True when the running code checks for it at its safe points (the
+    handler then returns), False when the handler is to raise KeyboardInterrupt itself."""
+    _stop.update(by=signum, at=time.monotonic())
+    return _stop["deferred"] > 0
+
+
+def stop_requested() -> int | None:
+    """The signal that asked this command to stop, or None."""
+    return _stop["by"]
+
+
+def stop_exit_code() -> int:
+    """128 + the signal that stopped the command (SIGINT's 130 when Ctrl-C reached Python some other way, or the
+    stop came from elsewhere: another torchrun process ending)."""
+    return 128 + (_stop["by"] or signal.SIGINT)
+
+
+def seconds_since_stop() -> float:
+    return time.monotonic() - _stop["at"]
+
+
+def clear_stop() -> None:
+    _stop.update(by=None, at=0.0)
+
+
+def check_stop() -> None:
+    """A safe point: KeyboardInterrupt here when a signal asked for a stop. A KeyboardInterrupt raised by a signal
+    handler lands in whatever Python code runs, a library's weakref callback included (h5py's), where it is
+    printed and lost; the request itself is never lost, and the loop ends at its next check."""
+    if _stop["by"] is not None:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def stops_deferred():
+    """Within the block a signal only asks for a stop, which the block's loops take at their `check_stop`s (they
+    check often enough to end within a second or two)."""
+    _stop["deferred"] += 1
+    try:
+        check_stop()  # one asked for before the block
+        yield
+    finally:
+        _stop["deferred"] -= 1

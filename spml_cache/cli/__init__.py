@@ -24,6 +24,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     default_data_root,
     extract_report,
     finetune_summary,
+    last_line,
     no_type_for_flags,
     one_line_warning,
     parse_hparams,
@@ -33,7 +34,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
 )
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache import backbones
-from spml_cache.errors import Interrupted, SpmlError
+from spml_cache.errors import Interrupted, SpmlError, stop_requested
 
 app = typer.Typer(
     name="spml-cache",
@@ -217,12 +218,13 @@ def linear_command(
     val_labels: Optional[str] = typer.Option(None, "--val-labels", help="Select on clean (full) val labels, the default, or on the observed ones."),
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept (its settings are used)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept, with its own settings (a flag beside it that contradicts them is refused)."),
     fidelity: Optional[str] = typer.Option(None, "--fidelity", help="exact (default): the papers' math, computed stably; authors: their code's numerics, dropped last batches and early stopping (docs/fidelity.md)."),
     hp_grid: Optional[str] = typer.Option(None, "--hp-grid", help="paper: sweep each loss's own search space where its paper states one (spml-cache losses lists them); --hp values win."),
     no_graphs: bool = typer.Option(False, "--no-graphs", help="On a GPU, train the stacks one by one, eagerly, instead of all at once as replayed CUDA graphs (for debugging; same results up to float rounding)."),
     observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules, a comma list (default single): every loss trains under each; rules the cache lacks are drawn from its full labels (docs/protocol.md)."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Memory stage two may use, e.g. 1GB (default: 80% of the device's free memory); features beyond it stream from the cache in a seeded chunk order (docs/protocol.md)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Memory stage two may use, e.g. 1GB (default: 80% of the device's free memory); features beyond it stream from the cache in a seeded chunk order planned from the budget and the cache's shapes (docs/protocol.md)."),
+    chunk_rows: Optional[int] = typer.Option(None, "--chunk-rows", help="Stream the train features in chunks of N rows whatever the budget: the same chunk order, and results, on any machine (docs/protocol.md)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 
@@ -242,14 +244,13 @@ def linear_command(
 
     if loss is None and resume is None:
         raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN)", param_hint="--loss")
-    grid = {"lrs": None if lr is None else parse_list(lr, "--lr", float), "epochs": epochs, "seeds": seeds,
-            "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int),
-            "val_labels": val_labels}
-    run = run_linear(
-        cache=cache, dataset=dataset, losses=parse_names(loss or ""), hparams=parse_hparams(hp or []), device=device,
-        out=out, workers=workers, from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid,
-        graphs=not no_graphs, observe=rules, memory_budget=budget,
-        **{key: value for key, value in grid.items() if value is not None},  # run_linear's defaults where not given
+    run = run_linear(  # what is not given is None: run_linear's defaults, or a resumed run's own settings
+        cache=cache, dataset=dataset, losses=None if loss is None else parse_names(loss),
+        lrs=None if lr is None else parse_list(lr, "--lr", float), epochs=epochs, seeds=seeds,
+        batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int),
+        val_labels=val_labels, hparams=parse_hparams(hp) if hp else None, device=device, out=out, workers=workers,
+        from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid, graphs=not no_graphs, observe=rules,
+        memory_budget=budget, chunk_rows=chunk_rows,
     )
     if run is None:  # under torchrun, rank 0 reports for every process
         return
@@ -378,19 +379,20 @@ def main() -> None:
                 app()
         except Interrupted as stop:
             command = stop.command or shlex.join(["spml-cache", *sys.argv[1:]])
-            err_console.print(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"))
-            sys.exit(exit_code())
+            last_line(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"), exit_code())
         except KeyboardInterrupt:
-            err_console.print(Text("interrupted", style="yellow"))
-            sys.exit(exit_code())
+            last_line(Text("interrupted", style="yellow"), exit_code())
+        except SystemExit as done:  # typer turns a KeyboardInterrupt it sees (one during an import) into exit 130
+            if stop_requested() is None or not isinstance(done.__context__, typer.Exit):
+                raise
+            last_line(Text("interrupted", style="yellow"), exit_code())
         except SpmlError as err:
             if _debug["on"]:
                 raise
-            err_console.print(Text("error: ", style="bold red") + Text(str(err), style="red"))
-            sys.exit(1)
+            last_line(Text("error: ", style="bold red") + Text(str(err), style="red"), 1)
         except Exception as err:  # a bug or an environment failure: still one line unless --debug
             if _debug["on"]:
                 raise
             message = f"{type(err).__name__}: {err} (run with --debug for the traceback)"
-            err_console.print(Text("error: ", style="bold red") + Text(message, style="red"))
-            sys.exit(1)
+            last_line(Text("error: ", style="bold red") + Text(message, style="red"), 1)
+

@@ -3,7 +3,10 @@ is not its own (Python's warnings, typer's help columns), and the extraction rep
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -11,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from spml_cache.cli.stopping import under_torchrun
 from spml_cache.errors import SpmlError
 
 ERR_CONSOLE = Console(stderr=True, soft_wrap=True)  # one red (or yellow) line per error or warning
@@ -133,3 +137,16 @@ def extract_report(report, console: Console) -> None:
             console.print(f"[yellow]{split}: {len(ids)} undecodable images left out: {escape(', '.join(ids[:5]))}[/yellow]")
     for note in report.notes:
         console.print(f"[dim]{escape(note)}[/dim]")
+
+
+def last_line(line: Text, code: int) -> None:
+    """The command's last word, and its exit. Under torchrun the line is also the process's error file, which the
+    launcher's failure report shows as this process's message instead of a link to its docs (README, torchrun)."""
+    ERR_CONSOLE.print(line)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
+    if error_file:
+        try:  # torchrun's format: {"message": text, "timestamp": seconds}
+            Path(error_file).write_text(json.dumps({"message": line.plain, "timestamp": int(time.time())}))
+        except OSError:  # the report then links to torchrun's docs, as without it
+            pass
+    sys.exit(code)

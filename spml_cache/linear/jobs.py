@@ -20,7 +20,7 @@ import torch
 
 from spml_cache import cache as cache_file
 from spml_cache.children import die_with_parent, ignore_interrupts, interrupts_held_back
-from spml_cache.errors import SpmlError
+from spml_cache.errors import SpmlError, check_stop
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
@@ -106,6 +106,7 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
                        for job in jobs}
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            check_stop()  # the workers ignore signals: this process stops them
             while not progress.empty():
                 yield progress.get()
             for future in done:
