@@ -47,8 +47,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import spml_cache  # noqa: E402
 from spml_cache import backbone, backbones  # noqa: E402
-from spml_cache.devices import resolve_device  # noqa: E402
 from spml_cache.extract import PRECISIONS, extract  # noqa: E402
+from spml_cache.runtime.devices import resolve_device  # noqa: E402
 
 VARIANTS = ("fp32", "fp32-cl", "fp16", "fp16-cl", "bf16", "bf16-cl")  # -cl: channels_last
 

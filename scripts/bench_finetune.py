@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spml_cache import backbone, losses  # noqa: E402
 from spml_cache.finetune import parallel  # noqa: E402
-from spml_cache.devices import resolve_device  # noqa: E402
 from spml_cache.finetune import FineTuneModel, make_optimizer, train_step  # noqa: E402
+from spml_cache.runtime.devices import resolve_device  # noqa: E402
 
 NUM_CLASSES = 20
 NUM_TRAIN = 1024

@@ -21,7 +21,7 @@ import torchvision
 from torch import nn
 from torchvision.io import ImageReadMode
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -25,7 +25,7 @@ import numpy as np
 
 from spml_cache.cache import sparse
 from spml_cache.cache.sparse import SparseLabels
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 if TYPE_CHECKING:
     import torch

@@ -27,9 +27,9 @@ import torch
 
 from spml_cache import losses as loss_registry
 from spml_cache.cache import FeatureSet, cache_id
-from spml_cache.errors import DiskFull, SpmlError
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, split_key
+from spml_cache.runtime.errors import DiskFull, SpmlError
 
 RESULTS = "results.json"
 

@@ -13,7 +13,7 @@ from extract_support import random_weights, truncate, write_jpeg
 from PIL import Image
 
 from spml_cache import backbone
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 MEAN = np.array([0.485, 0.456, 0.406])
 STD = np.array([0.229, 0.224, 0.225])

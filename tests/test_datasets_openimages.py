@@ -11,7 +11,7 @@ from cli_support import run_cli
 from extract_support import write_jpeg
 from spml_cache import cache, datasets
 from spml_cache.cache import sparse
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 CLASSES = {"/m/01": "Cat", "/m/02": "Dog", "/m/03": "Owl", "/m/04": "Jaguar", "/m/05": "Jaguar", "/m/09": "Unused"}
 TRAINABLE = ["/m/01", "/m/02", "/m/03", "/m/04", "/m/05"]

@@ -29,8 +29,8 @@ from extract_support import (
 
 from spml_cache import backbone, cache, datasets, protocol
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
+from spml_cache.runtime.errors import SpmlError
 
 VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",
                "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor"]  # fmt: skip

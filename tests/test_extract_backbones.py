@@ -17,8 +17,8 @@ from cli_support import REPO, run_cli
 from extract_support import write_numbered_csv_dataset
 
 from spml_cache import cache
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
+from spml_cache.runtime.errors import SpmlError
 
 # The command line, with an open_clip model config registered first (the tiny CLIP exists only in the tests).
 LAUNCHER = """import runpy, sys

@@ -14,8 +14,8 @@ from rich.console import Console
 
 from spml_cache import backbone, cache
 from spml_cache.cli import text
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract, pipeline
+from spml_cache.runtime.errors import SpmlError
 
 # Batches of 4 are train [0, 1, 2, 4] [5], val [3], test [6, 7, 8]: a black image alone in its batch, and one
 # behind an undecodable image, so its place among the batch's decoded images is not its place in the batch.

@@ -17,9 +17,9 @@ from extract_support import random_weights, write_jpeg, write_numbered_csv_datas
 
 from spml_cache import backbone, cache
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract, pipeline
 from spml_cache.extract.feed import THREAD_NAME
+from spml_cache.runtime.errors import SpmlError
 
 pytestmark = pytest.mark.cuda
 RESOLUTION = 64

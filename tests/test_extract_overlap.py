@@ -13,10 +13,10 @@ import torch
 from extract_support import write_numbered_csv_dataset
 
 from spml_cache import backbone, cache
-from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.extract import extract, pipeline
 from spml_cache.extract.feed import THREAD_NAME, Feed
 from spml_cache.extract.writer import HostRing
+from spml_cache.runtime.errors import Interrupted, SpmlError
 
 pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
 FORCED = {"pad_batches": True, "feed_thread": True}

@@ -15,12 +15,12 @@ from spml_cache import cache, observation
 from spml_cache.cache import sparse
 from spml_cache.cache.sparse import SparseLabels
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
 from spml_cache.extract.plan import estimated_size, plan_rows
 from spml_cache.extract.shards import Shard
 from spml_cache.linear import run_linear
 from spml_cache.observation import parse_rules
+from spml_cache.runtime.errors import SpmlError
 
 pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
 

@@ -27,11 +27,11 @@ from sklearn.metrics import average_precision_score
 
 from spml_cache import cache, extract, finetune, linear, losses, runs
 from spml_cache.demo import data as demo_data
-from spml_cache.finetune.settings import FinetuneOptions, resolve
-from spml_cache.finetune.start import role_theta_handover
 from spml_cache.finetune import images as data
 from spml_cache.finetune import parallel
-from spml_cache.errors import Interrupted, SpmlError
+from spml_cache.finetune.settings import FinetuneOptions, resolve
+from spml_cache.finetune.start import role_theta_handover
+from spml_cache.runtime.errors import Interrupted, SpmlError
 
 RESOLUTION = 32
 RUN_ARGS = ["--lr", "1e-4", "--batch-size", "4", "--epochs", "2", "--workers", "0", "--device", "cpu"]

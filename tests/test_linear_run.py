@@ -14,8 +14,8 @@ from linear_support import quiet, write_synthetic_cache
 from sklearn.metrics import average_precision_score
 
 from spml_cache import cache, losses
-from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from linear_support import quiet, write_synthetic_cache
 from spml_cache import cache
 from spml_cache.cache import sparse
 from spml_cache.cache.sparse import SparseLabels
-from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 
 def random_labels(rng, rows=40, classes=9, signed=True):

@@ -15,10 +15,11 @@ import torch
 from cli_support import REPO
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 
-from spml_cache import locks, runs
-from spml_cache.errors import SpmlError
+from spml_cache import runs
 from spml_cache.extract import extract
 from spml_cache.linear import run_linear
+from spml_cache.runtime import locks
+from spml_cache.runtime.errors import SpmlError
 
 LONG = ["--loss", "an,role,em", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epochs", "40", "--workers", "2"]
 STOPS_WITHIN = 5.0  # seconds: generous for a loaded CI machine; the goal is 2
@@ -160,7 +161,7 @@ def test_one_writer_per_cache(tmp_path):
 def _slow_starting_worker(started) -> None:
     started.set()
     time.sleep(0.5)  # a worker still in its first moments, before its initializer has run
-    from spml_cache.children import ignore_interrupts
+    from spml_cache.runtime.children import ignore_interrupts
 
     ignore_interrupts()
     time.sleep(0.2)
@@ -175,7 +176,7 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_until_it_ignores_it(held):
     import contextlib
     import multiprocessing
 
-    from spml_cache.children import interrupts_held_back
+    from spml_cache.runtime.children import interrupts_held_back
 
     context = multiprocessing.get_context("fork")
     started = context.Event()

@@ -25,7 +25,7 @@ from torch import nn
 from spml_cache import backbone
 from spml_cache.backbones import Description
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)

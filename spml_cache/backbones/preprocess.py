@@ -15,7 +15,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from spml_cache import backbone
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 INTERPOLATIONS = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
 

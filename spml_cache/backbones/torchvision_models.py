@@ -19,7 +19,7 @@ from torch import nn
 from spml_cache import backbone
 from spml_cache.backbones import Description
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 RESNET50 = "resnet50"
 RESNET50_RESOLUTION = 448  # the papers' 448 x 448 squash

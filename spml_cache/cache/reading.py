@@ -14,10 +14,10 @@ from spml_cache.cache.schema import (
     CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet,
     SplitRows, content_hash, partial_path, plain,
 )
-from spml_cache.cache.columns import TEXT_GROUP
 from spml_cache.cache import sparse
+from spml_cache.cache.columns import TEXT_GROUP
 from spml_cache.cache.rule_masks import read_rules
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 REQUIRED_ATTRS = ("dataset", "classes", "num_classes")
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from spml_cache.cache import sparse
 from spml_cache.cache.schema import OBSERVED_SPLITS, RULES_GROUP
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 # {rule text: (train mask, val mask)}: observation rules besides `single`, each int8 [N, C] (or SparseLabels) per split
 RuleMasks = dict[str, tuple[np.ndarray, np.ndarray]]

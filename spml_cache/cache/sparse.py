@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 SPARSE_MIN_CLASSES = 1000  # `extract --labels auto` stores label matrices of this many classes or more as CSR
 LABEL_FORMATS = ("auto", "dense", "sparse")

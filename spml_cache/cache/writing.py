@@ -16,10 +16,10 @@ from spml_cache.cache.schema import (
     partial_path, plain,
 )
 from spml_cache.cache import columns
-from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
 from spml_cache.cache import sparse
+from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
 from spml_cache.cache.rule_masks import RuleMasks, write_rules
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 FEATURE_DTYPES = {"float32": np.float32, "float16": np.float16}  # how a cache may store its features
 

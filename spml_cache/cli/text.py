@@ -10,7 +10,7 @@ from typing import List, Optional
 from rich.console import Console
 from rich.text import Text
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 ERR_CONSOLE = Console(stderr=True, soft_wrap=True)  # one red (or yellow) line per error or warning
 

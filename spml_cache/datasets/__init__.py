@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from spml_cache.datasets import coco, cub, nus, openimages, voc
 from spml_cache.datasets import csv as csv_reader
 from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -17,7 +17,7 @@ import numpy as np
 
 from spml_cache.cache import sparse
 from spml_cache.cache.sparse import SparseLabels
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 # How many missing ids an error message shows before "...".
 SHOW_FIRST = 5

@@ -33,19 +33,20 @@ import torch
 import torchvision
 
 import spml_cache
-from spml_cache import backbones, cache, datasets, locks, protocol
-from spml_cache.cache import sparse
+from spml_cache import backbones, cache, datasets, protocol
 from spml_cache.backbone import build_trunk
+from spml_cache.cache import sparse
 from spml_cache.extract import shards, writer
 from spml_cache.extract.batches import PRECISIONS, run_batches
+from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
     estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_room, require_writable,
     settings_attrs,
 )
 from spml_cache.extract.rules import RuleStore
-from spml_cache.devices import default_workers, resolve_device
-from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.observation import Rule
+from spml_cache.runtime.devices import default_workers, resolve_device
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
 
 BAD_IMAGE_POLICIES = ("fail", "skip")
 

@@ -14,9 +14,9 @@ import h5py
 import numpy as np
 
 from spml_cache import cache
-from spml_cache.cache import sparse
 from spml_cache.backbones import Description, templates_attr
-from spml_cache.errors import SpmlError
+from spml_cache.cache import sparse
+from spml_cache.runtime.errors import SpmlError
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
 SETTINGS = (

@@ -21,9 +21,9 @@ import torch
 
 from spml_cache import cache
 from spml_cache.cache import sparse
-from spml_cache.errors import SpmlError
-from spml_cache.ranks import Ranks
-from spml_cache.ranks import current as current_ranks
+from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.ranks import Ranks
+from spml_cache.runtime.ranks import current as current_ranks
 
 
 @dataclass(frozen=True)

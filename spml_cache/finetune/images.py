@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spml_cache import backbone, datasets
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.children import loader_worker_init
 from spml_cache.datasets.base import find_missing
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.children import loader_worker_init
+from spml_cache.runtime.errors import SpmlError
 
 EVAL_BATCH_SIZE = 32
 MISSING_SHOWN = 3

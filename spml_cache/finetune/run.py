@@ -26,19 +26,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from spml_cache import locks, losses, runs
+from spml_cache import losses, runs
 from spml_cache.cache import sparse
-from spml_cache.devices import default_workers
-from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.finetune import checkpoints, parallel
-from spml_cache.finetune.labels import TrainLabels, loss_observed, split_ap
 from spml_cache.finetune import images as data
+from spml_cache.finetune.labels import TrainLabels, loss_observed, split_ap
 from spml_cache.finetune.settings import FinetuneOptions, FineTuneModel, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE
-from spml_cache.progress import progress_bar
 from spml_cache.protocol import initial_head
+from spml_cache.runtime import locks
+from spml_cache.runtime.devices import default_workers
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.progress import progress_bar
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
 

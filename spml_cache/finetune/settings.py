@@ -16,7 +16,6 @@ from torch import nn
 
 from spml_cache import backbones, cache, losses, observation, runs
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError
 from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
 from spml_cache.finetune.labels import loss_observed
@@ -24,6 +23,7 @@ from spml_cache.finetune.parallel import Processes, check_batch_split
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key, split_key
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, check_grid, check_val_split
+from spml_cache.runtime.errors import SpmlError
 
 DEFAULT_LRS = (1e-5, 1e-4)
 INITS = ("best", "imagenet")  # LinearInit (the default), or a fresh head on the ImageNet trunk

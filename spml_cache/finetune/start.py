@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from spml_cache import backbone, backbones, cache, runs
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 THETA_CLIP = 1e-5
 

@@ -19,10 +19,8 @@ import torch
 from rich.console import Console
 
 from spml_cache import losses as loss_registry
-from spml_cache import locks, memory, observation, runs
+from spml_cache import observation, runs
 from spml_cache.cache import cache_id, find_cache, sparse, verify
-from spml_cache.devices import resolve_device
-from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job
 from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
@@ -32,10 +30,13 @@ from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_settings
 from spml_cache.metrics import mean_average_precision
 from spml_cache.observation import Rule
-from spml_cache.progress import console as progress_console
-from spml_cache.ranks import Ranks
-from spml_cache.ranks import current as current_ranks
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS, check_val_split
+from spml_cache.runtime import locks, memory
+from spml_cache.runtime.devices import resolve_device
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.progress import console as progress_console
+from spml_cache.runtime.ranks import Ranks
+from spml_cache.runtime.ranks import current as current_ranks
 from spml_cache.selection import HeadRecord, loss_results, select_config
 
 # --- the run ---------------------------------------------------------------------------------------------

@@ -26,11 +26,11 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from spml_cache.errors import SpmlError
 from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
 from spml_cache.runs import replace_atomically, scores_path
+from spml_cache.runtime.errors import SpmlError
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
 WHY_SKIPPED = {

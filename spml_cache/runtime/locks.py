@@ -13,7 +13,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 try:
     import fcntl
