@@ -84,3 +84,4 @@ def check_head(head: runs.LinearHead, features: cache.FeatureSet) -> None:
             f"{head.run / 'best.pt'}: ROLE's theta is {tuple(theta.shape)} but {cache_path} has {num_train} training"
             " rows: fine-tune with the cache that run used"
         )
+    runs.check_same_cache(head, cache.cache_id(features.attrs), cache_path)
