@@ -46,7 +46,7 @@ def run(folder, *args: str, clip: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+@pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 def test_timm_and_torchvision_backbones_write_their_own_caches(data):
     done = run(data, "--backbone", "timm:resnet10t", "--resolution", "32")
     assert done.returncode == 0, done.stderr

@@ -21,7 +21,7 @@ from spml_cache.finetune import parallel
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.runtime.errors import SpmlError
 
-pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 BACKBONE = "timm:resnet10t"
 
 

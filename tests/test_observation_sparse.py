@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from spml_cache import observation, protocol
+from spml_cache.labels import SparseLabels
 from spml_cache.observation import draws as observation_draws
-from spml_cache.cache.sparse import SparseLabels
 from spml_cache.runtime.errors import SpmlError
 
 ROWS, CLASSES = 60, 1200

@@ -22,7 +22,7 @@ from spml_cache.runtime.errors import Interrupted, SpmlError
 
 GRID = dict(lrs=[1e-2], batch_sizes=[8], epochs=2, seeds=1)
 # The demo cache is extracted with --weights none (no weights file to write): its warning is expected.
-pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 
 
 @pytest.fixture(scope="module")

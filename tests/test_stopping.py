@@ -144,7 +144,7 @@ def test_one_writer_per_run_directory(tmp_path, tiny_cache, monkeypatch):
     assert not locks.lock_path(run_dir).exists()  # released and removed
 
 
-@pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")  # random weights on purpose
+@pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")  # random weights on purpose
 def test_one_writer_per_cache(tmp_path):
     from spml_cache.demo.data import make_demo_data
 

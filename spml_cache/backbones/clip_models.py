@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spml_cache import backbone
 from spml_cache.backbones import Description
+from spml_cache.backbones.checkpoints import RandomWeightsWarning, file_provenance
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.runtime.errors import SpmlError
 
@@ -56,7 +56,7 @@ def describe(rest: str, weights: str | None, resolution: int | None, clip_featur
     elif weights.lower() == "none":
         provenance = "none"
     elif Path(weights).expanduser().is_file():
-        provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
+        provenance = file_provenance(Path(weights).expanduser())
     else:
         raise SpmlError(f"--weights {weights}: no such file, and not a tag of {arch} ({', '.join(tags[:6]) or 'none'}"
                         "); pass a tag, a checkpoint path or none")
@@ -147,7 +147,7 @@ def build(description: Description) -> nn.Module:
             torch.manual_seed(0)
             model = open_clip.create_model(arch, pretrained=None, **options)
         warnings.warn(f"--weights none: clip:{arch} is randomly initialised; its features are not CLIP's",
-                      backbone.RandomWeightsWarning, stacklevel=2)
+                      RandomWeightsWarning, stacklevel=2)
         return ClipTrunk(model, arch, pre, description.grid)
     source = str(Path(weights).expanduser()) if Path(weights).expanduser().is_file() else weights
     try:

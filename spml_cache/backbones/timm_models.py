@@ -16,9 +16,10 @@ import timm
 import torch
 from torch import nn
 
-from spml_cache import backbone
 from spml_cache.backbones import Description
+from spml_cache.backbones.checkpoints import RandomWeightsWarning, file_provenance, read_state_dict
 from spml_cache.backbones.preprocess import Preprocess
+from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.runtime.errors import SpmlError
 
 PRETRAINED = "pretrained"
@@ -54,12 +55,12 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     elif weights.lower() == "none":
         provenance = "none"
     elif Path(weights).expanduser().is_file():
-        provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
+        provenance = file_provenance(Path(weights).expanduser())
     else:
         raise SpmlError(f"--weights {weights}: no such file, and not a pretrained tag of timm:{name}; use pretrained"
                         " (the name's tag's weights), a tag (timm.list_pretrained() lists them), none, or a .pth path")
     interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
-    mean, std = cfg.get("mean", backbone.IMAGENET_MEAN), cfg.get("std", backbone.IMAGENET_STD)
+    mean, std = cfg.get("mean", IMAGENET_MEAN), cfg.get("std", IMAGENET_STD)
     if cfg.get("crop_mode") == "squash":
         preprocess = Preprocess(side, tuple(mean), tuple(std))
     else:
@@ -80,7 +81,7 @@ def _tagged(name: str, weights: str) -> str | None:
 
 
 def _load_file(model: nn.Module, path: Path, name: str) -> None:
-    state = backbone.read_state_dict(path)
+    state = read_state_dict(path)
     for prefix in STRIPPED_PREFIXES:
         if state and all(key.startswith(prefix) for key in state):
             state = {key[len(prefix):]: value for key, value in state.items()}
@@ -99,7 +100,7 @@ def build(description: Description) -> nn.Module:
             torch.manual_seed(0)
             model = _create(name, extra)
         warnings.warn(f"--weights none: timm:{name} is randomly initialised; its features are not pretrained",
-                      backbone.RandomWeightsWarning, stacklevel=2)
+                      RandomWeightsWarning, stacklevel=2)
         return model
     if weights == PRETRAINED:
         try:

@@ -15,8 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from spml_cache.cache import sparse
-from spml_cache.cache.sparse import SparseLabels
+from spml_cache.labels import SparseLabels, take
 from spml_cache.runtime.errors import SpmlError
 
 # How many missing ids an error message shows before "...".
@@ -169,7 +168,7 @@ def drop_missing(
 
     def keep(split: ImageSplit) -> ImageSplit:
         rows = np.array([i for i, image_id in enumerate(split.ids) if image_id not in gone], dtype=np.int64)
-        return ImageSplit([split.ids[i] for i in rows], sparse.take(split.labels, rows), sparse.take(split.mask, rows))
+        return ImageSplit([split.ids[i] for i in rows], take(split.labels, rows), take(split.mask, rows))
 
     return keep(train), keep(test), missing
 

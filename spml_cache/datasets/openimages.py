@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spml_cache.cache.sparse import SparseLabels
 from spml_cache.datasets.base import ImageSplit, LabeledImages, finish, malformed
+from spml_cache.labels import SparseLabels
 from spml_cache.runtime.errors import SpmlError
 
 NAME = "openimages"

@@ -17,7 +17,8 @@ import torch
 from rich.console import Console
 
 from spml_cache import report
-from spml_cache.backbone import RandomWeightsWarning, checkpoint_path
+from spml_cache.backbones.checkpoints import RandomWeightsWarning
+from spml_cache.backbones.resnet50 import checkpoint_path
 from spml_cache.cache import default_path
 from spml_cache.demo.data import make_demo_data
 from spml_cache.extract import extract

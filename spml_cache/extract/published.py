@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from spml_cache import cache, protocol
-from spml_cache.backbone import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.datasets import voc
 from spml_cache.extract.pipeline import run_attrs
+from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.runtime.errors import SpmlError
 
 FILES = {

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from spml_cache import cache
-from spml_cache.backbone import normalise
+from spml_cache.images import normalise
 from spml_cache.runtime.errors import SpmlError
 
 

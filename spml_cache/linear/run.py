@@ -20,7 +20,8 @@ from rich.console import Console
 
 from spml_cache import losses as loss_registry
 from spml_cache import observation, runs
-from spml_cache.cache import cache_id, find_cache, sparse, verify
+from spml_cache.cache import cache_id, find_cache, verify
+from spml_cache.labels import is_sparse
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job
 from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
@@ -144,7 +145,7 @@ def run_linear(
     with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
         try:
             # first: report's figures need it, whatever happens next (dense label matrices only)
-            if not (run_dir / "labels.npz").exists() and not sparse.is_sparse(features.train.labels):
+            if not (run_dir / "labels.npz").exists() and not is_sparse(features.train.labels):
                 runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
                                   val_labels=features.val.labels, test_labels=features.test.labels,
                                   rules={rule: found.train for rule, found in observed.items() if several})

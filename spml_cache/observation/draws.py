@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spml_cache.cache import sparse
-from spml_cache.cache.sparse import SparseLabels
+from spml_cache.labels import SparseLabels, contains
 from spml_cache.observation.rules import ObservationRule, Param, register
 from spml_cache.protocol import full_sparse, observe_labels
 
@@ -89,7 +88,7 @@ class Entry(ObservationRule):
             block_rows, block_classes = np.nonzero(rng.random_sample((stop - start, num_classes)) < p)
             block_rows = block_rows.astype(np.int64) + start
             keys = block_rows * num_classes + block_classes
-            positive = sparse.contains(positive_keys[labels.indptr[start] : labels.indptr[stop]], keys)
+            positive = contains(positive_keys[labels.indptr[start] : labels.indptr[stop]], keys)
             rows.append(block_rows)
             classes.append(block_classes.astype(np.int64))
             values.append(np.where(positive, 1, -1).astype(np.int8))
@@ -218,7 +217,7 @@ class Size(ObservationRule):
 @register
 class Given(ObservationRule):
     """On sparse labels `given` needs the dataset's sparse label mask, which `rows.draw_splits` reads directly
-    (`sparse.signed_annotations`): no draw is made."""
+    (`signed_annotations`): no draw is made."""
 
     name = "given"
     source = "the dataset's own annotations (OpenImages' human-verified labels, a CSV's 1 / 0 cells)"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from spml_cache.cache import sparse
+from spml_cache.labels import is_sparse, rows_with, signed_annotations, stack
 from spml_cache.observation.keys import DEFAULT_RULE, FLAG
 from spml_cache.observation.rules import Areas, Rule
 from spml_cache.protocol import hide_unannotated, split_train_val
@@ -37,9 +37,9 @@ def draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, at
     """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order);
     with partial labels (`label_masks`, train and val, 1 where annotated) no unannotated entry is observed."""
     train_mask, val_mask = label_masks or (None, None)
-    if sparse.is_sparse(train_labels):
-        if rule.name == "given" and sparse.is_sparse(train_mask) and sparse.is_sparse(val_mask):  # the annotations
-            return sparse.signed_annotations(train_labels, train_mask), sparse.signed_annotations(val_labels, val_mask)
+    if is_sparse(train_labels):
+        if rule.name == "given" and is_sparse(train_mask) and is_sparse(val_mask):  # the annotations
+            return signed_annotations(train_labels, train_mask), signed_annotations(val_labels, val_mask)
         rule.check_sparse()
     train, val = _draw_splits(rule, train_labels, val_labels, attrs, areas)
     return hide_unannotated(train, train_mask), hide_unannotated(val, val_mask)
@@ -57,8 +57,8 @@ def _draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, a
     positions = official_positions(attrs, num_train, num_val)
     if positions is None:
         positions = np.arange(num_train), np.arange(num_train, num_train + num_val)
-    if sparse.is_sparse(train_labels):  # merged: row j of the official order is stacked row argsort(positions)[j]
-        merged = sparse.stack([train_labels, val_labels]).take(np.argsort(np.concatenate(positions)))
+    if is_sparse(train_labels):  # merged: row j of the official order is stacked row argsort(positions)[j]
+        merged = stack([train_labels, val_labels]).take(np.argsort(np.concatenate(positions)))
         observed = rule.draw(merged)
         return observed.take(positions[0]), observed.take(positions[1])
     merged = np.zeros((num_train + num_val, train_labels.shape[1]), dtype=np.uint8)
@@ -85,7 +85,7 @@ class Observed:
         """What results.json says of the rule: the fraction of training entries observed, observed positives
         and negatives per image, and the training images with a positive but none observed."""
         rows, entries = max(len(self.train), 1), self.train.shape[0] * self.train.shape[1]
-        values = self.train.values if sparse.is_sparse(self.train) else self.train  # the non-zero entries suffice
+        values = self.train.values if is_sparse(self.train) else self.train  # the non-zero entries suffice
         return {
             "fraction_observed": float(np.count_nonzero(values) / entries) if entries else 0.0,
             "positives_per_image": float((values == 1).sum() / rows),
@@ -97,7 +97,7 @@ class Observed:
 
 def without_positive(observed: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """bool [N]: the rows that have a true positive but no observed one."""
-    return sparse.rows_with(labels, 1) & ~sparse.rows_with(observed, 1)
+    return rows_with(labels, 1) & ~rows_with(observed, 1)
 
 
 def for_cache(features, rules: list[Rule]) -> dict[str, Observed]:

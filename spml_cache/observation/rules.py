@@ -17,7 +17,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from spml_cache.cache import sparse
+from spml_cache.labels import is_sparse
 from spml_cache.observation.keys import DEFAULT_RULE, FLAG
 from spml_cache.protocol import OBSERVE_SEED
 from spml_cache.runtime.errors import SpmlError
@@ -129,7 +129,7 @@ class Rule:
     def draw(self, labels: np.ndarray, areas: Areas | None = None, seed: int | None = None) -> np.ndarray:
         """The observed matrix (int8 [N, C]) of full labels `labels` (uint8 [N, C]; sparse: sparse), deterministic."""
         seed = self.seed if seed is None else seed
-        if sparse.is_sparse(labels):
+        if is_sparse(labels):
             self.check_sparse()
             return self.entry.draw_sparse(labels, seed, **dict(self.values))
         labels = np.asarray(labels, dtype=np.uint8)
