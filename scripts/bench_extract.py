@@ -46,9 +46,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import spml_cache  # noqa: E402
-from spml_cache import backbone, backbones  # noqa: E402
-from spml_cache.devices import resolve_device  # noqa: E402
+from spml_cache import backbones  # noqa: E402
+from spml_cache.backbones.checkpoints import RandomWeightsWarning
 from spml_cache.extract import PRECISIONS, extract  # noqa: E402
+from spml_cache.images import decode_jpegs
+from spml_cache.runtime.devices import resolve_device  # noqa: E402
 
 VARIANTS = ("fp32", "fp32-cl", "fp16", "fp16-cl", "bf16", "bf16-cl")  # -cl: channels_last
 
@@ -97,11 +99,11 @@ def decode_rate(blobs: list[bytes], preprocess, batch_size: int, device: torch.d
     """images/s of decode + resize + normalise from bytes in memory (one untimed batch first: nvjpeg's start);
     `preprocess`: the backbone's (backbones.preprocess.Preprocess)."""
     batches = [blobs[i : i + batch_size] for i in range(0, len(blobs), batch_size)]
-    preprocess(backbone.decode_jpegs(batches[0], device), device, dtype)
+    preprocess(decode_jpegs(batches[0], device), device, dtype)
     sync(device)
     start = time.perf_counter()
     for batch in batches:
-        preprocess(backbone.decode_jpegs(batch, device), device, dtype)
+        preprocess(decode_jpegs(batch, device), device, dtype)
     sync(device)
     return len(blobs) / (time.perf_counter() - start)
 
@@ -172,7 +174,7 @@ def trunk_variants(trunk, batch, names, repeats, device, compile_mode) -> list[d
 
 def end_to_end(folder, out, args, precision, **internal) -> dict:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", backbone.RandomWeightsWarning)
+        warnings.simplefilter("ignore", RandomWeightsWarning)
         report = extract(
             "csv", folder, out=out, backbone=args.backbone, weights=args.weights, resolution=args.resolution,
             batch_size=args.batch_size,
@@ -193,7 +195,7 @@ def measure(args) -> dict:
     print(f"device: {name}; {args.backbone}, {images} images at {resolution} px, batch {args.batch_size}, {precision}")
     torch.backends.cudnn.benchmark = True  # as extract sets it
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", backbone.RandomWeightsWarning)
+        warnings.simplefilter("ignore", RandomWeightsWarning)
         trunk, provenance = backbones.build(described), described.provenance
     trunk = trunk.eval().requires_grad_(False).to(device)
     result = {
@@ -225,7 +227,7 @@ def measure(args) -> dict:
         decode = decode_rate(blobs, described.preprocess, args.batch_size, device, dtype)
         result["decode"] = {"images": len(blobs), "images_per_s": round(decode, 2)}
         print(f"  decode + resize + normalise: {decode:.1f} img/s")
-        batch = described.preprocess(backbone.decode_jpegs(blobs[: args.batch_size], device), device).contiguous()
+        batch = described.preprocess(decode_jpegs(blobs[: args.batch_size], device), device).contiguous()
         if len(batch) < args.batch_size:
             batch = batch.repeat((args.batch_size + len(batch) - 1) // len(batch), 1, 1, 1)[: args.batch_size]
     alone = run_trunk(copy.deepcopy(trunk).to(memory_format=torch.channels_last), batch, dtype, True,

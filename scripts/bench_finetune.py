@@ -26,10 +26,13 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spml_cache import backbone, losses  # noqa: E402
+from spml_cache import losses  # noqa: E402
+from spml_cache.backbones.checkpoints import RandomWeightsWarning
+from spml_cache.backbones.resnet50 import FEATURE_DIM, build_trunk
 from spml_cache.finetune import parallel  # noqa: E402
-from spml_cache.devices import resolve_device  # noqa: E402
 from spml_cache.finetune import FineTuneModel, make_optimizer, train_step  # noqa: E402
+from spml_cache.images import decode_jpegs
+from spml_cache.runtime.devices import resolve_device  # noqa: E402
 
 NUM_CLASSES = 20
 NUM_TRAIN = 1024
@@ -63,9 +66,9 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", backbone.RandomWeightsWarning)
-        trunk, _ = backbone.build_trunk("none")
-    head = torch.nn.Linear(backbone.FEATURE_DIM, NUM_CLASSES)
+        warnings.simplefilter("ignore", RandomWeightsWarning)
+        trunk, _ = build_trunk("none")
+    head = torch.nn.Linear(FEATURE_DIM, NUM_CLASSES)
     model = FineTuneModel(trunk, head).to(device, memory_format=torch.channels_last)  # as finetune does
     model.train()
     observed = torch.zeros(NUM_TRAIN, NUM_CLASSES, dtype=torch.int8)
@@ -76,7 +79,7 @@ def main() -> None:
     observed, labels = observed.to(device), observed.to(device).clamp(min=0).to(torch.uint8)
 
     blobs = synthetic_jpegs(args.batch_size)
-    images = blobs if not args.no_decode else backbone.decode_jpegs(blobs, "cpu")
+    images = blobs if not args.no_decode else decode_jpegs(blobs, "cpu")
     flips = torch.rand(args.batch_size, generator=torch.Generator().manual_seed(1)) < 0.5
 
     def step(number: int) -> None:

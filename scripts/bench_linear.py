@@ -48,11 +48,11 @@ from sklearn.metrics import average_precision_score
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spml_cache import cache, losses  # noqa: E402
-from spml_cache.devices import resolve_device  # noqa: E402
 from spml_cache.linear import run_linear  # noqa: E402
 from spml_cache.observation import parse_rules  # noqa: E402
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS  # noqa: E402
 from spml_cache.protocol import observe_labels  # noqa: E402
+from spml_cache.runtime.devices import resolve_device  # noqa: E402
 
 SHAPES = {  # train, val, test, classes
     "voc": (4574, 1143, 5823, 20),

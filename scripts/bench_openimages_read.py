@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_linear import cpu_name  # noqa: E402
 
-from spml_cache.memory import peak_resident as peak_rss  # noqa: E402
+from spml_cache.runtime.memory import peak_resident as peak_rss  # noqa: E402
 
 
 def generate(folder: Path, images: int, classes: int, per_image: int, seed: int = 0) -> dict:

@@ -42,10 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_linear import FEATURE_DIM, cpu_name, synthetic_cache  # noqa: E402
 
-from spml_cache import cache, memory  # noqa: E402
-from spml_cache.cache.sparse import SparseLabels  # noqa: E402
+from spml_cache import cache
+from spml_cache.labels import SparseLabels
 from spml_cache.linear import out_of_core, run_linear  # noqa: E402
 from spml_cache.linear.out_of_core import MemoryPlan  # noqa: E402
+from spml_cache.runtime import memory  # noqa: E402
 
 
 def voc_part(args) -> dict:

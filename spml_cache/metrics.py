@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 
 def _as_tensor(values: Any) -> torch.Tensor:

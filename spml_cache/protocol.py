@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from spml_cache.cache import sparse
-from spml_cache.cache.sparse import SparseLabels
-from spml_cache.errors import SpmlError
+from spml_cache.labels import SparseLabels, contains, count_positive, dense, is_sparse, take
+from spml_cache.runtime.errors import SpmlError
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +94,7 @@ def observe_labels(labels: np.ndarray, *, num_pos: int = 1, num_neg: int = 0, se
             raise SpmlError(f"{name} must be a whole number >= 0, or -1 for all, got {count}")
     # a slice end: the first `count` of the shuffled indices, or all of them for -1
     keep_pos, keep_neg = (None if count == -1 else int(count) for count in (num_pos, num_neg))
-    if sparse.is_sparse(labels):
+    if is_sparse(labels):
         return _observe_sparse(full_sparse(labels), keep_pos, keep_neg, seed)
     labels = np.asarray(labels)
     if labels.ndim != 2:
@@ -154,10 +153,10 @@ def hide_unannotated(observed, mask):
     (its 0 is not a known negative). Sparse observed labels stay sparse (a sparse mask is never made dense)."""
     if mask is None:
         return observed
-    if not sparse.is_sparse(observed):
-        return np.where(sparse.dense(mask) != 0, observed, 0).astype(np.int8)
-    if sparse.is_sparse(mask):
-        annotated = sparse.contains(mask.keys()[mask.values != 0], observed.keys())
+    if not is_sparse(observed):
+        return np.where(dense(mask) != 0, observed, 0).astype(np.int8)
+    if is_sparse(mask):
+        annotated = contains(mask.keys()[mask.values != 0], observed.keys())
     else:
         annotated = np.asarray(mask)[observed.row_of_entries(), observed.indices] != 0
     return observed.select(annotated)
@@ -165,8 +164,8 @@ def hide_unannotated(observed, mask):
 
 def expected_positives(labels) -> float:
     """Mean number of positive labels per image (the papers' `k`); 0.0 for no images."""
-    if sparse.is_sparse(labels):
-        return float(sparse.count_positive(labels) / len(labels)) if len(labels) else 0.0
+    if is_sparse(labels):
+        return float(count_positive(labels) / len(labels)) if len(labels) else 0.0
     labels = np.asarray(labels)
     if labels.ndim != 2:
         raise SpmlError(f"labels must be a 2-D [images, classes] matrix, got shape {labels.shape}")
@@ -200,8 +199,8 @@ def apply_protocol(
     train_rows, val_rows = split_train_val(len(ids), val_frac=val_frac, seed=split_seed)
 
     def rows(selected: np.ndarray) -> ProtocolSplit:
-        return ProtocolSplit([ids[i] for i in selected], sparse.take(labels, selected),
-                             sparse.take(observed, selected), sparse.take(mask, selected))
+        return ProtocolSplit([ids[i] for i in selected], take(labels, selected),
+                             take(observed, selected), take(mask, selected))
 
     test = ProtocolSplit(list(images.test.ids), _labels(images.test.labels), None, images.test.mask)
     attrs = {
@@ -217,7 +216,7 @@ def apply_protocol(
 
 def _labels(labels):
     """Full labels as the protocol keeps them: dense uint8, or sparse as they are."""
-    return labels if sparse.is_sparse(labels) else np.asarray(labels, dtype=np.uint8)
+    return labels if is_sparse(labels) else np.asarray(labels, dtype=np.uint8)
 
 
 def check_val_split(val_labels: np.ndarray, source: str) -> None:
@@ -242,7 +241,7 @@ def check_train_test(num_train: int, test_labels, test_mask, source: str) -> Non
     if rows == 0:
         raise SpmlError(f"{source}: its test split has no rows, so test mAP would be 0.00 whatever the heads learn:"
                         " use a dataset with test images")
-    if sparse.count_positive(test_labels, test_mask) == 0:
+    if count_positive(test_labels, test_mask) == 0:
         what = "positive label" if test_mask is None else "annotated positive label (every positive cell unknown)"
         raise SpmlError(f"{source}: its test split has no {what} in {rows} rows, so test mAP would be 0.00 whatever"
                         " the heads learn: label the test images' classes (a CSV's test rows need known positives)")

@@ -54,9 +54,9 @@ def interrupted_run(out: Path, cache_path: Path, monkeypatch, parts: int, **grid
     """A `run_linear` stopped by Ctrl-C right after its `parts`-th part was kept; returns its run directory."""
     import pytest
 
-    from spml_cache.errors import Interrupted
     from spml_cache.linear import run_linear
     from spml_cache.linear.parts import KeptParts
+    from spml_cache.runtime.errors import Interrupted
 
     keep, kept = KeptParts.keep, []
 

@@ -12,8 +12,10 @@ import torchvision
 from extract_support import random_weights, truncate, write_jpeg
 from PIL import Image
 
-from spml_cache import backbone
-from spml_cache.errors import SpmlError
+from spml_cache.backbones.checkpoints import RandomWeightsWarning
+from spml_cache.backbones.resnet50 import build_trunk
+from spml_cache.images import ImageDecodeError, decode_jpegs, preprocess
+from spml_cache.runtime.errors import SpmlError
 
 MEAN = np.array([0.485, 0.456, 0.406])
 STD = np.array([0.229, 0.224, 0.225])
@@ -32,7 +34,7 @@ def weights(tmp_path_factory):
 
 
 def test_trunk_from_file_is_resnet50_up_to_pooling(weights):
-    trunk, provenance = backbone.build_trunk(str(weights))
+    trunk, provenance = build_trunk(str(weights))
     reference = torchvision.models.resnet50()
     reference.load_state_dict(torch.load(weights, weights_only=True))
     x = torch.randn(2, 3, 32, 32)
@@ -50,7 +52,7 @@ def test_wrapped_checkpoint_with_prefix_loads(tmp_path, weights):
     wrapped = {"state_dict": {f"module.{k}": v for k, v in state.items() if "num_batches_tracked" not in k}}
     path = tmp_path / "ddp.pth"
     torch.save(wrapped, path)
-    trunk, _ = backbone.build_trunk(str(path))
+    trunk, _ = build_trunk(str(path))
     assert torch.equal(trunk.state_dict()["layer4.2.conv3.weight"], state["layer4.2.conv3.weight"])
     assert torch.equal(trunk.state_dict()["bn1.running_var"], state["bn1.running_var"])
 
@@ -59,11 +61,11 @@ def test_random_init_warns_and_is_the_same_network_every_time():
     torch.manual_seed(5)
     expected_draw = torch.rand(1)
     torch.manual_seed(5)
-    with pytest.warns(backbone.RandomWeightsWarning, match="not ImageNet features"):
-        first, provenance = backbone.build_trunk("none")
+    with pytest.warns(RandomWeightsWarning, match="not ImageNet features"):
+        first, provenance = build_trunk("none")
     assert torch.equal(torch.rand(1), expected_draw)  # the caller's random stream is left alone
-    with pytest.warns(backbone.RandomWeightsWarning):
-        second, _ = backbone.build_trunk("none")
+    with pytest.warns(RandomWeightsWarning):
+        second, _ = build_trunk("none")
     assert provenance == "none"
     # a resumed extraction with --weights none continues with the same network
     for (key, a), b in zip(first.state_dict().items(), second.state_dict().values()):
@@ -90,7 +92,7 @@ def test_a_file_that_is_not_a_resnet50_state_dict_is_a_clear_error(tmp_path, cas
     elif case == "pickled_object":
         torch.save({"conv1.weight": Pickled()}, path)
     with pytest.raises(SpmlError, match=str(path)) as error:
-        backbone.build_trunk(str(path))
+        build_trunk(str(path))
     assert "\n" not in str(error.value) and "weights_only" not in str(error.value)
     expected = {"resnet18": "not a ResNet-50 state dict", "not_a_state_dict": "not a state dict",
                 "text": "not a loadable", "random_bytes": "not a loadable", "pickled_object": "Python objects besides",
@@ -102,7 +104,7 @@ def test_offline_enum_weights_fail_fast_naming_the_way_out(tmp_path, monkeypatch
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     monkeypatch.setenv("SPML_OFFLINE", "1")
     with pytest.raises(SpmlError) as error:
-        backbone.build_trunk("IMAGENET1K_V1")
+        build_trunk("IMAGENET1K_V1")
     message = str(error.value)
     assert "resnet50-0676ba61.pth" in message and str(tmp_path) in message and "TORCH_HOME" in message
     assert "--weights PATH" in message and "--weights none" in message
@@ -115,7 +117,7 @@ def test_cached_enum_weights_are_used(tmp_path, monkeypatch, weights):
     cached = tmp_path / "hub" / "checkpoints" / "resnet50-11ad3fa6.pth"  # IMAGENET1K_V2's file name
     cached.parent.mkdir(parents=True)
     cached.write_bytes(weights.read_bytes())
-    trunk, provenance = backbone.build_trunk("imagenet1k_v2")
+    trunk, provenance = build_trunk("imagenet1k_v2")
     assert provenance == "IMAGENET1K_V2"
     assert torch.equal(trunk.state_dict()["conv1.weight"], torch.load(weights, weights_only=True)["conv1.weight"])
 
@@ -127,14 +129,14 @@ def test_decode_matches_pil_and_flags_bad_files(tmp_path):
     png = io.BytesIO()
     Image.fromarray(np.full((5, 6, 3), 200, dtype=np.uint8)).save(png, format="PNG")
     blobs = [(tmp_path / "a.jpg").read_bytes(), (tmp_path / "b.jpg").read_bytes(), png.getvalue(), b""]
-    images = backbone.decode_jpegs(blobs, "cpu", skip_bad=True)
+    images = decode_jpegs(blobs, "cpu", skip_bad=True)
     expected = np.asarray(Image.open(tmp_path / "a.jpg").convert("RGB")).transpose(2, 0, 1)
     assert images[0].dtype == torch.uint8 and images[0].shape == (3, 30, 40)
     assert np.abs(images[0].numpy().astype(int) - expected.astype(int)).max() <= 1
     assert images[1] is None and images[3] is None  # truncated, empty
     assert images[2].shape == (3, 5, 6) and int(images[2].min()) == 200  # a PNG under a .jpg name
-    with pytest.raises(backbone.ImageDecodeError) as error:
-        backbone.decode_jpegs(blobs[:2], "cpu")
+    with pytest.raises(ImageDecodeError) as error:
+        decode_jpegs(blobs[:2], "cpu")
     assert error.value.index == 1 and "truncated" in error.value.reason
 
 
@@ -159,7 +161,7 @@ def test_a_gpu_decode_drains_the_current_stream_first(tmp_path, monkeypatch):
     monkeypatch.setattr(torchvision.io, "decode_jpeg", gpu_decode)
     for seed in range(2):
         write_jpeg(tmp_path / f"{seed}.jpg", seed=seed)
-    images = backbone.decode_jpegs([(tmp_path / f"{seed}.jpg").read_bytes() for seed in range(2)], "cuda")
+    images = decode_jpegs([(tmp_path / f"{seed}.jpg").read_bytes() for seed in range(2)], "cuda")
     assert calls == ["drain", "decode 2 on cuda"]
     assert [tuple(image.shape) for image in images] == [(3, 24, 32)] * 2
 
@@ -171,7 +173,7 @@ def test_preprocess_is_the_papers_resize_and_normalisation(tmp_path):
         write_jpeg(tmp_path / f"{seed}.jpg", seed=seed, size=size)
         pixels = np.asarray(Image.open(tmp_path / f"{seed}.jpg").convert("RGB"))
         images.append(torch.from_numpy(pixels.transpose(2, 0, 1).copy()))
-    batch = backbone.preprocess(images, 24)
+    batch = preprocess(images, 24)
     assert batch.shape == (3, 3, 24, 24) and batch.dtype == torch.float32
     assert batch.is_contiguous(memory_format=torch.channels_last)
     for k in range(len(sizes)):
@@ -195,7 +197,7 @@ def test_weights_that_cannot_be_downloaded_are_one_short_line(tmp_path, monkeypa
     monkeypatch.delenv("SPML_OFFLINE", raising=False)
     monkeypatch.setattr(torch.hub, "download_url_to_file", unreachable)
     with pytest.raises(SpmlError) as error:
-        backbone.build_trunk("IMAGENET1K_V1")
+        build_trunk("IMAGENET1K_V1")
     message = str(error.value)
     assert "could not be downloaded ([Errno -2] Name or service not known)" in message
     assert "urlopen" not in message and "\n" not in message and "--weights PATH" in message

@@ -14,9 +14,9 @@ from backbone_support import register_tiny_clip
 
 from spml_cache import backbones, cache
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
-pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 
 
 @pytest.fixture(scope="module")

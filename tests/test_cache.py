@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spml_cache import cache
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 CLASSES = ["cat", "dog", "bird"]
 

@@ -14,9 +14,9 @@ from rich.console import Console
 from cli_support import run_cli
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 from spml_cache import cache, datasets
-from spml_cache.cache import sparse
-from spml_cache.errors import SpmlError
+from spml_cache.labels import SparseLabels, unordered_row
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 GRID = {"losses": "an", "lrs": [1e-2], "batch_sizes": [8], "epochs": 1}
 NO_CHECKSUM = "cannot verify"
@@ -96,10 +96,10 @@ def test_the_order_check_matches_a_row_by_row_restatement():
         counts = rng.integers(0, 4, size=rng.integers(1, 8))
         indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         indices = rng.integers(0, 6, size=int(indptr[-1])).astype(np.int32)
-        matrix = sparse.SparseLabels(indptr, indices, np.ones(len(indices), np.int8), 6)
+        matrix = SparseLabels(indptr, indices, np.ones(len(indices), np.int8), 6)
         rows = [indices[indptr[r] : indptr[r + 1]] for r in range(len(counts))]
         expected = next((r for r, row in enumerate(rows) if not (np.diff(row.astype(int)) > 0).all()), None)
-        assert sparse.unordered_row(matrix) == expected
+        assert unordered_row(matrix) == expected
 
 
 def test_a_sparse_cache_written_by_the_package_passes(tmp_path, sparse_cache):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spml_cache import datasets
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 JPEG = b"\xff\xd8\xff\xe0 not decoded by the readers \xff\xd9"
 

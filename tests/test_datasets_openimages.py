@@ -10,8 +10,8 @@ import torch
 from cli_support import run_cli
 from extract_support import write_jpeg
 from spml_cache import cache, datasets
-from spml_cache.cache import sparse
-from spml_cache.errors import SpmlError
+from spml_cache.labels import SparseLabels, is_sparse
+from spml_cache.runtime.errors import SpmlError
 
 CLASSES = {"/m/01": "Cat", "/m/02": "Dog", "/m/03": "Owl", "/m/04": "Jaguar", "/m/05": "Jaguar", "/m/09": "Unused"}
 TRAINABLE = ["/m/01", "/m/02", "/m/03", "/m/04", "/m/05"]
@@ -47,7 +47,7 @@ def test_verified_positives_and_negatives_become_labels_and_mask(tmp_path):
     images = datasets.read("openimages", tmp_path)  # found under root/openimages
     assert images.classes == ["Cat", "Dog", "Owl", "Jaguar (/m/04)", "Jaguar (/m/05)"]  # a shared name disambiguated
     for split in (images.train, images.test):
-        assert sparse.is_sparse(split.labels) and sparse.is_sparse(split.mask)  # never a dense [N, C] matrix
+        assert is_sparse(split.labels) and is_sparse(split.mask)  # never a dense [N, C] matrix
         labels, mask = split.labels.to_dense(), split.mask.to_dense()
         for row, image_id in enumerate(split.ids):
             verified = expected[image_id]
@@ -92,8 +92,8 @@ def test_the_sparse_reading_equals_a_dense_matrix_written_from_the_lines(tmp_pat
                 mask[ids.index(image), classes.index(label)] = 1
         read = getattr(images, split)
         assert read.ids == [f"{split}/{i}.jpg" for i in ids]
-        assert read.labels == sparse.SparseLabels.from_dense(labels)  # ascending columns, values 1
-        assert read.mask == sparse.SparseLabels.from_dense(mask)
+        assert read.labels == SparseLabels.from_dense(labels)  # ascending columns, values 1
+        assert read.mask == SparseLabels.from_dense(mask)
 
 
 def test_skipping_missing_images_keeps_the_labels_sparse(tmp_path):
@@ -103,7 +103,7 @@ def test_skipping_missing_images_keeps_the_labels_sparse(tmp_path):
     images = datasets.read("openimages", tmp_path, skip_missing=True)
     assert images.skipped == [gone] and gone not in images.train.ids + images.test.ids
     split = images.train if gone.startswith("train") else images.test
-    assert sparse.is_sparse(split.labels) and sparse.is_sparse(split.mask) and len(split.labels) == len(split)
+    assert is_sparse(split.labels) and is_sparse(split.mask) and len(split.labels) == len(split)
     for row, image_id in enumerate(split.ids):
         assert dict(zip(VERIFIED, split.mask.to_dense()[row])) == {
             label: int(label in expected[image_id]) for label in VERIFIED}
@@ -165,7 +165,7 @@ def test_many_classes_store_sparse_and_train_on_the_verified_labels(tmp_path):
                    "--resolution", "32", "--workers", "0", "--device", "cpu", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     features = cache.load(tmp_path / "oi.h5")
-    assert all(sparse.is_sparse(m) for m in (features.train.labels, features.train.label_mask, features.test.label_mask))
+    assert all(is_sparse(m) for m in (features.train.labels, features.train.label_mask, features.test.label_mask))
     done = run_cli("linear", "--cache", "oi.h5", "--loss", "bce_observed", "--observe", "given", "--lr", "1e-2",
                    "--batch-size", "8", "--epochs", "1", "--out", "runs", "--device", "cpu", "--workers", "0",
                    cwd=tmp_path)

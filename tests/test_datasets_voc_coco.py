@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spml_cache import datasets
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 VOC_CLASSES = (
     "aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse motorbike person "

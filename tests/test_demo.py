@@ -9,7 +9,7 @@ from cli_support import run_cli
 
 from spml_cache import losses
 from spml_cache.demo.run import run_demo
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 
 def test_demo_end_to_end(tmp_path):

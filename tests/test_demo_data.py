@@ -8,7 +8,7 @@ from PIL import Image
 
 from spml_cache import datasets
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 VOC_CLASSES = (
     "aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse motorbike person "

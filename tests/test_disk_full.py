@@ -10,8 +10,8 @@ import pytest
 from cli_support import run_cli
 from linear_support import quiet, write_synthetic_cache
 
-from spml_cache.errors import DiskFull
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import DiskFull
 
 GRID = dict(losses=["an", "role"], lrs=[1e-2], batch_sizes=[4, 8], epochs=2)
 

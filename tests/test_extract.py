@@ -27,10 +27,12 @@ from extract_support import (
     write_jpeg,
 )
 
-from spml_cache import backbone, cache, datasets, protocol
+from spml_cache import cache, datasets, protocol
+from spml_cache.backbones.resnet50 import build_trunk
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
+from spml_cache.images import decode_jpegs, preprocess
+from spml_cache.runtime.errors import SpmlError
 
 VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",
                "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor"]  # fmt: skip
@@ -75,10 +77,10 @@ _TRUNKS: dict = {}
 def recomputed(weights, root, ids):
     """Features of `ids` straight from the backbone (no loader, no cache), in one batch."""
     if weights not in _TRUNKS:
-        _TRUNKS[weights] = backbone.build_trunk(str(weights))[0].eval()
-    images = backbone.decode_jpegs([(root / image_id).read_bytes() for image_id in ids])
+        _TRUNKS[weights] = build_trunk(str(weights))[0].eval()
+    images = decode_jpegs([(root / image_id).read_bytes() for image_id in ids])
     with torch.no_grad():
-        return _TRUNKS[weights](backbone.preprocess(images, RESOLUTION)).numpy()
+        return _TRUNKS[weights](preprocess(images, RESOLUTION)).numpy()
 
 
 def check_cache(path, dataset, root, weights, expected_labels=None):

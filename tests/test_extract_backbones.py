@@ -17,8 +17,8 @@ from cli_support import REPO, run_cli
 from extract_support import write_numbered_csv_dataset
 
 from spml_cache import cache
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
+from spml_cache.runtime.errors import SpmlError
 
 # The command line, with an open_clip model config registered first (the tiny CLIP exists only in the tests).
 LAUNCHER = """import runpy, sys
@@ -46,7 +46,7 @@ def run(folder, *args: str, clip: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+@pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 def test_timm_and_torchvision_backbones_write_their_own_caches(data):
     done = run(data, "--backbone", "timm:resnet10t", "--resolution", "32")
     assert done.returncode == 0, done.stderr

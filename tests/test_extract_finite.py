@@ -12,10 +12,11 @@ from extract_support import RESOLUTION, random_weights, write_numbered_csv_datas
 from PIL import Image
 from rich.console import Console
 
-from spml_cache import backbone, cache
+from spml_cache import cache
+from spml_cache.backbones import resnet50
 from spml_cache.cli import text
-from spml_cache.errors import SpmlError
-from spml_cache.extract import extract, pipeline
+from spml_cache.extract import extract
+from spml_cache.runtime.errors import SpmlError
 
 # Batches of 4 are train [0, 1, 2, 4] [5], val [3], test [6, 7, 8]: a black image alone in its batch, and one
 # behind an undecodable image, so its place among the batch's decoded images is not its place in the batch.
@@ -73,8 +74,8 @@ def options(weights, device="cpu", **overrides):
 
 
 def patch_trunk(monkeypatch, always=False):
-    build = backbone.build_trunk
-    monkeypatch.setattr(pipeline, "build_trunk", lambda weights: (Overflowing(build(weights)[0], always), "patched"))
+    build = resnet50.build_trunk
+    monkeypatch.setattr(resnet50, "build_trunk", lambda weights: (Overflowing(build(weights)[0], always), "patched"))
 
 
 def rows_of(loaded, image_ids):

@@ -15,11 +15,13 @@ import pytest
 import torch
 from extract_support import random_weights, write_jpeg, write_numbered_csv_dataset
 
-from spml_cache import backbone, cache
+from spml_cache import cache
+from spml_cache.backbones import resnet50
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
-from spml_cache.extract import extract, pipeline
+from spml_cache.extract import extract
 from spml_cache.extract.feed import THREAD_NAME
+from spml_cache.images import decode_jpegs
+from spml_cache.runtime.errors import SpmlError
 
 pytestmark = pytest.mark.cuda
 RESOLUTION = 64
@@ -59,7 +61,7 @@ def row_relative_error(got: np.ndarray, expected: np.ndarray) -> float:
 
 def input_shapes(monkeypatch, dtype) -> set:
     """The shapes of the `dtype` inputs the run's trunk sees (the fp32 recompute of rare rows aside)."""
-    shapes, build = set(), backbone.build_trunk
+    shapes, build = set(), resnet50.build_trunk
 
     def hooked(weights):
         trunk, provenance = build(weights)
@@ -71,7 +73,7 @@ def input_shapes(monkeypatch, dtype) -> set:
         trunk.register_forward_pre_hook(hook)
         return trunk, provenance
 
-    monkeypatch.setattr(pipeline, "build_trunk", hooked)
+    monkeypatch.setattr(resnet50, "build_trunk", hooked)
     return shapes
 
 
@@ -119,13 +121,13 @@ def test_a_gpu_decode_never_overwrites_memory_that_queued_kernels_still_read(tmp
     """torchvision pull request 9606's check, through `decode_jpegs`: tensors the size of the decoded images are
     freed while reductions of them still wait behind ~50 ms of queued work, then a batch of VOC-sized baseline
     JPEGs (what nvjpeg's hardware decoder takes) is decoded. The decoder, handed their memory, would overwrite it
-    before the reductions read it; the decode drains the stream first (backbone.drain_before_gpu_decode), so
+    before the reductions read it; the decode drains the stream first (drain_before_gpu_decode), so
     every reduction sees what was written."""
     device = torch.device("cuda")
     for i in range(8):
         write_jpeg(tmp_path / f"{i}.jpg", seed=i, size=(375, 500))
     blobs = [(tmp_path / f"{i}.jpg").read_bytes() for i in range(8)]
-    sizes = [image.numel() for image in backbone.decode_jpegs(blobs, "cpu")]  # uint8 [3, H, W]: bytes
+    sizes = [image.numel() for image in decode_jpegs(blobs, "cpu")]  # uint8 [3, H, W]: bytes
     expected = torch.tensor([(j + 1) * size for j, size in enumerate(sizes)], dtype=torch.int64)
     wrong = 0
     for _ in range(50):
@@ -133,7 +135,7 @@ def test_a_gpu_decode_never_overwrites_memory_that_queued_kernels_still_read(tmp
         torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: the reductions below wait behind it
         sums = torch.stack([tensor.sum(dtype=torch.int64) for tensor in held])
         del held  # freed on the stream with the reductions still queued: the allocator may hand this memory out
-        backbone.decode_jpegs(blobs, device)
+        decode_jpegs(blobs, device)
         wrong += int(not torch.equal(sums.cpu(), expected))
     assert wrong == 0, f"{wrong} of 50 decodes overwrote memory that queued reductions still read"
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from extract_support import write_numbered_csv_dataset
 
-from spml_cache import backbone, cache
-from spml_cache.errors import Interrupted, SpmlError
-from spml_cache.extract import extract, pipeline
-from spml_cache.extract.feed import THREAD_NAME, Feed
+from spml_cache import cache
+from spml_cache.backbones import resnet50
+from spml_cache.extract import extract
+from spml_cache.extract.feed import Feed, THREAD_NAME
 from spml_cache.extract.writer import HostRing
+from spml_cache.runtime.errors import Interrupted, SpmlError
 
-pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 FORCED = {"pad_batches": True, "feed_thread": True}
 # Largest difference of a row over its largest value, float32 on the CPU: oneDNN's algorithm may depend on the
 # batch size; measured up to 2e-6 (padded batches of 4 against unpadded ones of 3).
@@ -62,14 +63,14 @@ def assert_same_cache(got, expected):
 
 def count_input_shapes(monkeypatch) -> set:
     """The input shapes the run's trunk sees (a forward pre-hook on the trunk `extract` builds)."""
-    shapes, build = set(), backbone.build_trunk
+    shapes, build = set(), resnet50.build_trunk
 
     def hooked(weights):
         trunk, provenance = build(weights)
         trunk.register_forward_pre_hook(lambda module, args: shapes.add(tuple(args[0].shape)))
         return trunk, provenance
 
-    monkeypatch.setattr(pipeline, "build_trunk", hooked)
+    monkeypatch.setattr(resnet50, "build_trunk", hooked)
     return shapes
 
 
@@ -105,7 +106,7 @@ def test_fed_run_fails_naming_the_bad_image_then_resumes_padded_to_the_same_cach
 
 
 def test_an_interrupt_in_the_main_thread_stops_the_feed_thread(data, tmp_path, monkeypatch):
-    calls, build = [], backbone.build_trunk
+    calls, build = [], resnet50.build_trunk
 
     def interrupting(weights):
         trunk, provenance = build(weights)
@@ -118,7 +119,7 @@ def test_an_interrupt_in_the_main_thread_stops_the_feed_thread(data, tmp_path, m
         trunk.register_forward_pre_hook(hook)
         return trunk, provenance
 
-    monkeypatch.setattr(pipeline, "build_trunk", interrupting)
+    monkeypatch.setattr(resnet50, "build_trunk", interrupting)
     out = tmp_path / "interrupted.h5"
     with pytest.raises(Interrupted, match="4 of 17 images are kept"):
         extract("csv", data, out=out, **options(**FORCED))

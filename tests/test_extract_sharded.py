@@ -15,8 +15,8 @@ from extract_support import random_weights
 
 from spml_cache import cache, datasets, protocol
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
+from spml_cache.runtime.errors import SpmlError
 
 
 

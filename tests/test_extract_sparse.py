@@ -12,17 +12,16 @@ from linear_support import quiet
 from test_extract_sharded import torchrun
 
 from spml_cache import cache, observation
-from spml_cache.cache import sparse
-from spml_cache.cache.sparse import SparseLabels
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
 from spml_cache.extract.plan import estimated_size, plan_rows
 from spml_cache.extract.shards import Shard
+from spml_cache.labels import SparseLabels, dense as densified, is_sparse, same
 from spml_cache.linear import run_linear
 from spml_cache.observation import parse_rules
+from spml_cache.runtime.errors import SpmlError
 
-pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 
 VERIFIED_CLASSES = 12  # images are verified on these; the rest of the >= 1,000 trainable classes never are
 
@@ -75,14 +74,14 @@ def test_planned_and_sharded_rows_stay_sparse_and_equal_the_dense_cut():
                                      getattr(planned, name).dense):
                 assert (matrix is None) == (dense is None)
                 if matrix is not None:
-                    assert sparse.is_sparse(matrix) and np.array_equal(matrix.to_dense(), dense[:count])
+                    assert is_sparse(matrix) and np.array_equal(matrix.to_dense(), dense[:count])
     rows = plan_rows(planned, 0)
     for rank in range(2):
         mine = Shard(SimpleNamespace(rank=rank, world=2)).rows(rows)
         for name in cache.SPLITS:
             labels, observed, mask = getattr(planned, name).dense
             assert mine[name].ids == rows[name].ids[rank::2]
-            assert sparse.is_sparse(mine[name].labels) and sparse.is_sparse(mine[name].label_mask)
+            assert is_sparse(mine[name].labels) and is_sparse(mine[name].label_mask)
             assert np.array_equal(mine[name].labels.to_dense(), labels[rank::2])
             assert np.array_equal(mine[name].label_mask.to_dense(), mask[rank::2])
             if observed is not None:
@@ -121,12 +120,12 @@ def voc(tmp_path_factory):
 def test_a_sparse_cache_of_a_dense_dataset_trains_like_the_dense_one(tmp_path, voc):
     _, _, paths = voc
     dense, stored = cache.load(paths["dense"]), cache.load(paths["sparse"])
-    assert not sparse.is_sparse(dense.train.labels) and sparse.is_sparse(stored.train.labels)
+    assert not is_sparse(dense.train.labels) and is_sparse(stored.train.labels)
     for name in cache.SPLITS:
         mine, theirs = getattr(stored, name), getattr(dense, name)
-        assert mine.ids == theirs.ids and sparse.same(mine.labels, theirs.labels)
+        assert mine.ids == theirs.ids and same(mine.labels, theirs.labels)
         assert (mine.observed is None) == (theirs.observed is None)
-        assert mine.observed is None or sparse.same(mine.observed, theirs.observed)
+        assert mine.observed is None or same(mine.observed, theirs.observed)
         np.testing.assert_array_equal(mine.features, theirs.features)
     results = [run_linear(cache=paths[form], losses=["an"], lrs=[1e-2], batch_sizes=[8], epochs=2,
                           out=tmp_path / form, workers=0, device="cpu", console=quiet()).results["losses"]["an"]
@@ -160,7 +159,7 @@ def same_rows(first, second) -> None:
         for key in ("labels", "observed", "label_mask"):
             a, b = getattr(mine, key), getattr(theirs, key)
             assert (a is None) == (b is None), (name, key)
-            assert a is None or np.array_equal(sparse.dense(a), sparse.dense(b)), (name, key)
+            assert a is None or np.array_equal(densified(a), densified(b)), (name, key)
 
 
 def test_openimages_extracts_sparse_by_default_and_dense_on_request(openimages):
@@ -168,14 +167,14 @@ def test_openimages_extracts_sparse_by_default_and_dense_on_request(openimages):
     made = {form: cache.load(extract("openimages", root, out=folder / form / "oi.h5", labels=form, limit=5,
                                      **common).path) for form in ("auto", "dense")}
     stored, dense = made["auto"], made["dense"]
-    assert all(sparse.is_sparse(m) for m in (stored.train.labels, stored.train.observed, stored.test.label_mask))
-    assert not any(sparse.is_sparse(m) for m in (dense.train.labels, dense.train.observed, dense.test.label_mask))
+    assert all(is_sparse(m) for m in (stored.train.labels, stored.train.observed, stored.test.label_mask))
+    assert not any(is_sparse(m) for m in (dense.train.labels, dense.train.observed, dense.test.label_mask))
     assert len(stored.train) == len(stored.test) == 5 and stored.train.labels.shape[1] == 1010
     same_rows(stored, dense)
     # the single positive is one of the verified positives; nothing unverified is observed
-    observed, mask = sparse.dense(stored.train.observed), sparse.dense(stored.train.label_mask)
+    observed, mask = densified(stored.train.observed), densified(stored.train.label_mask)
     assert (observed[mask == 0] == 0).all() and ((observed == 1).sum(axis=1) <= 1).all()
-    assert (sparse.dense(stored.train.labels)[observed == 1] == 1).all()
+    assert (densified(stored.train.labels)[observed == 1] == 1).all()
 
 
 def test_observe_given_is_stored_beside_single_from_the_sparse_mask(openimages):
@@ -183,17 +182,17 @@ def test_observe_given_is_stored_beside_single_from_the_sparse_mask(openimages):
     folder, root, common = openimages
     stored = cache.load(extract("openimages", root, out=folder / "one" / "oi.h5",
                                 observe=parse_rules("given,entry:0.5"), **common).path)
-    assert sparse.is_sparse(stored.train.observed)  # single's
+    assert is_sparse(stored.train.observed)  # single's
     for split in (stored.train, stored.val):
-        assert sparse.is_sparse(split.rules["given"]) and sparse.is_sparse(split.rules["entry:0.5"])
-        given = sparse.dense(split.rules["given"])
-        labels, mask = sparse.dense(split.labels), sparse.dense(split.label_mask)
+        assert is_sparse(split.rules["given"]) and is_sparse(split.rules["entry:0.5"])
+        given = densified(split.rules["given"])
+        labels, mask = densified(split.labels), densified(split.label_mask)
         np.testing.assert_array_equal(given, np.where(mask == 1, 2 * labels - 1, 0))  # every verified label, signed
     dense_draw = observation.draw_splits(
-        parse_rules("entry:0.5")[0], sparse.dense(stored.train.labels, np.uint8), sparse.dense(stored.val.labels, np.uint8),
-        stored.attrs, label_masks=(sparse.dense(stored.train.label_mask), sparse.dense(stored.val.label_mask)))
+        parse_rules("entry:0.5")[0], densified(stored.train.labels, np.uint8), densified(stored.val.labels, np.uint8),
+        stored.attrs, label_masks=(densified(stored.train.label_mask), densified(stored.val.label_mask)))
     for split, drawn in zip((stored.train, stored.val), dense_draw):
-        np.testing.assert_array_equal(sparse.dense(split.rules["entry:0.5"]), drawn)
+        np.testing.assert_array_equal(densified(split.rules["entry:0.5"]), drawn)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI has")
@@ -209,11 +208,11 @@ def test_two_ranks_on_the_sparse_layout_equal_one_process(openimages):
     if not one.exists():
         test_observe_given_is_stored_beside_single_from_the_sparse_mask(openimages)
     joined, alone = cache.load(out), cache.load(one)
-    assert sparse.is_sparse(joined.train.labels) and sparse.is_sparse(joined.test.label_mask)
+    assert is_sparse(joined.train.labels) and is_sparse(joined.test.label_mask)
     same_rows(joined, alone)
     for name in cache.SPLITS:
         mine, theirs = getattr(joined, name), getattr(alone, name)
         assert mine.rules.keys() == theirs.rules.keys()
         for rule in mine.rules:
-            assert sparse.same(mine.rules[rule], theirs.rules[rule])
+            assert same(mine.rules[rule], theirs.rules[rule])
         np.testing.assert_allclose(mine.features, theirs.features, rtol=1e-4, atol=1e-4)

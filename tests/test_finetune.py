@@ -26,13 +26,12 @@ from rich.console import Console
 from sklearn.metrics import average_precision_score
 
 from spml_cache import cache, extract, finetune, linear, losses, runs
-from spml_cache.backbone import RandomWeightsWarning
+from spml_cache.backbones.checkpoints import RandomWeightsWarning
 from spml_cache.demo import data as demo_data
+from spml_cache.finetune import images as data, parallel
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.finetune.start import role_theta_handover
-from spml_cache.finetune import images as data
-from spml_cache.finetune import parallel
-from spml_cache.errors import Interrupted, SpmlError
+from spml_cache.runtime.errors import Interrupted, SpmlError
 
 RESOLUTION = 32
 RUN_ARGS = ["--lr", "1e-4", "--batch-size", "4", "--epochs", "2", "--workers", "0", "--device", "cpu"]
@@ -42,17 +41,19 @@ class Stop(Exception):
     """Raised from inside a run once the test has seen what it came for."""
 
 
-def write_linear_run(path: Path, cache_path: Path, heads: dict[str, dict], **config) -> Path:
+def write_linear_run(path: Path, cache_path: Path, heads: dict[str, dict], cache_id: str | None = None,
+                     **config) -> Path:
     """A finished linear run directory by hand, per docs/internals.md (for heads no real run would give);
-    `config`: config.json's entries to change."""
+    `cache_id`: the id of the cache it claims to come from (default: `cache_path`'s); `config`: config.json's
+    entries to change."""
     path.mkdir(parents=True)
-    attrs = cache.load(cache_path).attrs
+    cache_id = cache_id or cache.cache_id(cache.load(cache_path).attrs)
     runs.write_json(path / "config.json", {"stage": "linear", "dataset": "voc", "cache": str(cache_path),
-                                           "cache_id": cache.cache_id(attrs), **config})
+                                           "cache_id": cache_id, **config})
     torch.save({loss: {"head": head, "loss_state": {}, "lr": 1e-3, "batch_size": 8, "seed": 0, "epoch": 1,
                        "hparams": {}} for loss, head in heads.items()}, path / "best.pt")
     entries = {loss: {"val_map": 10.0, "selected": {"lr": 1e-3, "batch_size": 8, "hparams": {}}} for loss in heads}
-    runs.write_json(path / "results.json", {"stage": "linear", "dataset": "voc", "cache_id": cache.cache_id(attrs),
+    runs.write_json(path / "results.json", {"stage": "linear", "dataset": "voc", "cache_id": cache_id,
                                             "complete": True, "losses": entries})
     return path
 
@@ -280,6 +281,38 @@ def test_no_linear_run_says_which_command_makes_one(world, tmp_path):
                                         r" `spml-cache linear --loss an"):
         finetune.finetune(init="best", dataset="voc", loss="an", **common(world, out=tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+def runs_of_two_backbones(world, folder: Path) -> tuple[Path, Path]:
+    """Two finished linear runs of `an` for voc with heads of the same shape: one on the world's cache, a newer
+    one on a cache of another backbone (another id and file)."""
+    shape = (len(world.features.classes), world.features.train.features.shape[1])
+    head = {"an": {"weight": torch.zeros(shape), "bias": torch.zeros(shape[0])}}
+    ours = write_linear_run(folder / "voc" / "linear-an-20000101-000000", world.cache, head)
+    theirs = write_linear_run(folder / "voc" / "linear-an-20000102-000000", world.cache, head,
+                              cache_id="voc-timm_resnet18-32-0000", cache=str(world.base / "voc-timm_resnet18-32.h5"))
+    return ours, theirs
+
+
+def test_init_best_by_dataset_refuses_runs_of_different_caches_as_linear_refuses_caches(world, tmp_path):
+    """`finetune --dataset voc` must not start from the newest run of whichever backbone: it names the runs'
+    caches and asks for --cache or --from, as `linear --dataset voc` does with several caches."""
+    ours, theirs = runs_of_two_backbones(world, tmp_path)
+    with pytest.raises(SpmlError, match=r"linear runs of an for voc were made from 2 different caches \(newest of"
+                                        rf" each: {ours.name} \(voc.h5\), {theirs.name} \(voc-timm_resnet18-32.h5\)\):"
+                                        r" pick one with --cache PATH or --from RUN"):
+        finetune.finetune(init="best", dataset="voc", loss="an", **common(world, out=tmp_path))
+    assert sorted(path.name for path in (tmp_path / "voc").iterdir()) == [ours.name, theirs.name]  # nothing new
+    own_cache = cache.cache_id(world.features.attrs)
+    assert runs.newest_run(tmp_path, "voc", "linear", loss="an", cache=own_cache) == ours  # --cache: its runs only
+
+
+def test_a_run_of_another_cache_is_refused_even_with_heads_that_fit(world, tmp_path):
+    _, theirs = runs_of_two_backbones(world, tmp_path)
+    with pytest.raises(SpmlError, match=rf"--from {theirs}: its heads were trained on .*voc-timm_resnet18-32.h5"
+                                        rf" \(cache voc-timm_resnet18-32-0000\), not on {world.cache}"):
+        finetune.finetune(init="best", from_run=theirs, cache_path=world.cache, **common(world, out=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_head_of_another_class_count_is_refused(world, tmp_path):

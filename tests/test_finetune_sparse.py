@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from spml_cache import cache, extract, finetune
-from spml_cache.cache import SparseLabels
 from spml_cache.demo import data as demo_data
 from spml_cache.finetune import labels as finetune_labels
+from spml_cache.labels import SparseLabels
 
-pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 
 
 def stored_as(source: Path, path: Path, labels: str, masked: bool) -> Path:

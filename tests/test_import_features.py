@@ -9,8 +9,8 @@ import pytest
 from cli_support import run_cli
 
 from spml_cache import cache
-from spml_cache.errors import SpmlError
 from spml_cache.extract import import_features
+from spml_cache.runtime.errors import SpmlError
 
 NUM_CLASSES = 20  # VOC
 PREFIX = "VOCdevkit/VOC2012/JPEGImages/"

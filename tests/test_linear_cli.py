@@ -9,10 +9,9 @@ import torch
 
 from cli_support import run_cli
 from linear_support import write_synthetic_cache
-from spml_cache import losses
-from spml_cache.errors import SpmlError
-from spml_cache import cli
+from spml_cache import cli, losses
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import torch
 from cli_support import run_cli
 from linear_support import quiet, write_synthetic_cache
 
-from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 # So small that a head ends its one epoch where it started (to ~1e-9): what it starts from is what best.pt holds.
 STILL = [1e-10]

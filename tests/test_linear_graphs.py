@@ -19,11 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trace_support import first_difference, record
 
 from spml_cache import cache, losses
-from spml_cache.devices import to_host
-from spml_cache.errors import SpmlError
 from spml_cache.linear.adam_kernel import fused_adam_available
 from spml_cache.linear.engine import LinearData, SeedRun
 from spml_cache.linear.graphs import Lockstep
+from spml_cache.runtime.devices import to_host
+from spml_cache.runtime.errors import SpmlError
 
 pytestmark = pytest.mark.skipif(not fused_adam_available(torch.device("cpu")),
                                 reason="captured steps need torch's fused Adam kernel, here on the CPU")

@@ -15,9 +15,9 @@ import torch
 from cli_support import REPO, run_cli
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 
-from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.linear import run_linear
 from spml_cache.linear.parts import KeptParts
+from spml_cache.runtime.errors import Interrupted, SpmlError
 
 GRID = dict(losses=["an", "role"], lrs=[1e-2, 1e-3], batch_sizes=[4, 8], epochs=2, seeds=2)
 

@@ -15,8 +15,8 @@ from linear_support import quiet, write_synthetic_cache
 from sklearn.metrics import average_precision_score
 
 from spml_cache import cache, losses
-from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 
 @pytest.fixture(scope="module")
@@ -262,9 +262,9 @@ def test_a_process_lost_while_rank_0_gathers_is_a_stop_with_the_tools_line(tmp_p
     rank 0 says what was kept and how to go on, as for a stop (it was `error: RuntimeError: ...`)."""
     import torch.distributed as dist
 
-    from spml_cache import ranks as ranks_module
-    from spml_cache.errors import Interrupted
     from spml_cache.linear import run as linear_run
+    from spml_cache.runtime import ranks as ranks_module
+    from spml_cache.runtime.errors import Interrupted
 
     def closed(*args, **kwargs):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")

@@ -11,7 +11,7 @@ import torch
 from cli_support import run_cli
 
 from spml_cache import losses
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 N, C, B, K, EPOCHS = 8, 5, 4, 3, 6
 DATASETS = {"voc", "coco", "nus", "cub"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spml_cache import losses
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 from loss_support import nl, sigmoid
 
 LOGITS = [[2.0, -1.0, 0.5, -3.0], [-0.3, 1.2, -2.0, 0.7], [0.1, -0.4, 3.5, -1.5]]

@@ -8,7 +8,7 @@ import torch
 from sklearn.metrics import average_precision_score
 
 from spml_cache import losses
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 # 3 images x 4 classes: one with an observed negative, one with no observed label at all (NUS-WIDE has such rows)
 LOGITS = np.array([[2.0, -1.0, 0.5, 1.0], [-0.3, 1.5, -2.0, 3.0], [0.2, -0.7, 1.1, -1.5]])

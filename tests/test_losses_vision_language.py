@@ -10,7 +10,7 @@ import torch
 from loss_support import entropy, nl, sigmoid
 
 from spml_cache import cache, losses
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 LOGITS = np.array([[2.0, -1.0, 0.5, -3.0, 1.2], [-0.3, 1.5, -2.0, 3.0, 0.0], [0.7, 0.2, -0.4, 1.1, -1.6]])
 OBSERVED = np.array([[1, 0, 0, 0, 0], [0, 1, -1, 0, 0], [0, 0, 0, 1, 0]])

@@ -11,9 +11,10 @@ import pytest
 from cli_support import run_cli, run_main
 from linear_support import quiet, write_synthetic_cache
 from spml_cache import cache, observation
-from spml_cache.cache import sparse
-from spml_cache.errors import SpmlError
+from spml_cache.cache.csr import stored_sparse
+from spml_cache.labels import SparseLabels
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 GRID = {"losses": "an", "lrs": [1e-2], "batch_sizes": [8], "epochs": 1}
 
@@ -95,13 +96,13 @@ def test_sparse_test_labels_without_an_annotated_positive_are_refused(tmp_path, 
         for split in splits.values():
             for key in ("labels", "observed"):
                 if key in split:
-                    split[key] = sparse.SparseLabels.from_dense(split[key])
+                    split[key] = SparseLabels.from_dense(split[key])
         labels = splits["test"]["labels"].to_dense()
-        splits["test"]["label_mask"] = sparse.SparseLabels.from_dense((labels == 0).astype(np.uint8))
+        splits["test"]["label_mask"] = SparseLabels.from_dense((labels == 0).astype(np.uint8))
 
     bad = rewritten(tiny_cache, tmp_path / "voc-resnet50-448.h5", sparse_partial, labels="sparse")
     with h5py.File(bad) as file:
-        assert sparse.stored_sparse(file["test"]["labels"]) and sparse.stored_sparse(file["test"]["label_mask"])
+        assert stored_sparse(file["test"]["labels"]) and stored_sparse(file["test"]["label_mask"])
     with pytest.raises(SpmlError, match="no annotated positive label"):
         run_linear(cache=bad, out=tmp_path / "runs", console=quiet(), **GRID)
     assert not (tmp_path / "runs").exists()

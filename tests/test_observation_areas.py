@@ -11,8 +11,8 @@ import pytest
 from spml_cache import datasets, observation
 from spml_cache.datasets import voc
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.observation import Areas, parse_rule
+from spml_cache.runtime.errors import SpmlError
 
 
 def test_largest_observes_the_class_of_the_largest_positive_instance():

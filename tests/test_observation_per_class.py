@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from spml_cache import observation
-from spml_cache.errors import SpmlError
 from spml_cache.observation import parse_rule, parse_rules
+from spml_cache.runtime.errors import SpmlError
 
 
 def random_labels(rows, classes, seed):

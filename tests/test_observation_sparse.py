@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from spml_cache import observation, observation_sparse, protocol
-from spml_cache.cache.sparse import SparseLabels
-from spml_cache.errors import SpmlError
+from spml_cache import observation, protocol
+from spml_cache.labels import SparseLabels
+from spml_cache.observation import draws as observation_draws
+from spml_cache.runtime.errors import SpmlError
 
 ROWS, CLASSES = 60, 1200
 RULES = ["single", "uniform:pos=2,neg=3", "uniform:pos=all,neg=all", "entry:0.05", "keep-pos:0.3", "per-class:2",
@@ -99,7 +100,7 @@ def test_rules_without_a_sparse_draw_are_refused_in_one_line(text):
 def test_row_blocks_draw_the_same_stream(monkeypatch):
     labels = full_labels()
     whole = [observation.parse_rule(text).draw(csr(labels)) for text in ("entry:0.1", "keep-pos:0.2")]
-    monkeypatch.setattr(observation_sparse, "BLOCK_ENTRIES", 7 * CLASSES + 5)  # blocks of 7 rows
+    monkeypatch.setattr(observation_draws, "BLOCK_ENTRIES", 7 * CLASSES + 5)  # blocks of 7 rows
     assert [observation.parse_rule(text).draw(csr(labels)) for text in ("entry:0.1", "keep-pos:0.2")] == whole
 
 

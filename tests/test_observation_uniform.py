@@ -10,8 +10,8 @@ import pytest
 from cli_support import run_cli
 
 from spml_cache import observation, protocol
-from spml_cache.errors import SpmlError
 from spml_cache.observation import parse_rule, parse_rules
+from spml_cache.runtime.errors import SpmlError
 
 
 def authors_observe(labels, num_pos, num_neg, seed=1200):

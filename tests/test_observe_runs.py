@@ -14,15 +14,15 @@ from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache, datasets, observation, protocol, runs
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import Interrupted, SpmlError
 from spml_cache.extract import extract
 from spml_cache.linear import run_linear
 from spml_cache.linear.parts import KeptParts
 from spml_cache.observation import Areas, parse_rules
+from spml_cache.runtime.errors import Interrupted, SpmlError
 
 GRID = dict(lrs=[1e-2], batch_sizes=[8], epochs=2, seeds=1)
 # The demo cache is extracted with --weights none (no weights file to write): its warning is expected.
-pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import torch
 from cli_support import REPO, run_cli
 from linear_support import quiet, write_synthetic_cache
 
-from spml_cache import memory
-from spml_cache.errors import SpmlError
 from spml_cache.linear import out_of_core, run_linear
 from spml_cache.linear.out_of_core import MemoryPlan, chunked_permutations
 from spml_cache.linear.parts import KeptParts, StoredState
+from spml_cache.runtime import memory
+from spml_cache.runtime.errors import SpmlError
 
 # |out of core - in memory| in test mAP points on this synthetic cache, for a chunk order instead of a full
 # shuffle (docs/protocol.md, "Out of core", gives the measured figure on a VOC-shaped cache)

@@ -8,10 +8,10 @@ import pytest
 from cli_support import run_cli
 from test_import_features import write_authors_files
 
-from spml_cache import locks
 from spml_cache.demo.data import make_demo_data
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract, import_features
+from spml_cache.runtime import locks
+from spml_cache.runtime.errors import SpmlError
 
 NOT_A_CACHE = "is an HDF5 file but not an spml-cache cache (no schema_version attribute): pick another --out"
 

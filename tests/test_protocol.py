@@ -12,7 +12,7 @@ import torch
 from sklearn.metrics import average_precision_score
 
 from spml_cache import protocol
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 
 # --- re-statements of the reference (Cole et al.), written out as the spec gives them ---

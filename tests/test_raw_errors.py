@@ -15,10 +15,11 @@ from linear_support import quiet, write_synthetic_cache
 from test_disk_full import fill, linear_stopped_by_full_disk, mounted
 from test_report import make_run
 
-from spml_cache import locks, observation, runs
-from spml_cache.errors import DiskFull, SpmlError
+from spml_cache import observation, runs
 from spml_cache.linear import run_linear
 from spml_cache.report import collect, plots
+from spml_cache.runtime import locks
+from spml_cache.runtime.errors import DiskFull, SpmlError
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from sklearn.metrics import average_precision_score
 
 from spml_cache import losses, report
 from spml_cache.report import collect, plots, val_curves
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 CLASSES = ["cat", "dog", "car", "bus", "sky"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -10,8 +10,8 @@ import torch
 from linear_support import quiet
 
 from spml_cache import report, runs
-from spml_cache.errors import SpmlError
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "runs_a4ce30b"
 FINISHED, CUT = "linear-bce+an+role-20261124-141816", "linear-an+role-20261124-141816"

@@ -7,10 +7,10 @@ import pytest
 from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache
-from spml_cache.cache import sparse
-from spml_cache.cache.sparse import SparseLabels
-from spml_cache.errors import SpmlError
+from spml_cache.cache.csr import SPARSE_MIN_CLASSES, resolve_format
+from spml_cache.labels import SparseLabels, count_positive, same
 from spml_cache.linear import run_linear
+from spml_cache.runtime.errors import SpmlError
 
 
 def random_labels(rng, rows=40, classes=9, signed=True):
@@ -34,17 +34,17 @@ def test_csr_round_trip_rows_columns_and_views():
     assert np.array_equal(matrix.equal(1).to_dense(), (dense == 1).astype(np.int8))
     assert np.array_equal(matrix.rows_with(-1), (dense == -1).any(axis=1))
     assert np.array_equal(matrix.take(index).to_dense(), dense[index])
-    assert sparse.count_positive(matrix) == sparse.count_positive(dense) == int((dense > 0).sum())
+    assert count_positive(matrix) == count_positive(dense) == int((dense > 0).sum())
     empty = SparseLabels.from_dense(np.zeros((0, 4), np.int8))
     assert empty.shape == (0, 4) and empty.to_dense().shape == (0, 4)
 
 
 def test_label_format_choice():
-    assert sparse.resolve_format("auto", sparse.SPARSE_MIN_CLASSES - 1) == "dense"
-    assert sparse.resolve_format("auto", sparse.SPARSE_MIN_CLASSES) == "sparse"
-    assert sparse.resolve_format("dense", 10**5) == "dense"
+    assert resolve_format("auto", SPARSE_MIN_CLASSES - 1) == "dense"
+    assert resolve_format("auto", SPARSE_MIN_CLASSES) == "sparse"
+    assert resolve_format("dense", 10**5) == "dense"
     with pytest.raises(SpmlError, match="--labels 'csr'"):
-        sparse.resolve_format("csr", 5)
+        resolve_format("csr", 5)
 
 
 def rewritten(source, path, **options):
@@ -118,10 +118,10 @@ def test_sparse_and_dense_caches_give_the_same_linear_results(tmp_path, caches):
 def test_dense_and_sparse_matrices_compare_by_value():
     dense = random_labels(np.random.default_rng(1))
     matrix = SparseLabels.from_dense(dense)
-    assert sparse.same(matrix, dense) and sparse.same(dense, matrix) and sparse.same(dense, dense.copy())
+    assert same(matrix, dense) and same(dense, matrix) and same(dense, dense.copy())
     other = dense.copy()
     other[0, 0] = 1 - other[0, 0]
-    assert not sparse.same(matrix, other)
+    assert not same(matrix, other)
 
 
 def test_observation_rules_on_sparse_labels_draw_the_dense_masks_or_are_refused_in_one_line(caches):
@@ -130,7 +130,7 @@ def test_observation_rules_on_sparse_labels_draw_the_dense_masks_or_are_refused_
     dense, loaded = cache.load(caches[0]), cache.load(caches[1])
     rule = observation.parse_rules("entry:0.5")[0]
     drawn, want = (observation.for_cache(features, [rule])[rule.text] for features in (loaded, dense))
-    assert sparse.same(drawn.train, want.train) and sparse.same(drawn.val, want.val)
+    assert same(drawn.train, want.train) and same(drawn.val, want.val)
     with pytest.raises(SpmlError, match="--observe single") as error:
         observation.for_cache(loaded, observation.parse_rules("largest"))
     assert "\n" not in str(error.value)
@@ -163,7 +163,7 @@ def test_an_extraction_with_sparse_labels_drops_bad_rows_and_stays_sparse(tmp_pa
     assert isinstance(stored.train.labels, SparseLabels)
     assert np.array_equal(stored.train.labels.to_dense(np.uint8), loaded.train.labels[keep])
     assert np.array_equal(stored.train.observed.to_dense(), loaded.train.observed[keep])
-    assert sparse.same(cache.read_header(path)[1]["val"].labels, loaded.val.labels)
+    assert same(cache.read_header(path)[1]["val"].labels, loaded.val.labels)
 
 
 def test_fine_tuning_starts_from_a_sparse_cache(tmp_path, caches):

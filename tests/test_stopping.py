@@ -15,10 +15,11 @@ import torch
 from cli_support import REPO
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 
-from spml_cache import locks, runs
-from spml_cache.errors import SpmlError
+from spml_cache import runs
 from spml_cache.extract import extract
 from spml_cache.linear import run_linear
+from spml_cache.runtime import locks
+from spml_cache.runtime.errors import SpmlError
 
 LONG = ["--loss", "an,role,em", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epochs", "40", "--workers", "2"]
 STOPS_WITHIN = 5.0  # seconds: generous for a loaded CI machine; the goal is 2
@@ -150,7 +151,7 @@ def test_one_writer_per_run_directory(tmp_path, tiny_cache, monkeypatch):
     assert not locks.lock_path(run_dir).exists()  # released and removed
 
 
-@pytest.mark.filterwarnings("ignore::spml_cache.backbone.RandomWeightsWarning")  # random weights on purpose
+@pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")  # random weights on purpose
 def test_one_writer_per_cache(tmp_path):
     from spml_cache.demo.data import make_demo_data
 
@@ -167,7 +168,7 @@ def test_one_writer_per_cache(tmp_path):
 def _slow_starting_worker(started) -> None:
     started.set()
     time.sleep(0.5)  # a worker still in its first moments, before its initializer has run
-    from spml_cache.children import ignore_interrupts
+    from spml_cache.runtime.children import ignore_interrupts
 
     ignore_interrupts()
     time.sleep(0.2)
@@ -182,7 +183,7 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_until_it_ignores_it(held):
     import contextlib
     import multiprocessing
 
-    from spml_cache.children import interrupts_held_back
+    from spml_cache.runtime.children import interrupts_held_back
 
     context = multiprocessing.get_context("fork")
     started = context.Event()
@@ -243,8 +244,8 @@ def test_a_signal_landing_in_a_library_callback_still_stops_the_run(tmp_path, ti
     import weakref
 
     from spml_cache.cli.stopping import stopping_on_signals
-    from spml_cache.errors import Interrupted
     from spml_cache.linear.engine import HeadStack
+    from spml_cache.runtime.errors import Interrupted
 
     steps, train_step = [], HeadStack.train_step
 
@@ -271,7 +272,7 @@ def test_a_signal_before_the_stage_runs_is_one_line_and_its_exit_code(tmp_path, 
     turned into a silent exit 130, even for SIGTERM."""
     from cli_support import run_main
 
-    from spml_cache import memory
+    from spml_cache.runtime import memory
 
     def signalled(text, flag=memory.FLAG):
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
@@ -291,7 +292,7 @@ def test_a_second_signal_stops_at_once_unless_it_is_torchruns_copy_of_the_first(
     is the same stop (it used to end rank 0 at once, before it could say what was kept). A second signal from a
     user, or outside torchrun, still stops at once."""
     from spml_cache.cli import stopping
-    from spml_cache.errors import stop_requested, stops_deferred
+    from spml_cache.runtime.errors import stop_requested, stops_deferred
 
     class ExitedAtOnce(Exception):
         pass

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spml_cache.errors import SpmlError, unknown_name
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:  # the registry's names and defaults stay importable without torch (the report reads them)
     from torch import nn

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spml_cache import backbone
 from spml_cache.backbones import Description
+from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError, unknown_name
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -57,7 +57,7 @@ def describe(rest: str, weights: str | None, resolution: int | None, clip_featur
     elif weights.lower() == "none":
         provenance = "none"
     elif Path(weights).expanduser().is_file():
-        provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
+        provenance = file_provenance(Path(weights).expanduser())
     else:
         raise SpmlError(f"--weights {weights}: no such file, and not a tag of {arch} ({', '.join(tags[:6]) or 'none'}"
                         "); pass a tag, a checkpoint path or none")
@@ -148,7 +148,7 @@ def build(description: Description) -> nn.Module:
             torch.manual_seed(0)
             model = open_clip.create_model(arch, pretrained=None, **options)
         warnings.warn(f"--weights none: clip:{arch} is randomly initialised; its features are not CLIP's",
-                      backbone.RandomWeightsWarning, stacklevel=2)
+                      RandomWeightsWarning, stacklevel=2)
         return ClipTrunk(model, arch, pre, description.grid)
     source = str(Path(weights).expanduser()) if Path(weights).expanduser().is_file() else weights
     try:
@@ -164,5 +164,5 @@ def build(description: Description) -> nn.Module:
         raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights ({hub.rstrip('/')}) are not in the hub cache"
                         f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there is a"
                         " network (HF_HOME says where they go), pass --weights PATH to a local checkpoint,"
-                        f" {backbone.WEIGHTS_NONE}") from None
+                        f" {WEIGHTS_NONE}") from None
     return ClipTrunk(model, arch, pre, description.grid)

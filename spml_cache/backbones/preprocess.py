@@ -1,7 +1,7 @@
 """A backbone's own preprocessing: how a decoded image becomes its `[B, 3, R, R]` input.
 
 Two ways: the papers' squash (resize to R x R ignoring the aspect ratio, bilinear, antialiased: ResNet-50's
-default, through `backbone.resize`, byte for byte as before), or a pretrained config's resize of the shorter side
+default, through `resize`, byte for byte as before), or a pretrained config's resize of the shorter side
 to `resize` pixels then a centre crop of R x R (torchvision's, timm's and open_clip's evaluation transforms). The
 resized images stay uint8 until `normalise` (the loader workers ship uint8, a quarter of float32's size).
 """
@@ -14,8 +14,8 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
-from spml_cache import backbone
-from spml_cache.errors import SpmlError
+from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD, normalise, resize
+from spml_cache.runtime.errors import SpmlError
 
 INTERPOLATIONS = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
 
@@ -25,8 +25,8 @@ class Preprocess:
     """R (the input side), how to get there, and the mean and std to normalise with (on a 0..1 scale)."""
 
     resolution: int
-    mean: tuple[float, float, float] = backbone.IMAGENET_MEAN
-    std: tuple[float, float, float] = backbone.IMAGENET_STD
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
     resize: int = 0  # the shorter side before the centre crop; 0: squash to R x R, no crop
     interpolation: str = "bilinear"
 
@@ -51,7 +51,7 @@ class Preprocess:
     def images(self, images: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
         """uint8 `[B, 3, R, R]` on `device` from decoded uint8 `[3, H, W]` images."""
         if not self.resize:
-            return backbone.resize(images, self.resolution, device)
+            return resize(images, self.resolution, device)
         mode, side = INTERPOLATIONS[self.interpolation], self.resolution
         out = torch.empty((len(images), 3, side, side), dtype=torch.uint8, device=device)
         for index, image in enumerate(images):
@@ -65,8 +65,8 @@ class Preprocess:
         return out
 
     def normalise(self, batch: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """uint8 `[B, 3, R, R]` -> normalised `dtype`, channels_last (`backbone.normalise` with this mean/std)."""
-        return backbone.normalise(batch, dtype, self.mean, self.std)
+        """uint8 `[B, 3, R, R]` -> normalised `dtype`, channels_last (`normalise` with this mean/std)."""
+        return normalise(batch, dtype, self.mean, self.std)
 
     def __call__(self, images: list[torch.Tensor], device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:

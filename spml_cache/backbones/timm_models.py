@@ -16,10 +16,11 @@ import timm
 import torch
 from torch import nn
 
-from spml_cache import backbone
 from spml_cache.backbones import Description
+from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance, read_state_dict
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError, unknown_name
+from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 PRETRAINED = "pretrained"
 STRIPPED_PREFIXES = ("module.", "model.", "trunk.", "backbone.")
@@ -55,12 +56,12 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     elif weights.lower() == "none":
         provenance = "none"
     elif Path(weights).expanduser().is_file():
-        provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
+        provenance = file_provenance(Path(weights).expanduser())
     else:
         raise SpmlError(f"--weights {weights}: no such file, and not a pretrained tag of timm:{name}; use pretrained"
                         " (the name's tag's weights), a tag (timm.list_pretrained() lists them), none, or a .pth path")
     interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
-    mean, std = cfg.get("mean", backbone.IMAGENET_MEAN), cfg.get("std", backbone.IMAGENET_STD)
+    mean, std = cfg.get("mean", IMAGENET_MEAN), cfg.get("std", IMAGENET_STD)
     if cfg.get("crop_mode") == "squash":
         preprocess = Preprocess(side, tuple(mean), tuple(std))
     else:
@@ -81,7 +82,7 @@ def _tagged(name: str, weights: str) -> str | None:
 
 
 def _load_file(model: nn.Module, path: Path, name: str) -> None:
-    state = backbone.read_state_dict(path)
+    state = read_state_dict(path)
     for prefix in STRIPPED_PREFIXES:
         if state and all(key.startswith(prefix) for key in state):
             state = {key[len(prefix):]: value for key, value in state.items()}
@@ -100,7 +101,7 @@ def build(description: Description) -> nn.Module:
             torch.manual_seed(0)
             model = _create(name, extra)
         warnings.warn(f"--weights none: timm:{name} is randomly initialised; its features are not pretrained",
-                      backbone.RandomWeightsWarning, stacklevel=2)
+                      RandomWeightsWarning, stacklevel=2)
         return model
     if weights == PRETRAINED:
         try:
@@ -112,7 +113,7 @@ def build(description: Description) -> nn.Module:
                 f"timm:{name}: its pretrained weights ({description.extra.get('hub')}) are not in the hub cache"
                 f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there"
                 " is a network (HF_HOME says where they go), pass --weights PATH to a local .pth,"
-                f" {backbone.WEIGHTS_NONE}"
+                f" {WEIGHTS_NONE}"
             ) from None
     model = _create(name, extra)
     _load_file(model, Path(weights).expanduser(), name)

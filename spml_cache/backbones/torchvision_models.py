@@ -1,4 +1,4 @@
-"""torchvision classification models as trunks: `resnet50` (backbone.py's, exactly as before), and any other
+"""torchvision classification models as trunks: `resnet50` (resnet50.py's, exactly as before), and any other
 (resnet101, vit_b_16, convnext_base, ...) with its weights enum and that enum's own evaluation transform.
 
 The trunk is the model with its last `nn.Linear` (the ImageNet classifier) replaced by the identity, so it ends
@@ -16,10 +16,10 @@ import torch
 import torchvision
 from torch import nn
 
-from spml_cache import backbone
-from spml_cache.backbones import Description
+from spml_cache.backbones import Description, resnet50
+from spml_cache.backbones.checkpoints import RandomWeightsWarning, fetch_checkpoint, file_provenance, read_state_dict
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError, unknown_name
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 RESNET50 = "resnet50"
 RESNET50_RESOLUTION = 448  # the papers' 448 x 448 squash
@@ -58,9 +58,9 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     _check_name(name)
     if name == RESNET50:
         weights = weights or "IMAGENET1K_V1"
-        provenance = backbone.weights_provenance(weights)
+        provenance = resnet50.weights_provenance(weights)
         preprocess = Preprocess(resolution or RESNET50_RESOLUTION)
-        return Description(RESNET50, "tv", weights, provenance, preprocess, backbone.FEATURE_DIM)
+        return Description(RESNET50, "tv", weights, provenance, preprocess, resnet50.FEATURE_DIM)
     weights = weights or "DEFAULT"
     member = _member(name, weights)
     if member is not None:
@@ -68,7 +68,7 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     elif weights.lower() == "none":
         provenance = "none"
     else:
-        provenance = backbone.weights_provenance(str(Path(weights).expanduser()))
+        provenance = file_provenance(Path(weights).expanduser())
     transform = (member or _enum(name).DEFAULT).transforms()  # the architecture's own evaluation transform
     crop, resize = transform.crop_size[0], transform.resize_size[0]
     side = resolution or crop
@@ -108,20 +108,20 @@ def _state_for(trunk: nn.Module, state: dict, what: str, name: str) -> dict:
 def build(description: Description) -> nn.Module:
     name, weights = description.backbone, description.weights
     if name == RESNET50:
-        return backbone.build_trunk(weights)[0]
+        return resnet50.build_trunk(weights)[0]
     member = _member(name, weights)
     if member is None and weights.lower() == "none":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             trunk, _ = _trunk(name)
         warnings.warn(f"--weights none: the {name} is randomly initialised; its features are not pretrained",
-                      backbone.RandomWeightsWarning, stacklevel=2)
+                      RandomWeightsWarning, stacklevel=2)
         return trunk
     if member is not None:
-        path = backbone.fetch_checkpoint(member.url, f"{name} weights {member.name}",
+        path = fetch_checkpoint(member.url, f"{name} weights {member.name}",
                                          f"or pass --weights PATH to a local {name} .pth")
     else:
         path = Path(weights).expanduser()
     trunk, _ = _trunk(name)  # not on the meta device: a model's non-persistent buffers are made at init
-    trunk.load_state_dict(_state_for(trunk, backbone.read_state_dict(path), str(path), name))
+    trunk.load_state_dict(_state_for(trunk, read_state_dict(path), str(path), name))
     return trunk

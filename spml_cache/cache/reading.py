@@ -15,9 +15,10 @@ from spml_cache.cache.schema import (
     SplitRows, content_hash, partial_path, plain,
 )
 from spml_cache.cache.columns import TEXT_GROUP
-from spml_cache.cache import sparse
+from spml_cache.cache.csr import read, stored_shape, stored_sparse
 from spml_cache.cache.rule_masks import read_rules
-from spml_cache.errors import SpmlError
+from spml_cache.labels import is_sparse
+from spml_cache.runtime.errors import SpmlError
 
 REQUIRED_ATTRS = ("dataset", "classes", "num_classes")
 
@@ -49,9 +50,9 @@ def read_header(path: Path | str) -> tuple[dict, dict[str, SplitRows]]:
             if name not in file:
                 raise SpmlError(f"{path}: no /{name} group; re-extract it with --force")
             group = file[name]
-            observed = sparse.read(group["observed"], np.int8) if "observed" in group else None
-            mask = sparse.read(group[MASK], np.uint8) if MASK in group else None
-            splits[name] = SplitRows(list(group["ids"].asstr()[...]), sparse.read(group["labels"], np.uint8), observed,
+            observed = read(group["observed"], np.int8) if "observed" in group else None
+            mask = read(group[MASK], np.uint8) if MASK in group else None
+            splits[name] = SplitRows(list(group["ids"].asstr()[...]), read(group["labels"], np.uint8), observed,
                                      mask)
     return attrs, splits
 
@@ -94,17 +95,17 @@ def _validate(path: Path, file: h5py.File) -> None:
             if name not in file or array not in file[name]:
                 raise SpmlError(f"{path}: /{name}/{array} is missing; re-extract the cache")
         group = file[name]
-        lengths = {array: sparse.stored_shape(group[array])[0] for array in needed}
+        lengths = {array: stored_shape(group[array])[0] for array in needed}
         if len(set(lengths.values())) != 1:
             described = ", ".join(f"{array} {length}" for array, length in lengths.items())
             raise SpmlError(f"{path}: the /{name} arrays disagree in length ({described}); re-extract the cache")
         for array in ("features", "labels") + (("observed",) if name in OBSERVED_SPLITS else ()):
-            if len(sparse.stored_shape(group[array])) != 2:
-                raise SpmlError(f"{path}: /{name}/{array} has shape {sparse.stored_shape(group[array])}, not one row"
+            if len(stored_shape(group[array])) != 2:
+                raise SpmlError(f"{path}: /{name}/{array} has shape {stored_shape(group[array])}, not one row"
                                 " per image [rows, columns]; re-extract the cache")
         for array in ("labels",) + (("observed",) if name in OBSERVED_SPLITS else ()):
-            if sparse.stored_shape(group[array])[1] != num_classes:
-                raise SpmlError(f"{path}: /{name}/{array} has {sparse.stored_shape(group[array])[1]} columns,"
+            if stored_shape(group[array])[1] != num_classes:
+                raise SpmlError(f"{path}: /{name}/{array} has {stored_shape(group[array])[1]} columns,"
                                 f" num_classes is {num_classes}")
         if not group["done"][...].all():
             raise SpmlError(f"{path}: /{name} has rows never written (done=false); re-extract the cache")
@@ -160,7 +161,7 @@ def _refuse_bad_values(path: Path, name: str, raw: dict[str, np.ndarray], ids: l
         if array not in raw:
             continue
         matrix = raw[array]
-        if sparse.is_sparse(matrix):
+        if is_sparse(matrix):
             outside = np.flatnonzero(~np.isin(matrix.values, np.asarray(allowed)))
             wrong = np.unique(np.searchsorted(matrix.indptr, outside, side="right") - 1)
         else:
@@ -179,7 +180,7 @@ def _label_mask(path: Path, name: str, raw: dict):
     if mask is not None and mask.shape != raw["labels"].shape:
         raise SpmlError(f"{path}: /{name}/{MASK} has shape {mask.shape}, labels {raw['labels'].shape}: rebuild the"
                         " cache (extract --force)")
-    if mask is None or sparse.is_sparse(mask):
+    if mask is None or is_sparse(mask):
         return mask
     return mask.astype(np.uint8, copy=False)
 
@@ -233,7 +234,7 @@ def _text_side(path: Path, attrs: dict, lengths: dict[str, int]) -> tuple[np.nda
 
 def load(path: Path | str, in_memory: bool = True) -> FeatureSet:
     """Read and validate a complete cache; refuses non-finite features and labels out of range. Labels stored
-    sparse come as `sparse.SparseLabels`. `in_memory` False: the features stay in the file, each split's a
+    sparse come as `SparseLabels`. `in_memory` False: the features stay in the file, each split's a
     `StoredFeatures` that reads rows on demand (checked block by block now)."""
     path = Path(path)
     with _open(path) as file:
@@ -242,18 +243,18 @@ def load(path: Path | str, in_memory: bool = True) -> FeatureSet:
         splits = {}
         for name in SPLITS:
             group = file[name]
-            raw = {"labels": sparse.read(group["labels"], np.uint8)}
+            raw = {"labels": read(group["labels"], np.uint8)}
             if "observed" in group:
-                raw["observed"] = sparse.read(group["observed"], np.int8)
+                raw["observed"] = read(group["observed"], np.int8)
             # a float64 beyond float32 is an inf
             raw["features"] = group["features"][...].astype(np.float32, copy=False) if in_memory else group["features"]
             if MASK in group:
-                raw[MASK] = sparse.read(group[MASK], np.uint8)
+                raw[MASK] = read(group[MASK], np.uint8)
             ids = list(group["ids"].asstr()[...])
             _refuse_bad_values(path, name, raw, ids, attrs.get("dataset", "DATASET"))
             splits[name] = CachedSplit(
                 features=raw["features"] if in_memory else StoredFeatures(path, name, group["features"].shape),
-                labels=raw["labels"] if sparse.is_sparse(raw["labels"]) else raw["labels"].astype(np.uint8, copy=False),
+                labels=raw["labels"] if is_sparse(raw["labels"]) else raw["labels"].astype(np.uint8, copy=False),
                 ids=ids,
                 observed=raw.get("observed"),
                 rules=read_rules(path, name, group, raw["labels"].shape),
@@ -311,7 +312,7 @@ def feature_shapes(path: Path | str) -> tuple[dict[str, tuple[int, int]], int, i
     """Each split's feature shape, the bytes the label matrices take in memory and the class count, without
     reading them (to plan memory)."""
     def size(node) -> int:
-        return sum(part.nbytes for part in node.values()) if sparse.stored_sparse(node) else node.nbytes
+        return sum(part.nbytes for part in node.values()) if stored_sparse(node) else node.nbytes
 
     with _open(Path(path)) as file:
         _validate(Path(path), file)

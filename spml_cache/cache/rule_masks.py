@@ -12,9 +12,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from spml_cache.cache import sparse
+from spml_cache.cache.csr import read, store, stored_shape, stored_sparse
 from spml_cache.cache.schema import OBSERVED_SPLITS, RULES_GROUP
-from spml_cache.errors import SpmlError
+from spml_cache.labels import is_sparse
+from spml_cache.runtime.errors import SpmlError
 
 # {rule text: (train mask, val mask)}: observation rules besides `single`, each int8 [N, C] (or SparseLabels) per split
 RuleMasks = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -25,13 +26,13 @@ def write_rules(file: h5py.File, masks: RuleMasks) -> None:
     form of the split's labels: dense, or CSR beside CSR labels."""
     for rule, pair in masks.items():
         for split, mask in zip(OBSERVED_SPLITS, pair):
-            labels = sparse.stored_shape(file[split]["labels"])
+            labels = stored_shape(file[split]["labels"])
             if tuple(mask.shape) != labels:
                 raise SpmlError(f"{split}: the {rule} mask has shape {mask.shape}, labels {labels}")
             group = file[split].require_group(RULES_GROUP)
             if rule in group:
                 del group[rule]
-            sparse.store(group, rule, mask, sparse.stored_sparse(file[split]["labels"]), np.int8)
+            store(group, rule, mask, stored_sparse(file[split]["labels"]), np.int8)
 
 
 def add_rules(path: Path | str, masks: RuleMasks) -> Path:
@@ -58,8 +59,8 @@ def read_rules(path: Path, name: str, group: h5py.Group, shape: tuple) -> dict:
     shape)."""
     rules = {}
     for rule, node in (group[RULES_GROUP].items() if RULES_GROUP in group else ()):
-        mask = sparse.read(node, np.int8)  # CSR beside CSR labels
-        values = mask.values if sparse.is_sparse(mask) else mask
+        mask = read(node, np.int8)  # CSR beside CSR labels
+        values = mask.values if is_sparse(mask) else mask
         if tuple(mask.shape) != tuple(shape) or (values.size and not -1 <= values.min() <= values.max() <= 1):
             raise SpmlError(f"{path}: /{name}/{RULES_GROUP}/{rule} is not an int8 {list(shape)} matrix of -1, 0"
                             " and 1: rebuild the cache (extract --force)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 SCHEMA_VERSION = 1
 SPLITS = ("train", "val", "test")

@@ -16,10 +16,11 @@ from spml_cache.cache.schema import (
     partial_path, plain,
 )
 from spml_cache.cache import columns
-from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
-from spml_cache.cache import sparse
+from spml_cache.cache.columns import ROW_DATASETS, RowShapes, TEXT_GROUP, row_shapes
+from spml_cache.cache.csr import DEFAULT_FORMAT, read, resolve_format, store, stored_sparse
 from spml_cache.cache.rule_masks import RuleMasks, write_rules
-from spml_cache.errors import SpmlError
+from spml_cache.labels import is_sparse, take
+from spml_cache.runtime.errors import SpmlError
 
 FEATURE_DTYPES = {"float32": np.float32, "float16": np.float16}  # how a cache may store its features
 
@@ -50,16 +51,16 @@ def _set_attrs(file: h5py.File, attrs: dict) -> None:
 
 
 def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int | RowShapes, *, bad_rows: bool,
-            text: dict | None = None, labels: str = sparse.DEFAULT_FORMAT, features: str = "float32") -> h5py.File:
+            text: dict | None = None, labels: str = DEFAULT_FORMAT, features: str = "float32") -> h5py.File:
     """A new file at `path` (replacing any) with every array allocated, no row done, `complete` false.
     `feature_dim`: the features' width, or every per-row dataset's shape per row (`ROW_DATASETS`); `text`: a CLIP
-    cache's text side; `labels`: auto, dense or sparse (`sparse.resolve_format`); `features`: float32 or float16
+    cache's text side; `labels`: auto, dense or sparse (`resolve_format`); `features`: float32 or float16
     storage of the features."""
     shapes = {"features": (feature_dim,)} if isinstance(feature_dim, int) else dict(feature_dim)
     num_classes = int(attrs["num_classes"])
     for name in SPLITS:
         _check_rows(name, splits[name], num_classes)
-    as_csr = sparse.resolve_format(labels, num_classes) == "sparse"
+    as_csr = resolve_format(labels, num_classes) == "sparse"
     if features not in FEATURE_DTYPES:
         raise SpmlError(f"feature storage {features!r}: use {' or '.join(FEATURE_DTYPES)}")
     try:
@@ -78,12 +79,12 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
                 allocated = _allocated(group, key, (len(rows), *shape), dtype)
                 if key == "crop_embeddings":  # [N, G*G, E]: the grid's side G on the dataset
                     allocated.attrs["grid"] = round(shape[0] ** 0.5)
-            sparse.store(group, "labels", rows.labels, as_csr, np.uint8)
+            store(group, "labels", rows.labels, as_csr, np.uint8)
             group.create_dataset("ids", data=np.array(rows.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
             if rows.observed is not None:
-                sparse.store(group, "observed", rows.observed, as_csr, np.int8)
+                store(group, "observed", rows.observed, as_csr, np.int8)
             if rows.label_mask is not None:
-                sparse.store(group, MASK, rows.label_mask, as_csr, np.uint8)
+                store(group, MASK, rows.label_mask, as_csr, np.uint8)
             group.create_dataset("done", data=np.zeros(len(rows), dtype=bool))
             if bad_rows:
                 group.create_dataset("bad", data=np.zeros(len(rows), dtype=bool))
@@ -99,10 +100,10 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
 
 def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
     file.attrs[CONTENT_ATTR] = content_hash({
-        name: (file[name]["features"], sparse.read(file[name]["labels"], np.uint8),
-               sparse.read(file[name]["observed"], np.int8) if "observed" in file[name] else None,
+        name: (file[name]["features"], read(file[name]["labels"], np.uint8),
+               read(file[name]["observed"], np.int8) if "observed" in file[name] else None,
                list(file[name]["ids"].asstr()[...]),
-               sparse.read(file[name][MASK], np.uint8) if MASK in file[name] else None,
+               read(file[name][MASK], np.uint8) if MASK in file[name] else None,
                {key: file[name][key] for key in ROW_DATASETS[1:] if key in file[name]})
         for name in SPLITS
     }, file[TEXT_GROUP]["embeddings"] if TEXT_GROUP in file else None)
@@ -116,22 +117,22 @@ def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
 
 
 def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, text: dict | None = None,
-          labels: str = sparse.DEFAULT_FORMAT, features: str = "float32") -> Path:
+          labels: str = DEFAULT_FORMAT, features: str = "float32") -> Path:
     """Write a complete cache in one go (import-features, tests, benchmarks).
 
     Each split dict has `features` float32 [N, D] (or a callable `(start, stop) -> rows`, for caches larger than
     memory), `labels` uint8 [N, C], `ids` list[str] and, for train and val, `observed` int8 [N, C] and
     optionally `rules` ({rule text: int8 [N, C]}, other observation rules); any split may have `label_mask` uint8
-    [N, C] (1 where annotated) when its labels are partial; label matrices may be `sparse.SparseLabels`. `attrs`
+    [N, C] (1 where annotated) when its labels are partial; label matrices may be `SparseLabels`. `attrs`
     are the root attrs (schema_version and complete are set here). A CLIP cache's splits also have
     `image_embeddings` float32 [N, E] (and `crop_embeddings` [N, G*G, E]), and `text` is {"embeddings": float32
-    [C, E], "templates": [str]}. `labels`: auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse;
+    [C, E], "templates": [str]}. `labels`: auto (CSR from `SPARSE_MIN_CLASSES` classes), dense or sparse;
     `features`: float32 or float16 storage.
     """
     path = Path(path)
     temporary = partial_path(path)
     given = {"train": train, "val": val, "test": test}
-    splits = {name: SplitRows(list(d["ids"]), d["labels"] if sparse.is_sparse(d["labels"]) else np.asarray(d["labels"]),
+    splits = {name: SplitRows(list(d["ids"]), d["labels"] if is_sparse(d["labels"]) else np.asarray(d["labels"]),
                               d.get("observed"), d.get("label_mask")) for name, d in given.items()}
     dims = {_width(d["features"]) for d in given.values()}
     if len(dims) != 1:
@@ -179,10 +180,10 @@ class PartialCache:
 
     @classmethod
     def create(cls, final: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: int | RowShapes,
-               text: dict | None = None, labels: str = sparse.DEFAULT_FORMAT) -> "PartialCache":
+               text: dict | None = None, labels: str = DEFAULT_FORMAT) -> "PartialCache":
         """`feature_dim`: the features' width, or the shape per row of each per-row dataset (a CLIP cache's
         embeddings besides the features); `text`: a CLIP cache's class text embeddings and templates; `labels`:
-        auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse."""
+        auto (CSR from `SPARSE_MIN_CLASSES` classes), dense or sparse."""
         return cls(_create(partial_path(final), attrs, splits, feature_dim, bad_rows=True, text=text, labels=labels),
                    final)
 
@@ -293,8 +294,8 @@ class PartialCache:
         def store_rules(file: h5py.File) -> None:  # from the rows kept
             if rules is not None:
                 kept = {split: SplitRows(list(file[split]["ids"].asstr()[...]),
-                                         sparse.read(file[split]["labels"], np.uint8), None,
-                                         sparse.read(file[split][MASK], np.uint8) if MASK in file[split] else None)
+                                         read(file[split]["labels"], np.uint8), None,
+                                         read(file[split][MASK], np.uint8) if MASK in file[split] else None)
                         for split in OBSERVED_SPLITS}
                 write_rules(file, rules(kept))
 
@@ -317,14 +318,14 @@ class PartialCache:
         splits = {
             split: SplitRows(
                 [ids[split][i] for i in keep[split]],
-                sparse.take(sparse.read(source[split]["labels"], np.uint8), keep[split]),
-                (sparse.take(sparse.read(source[split]["observed"], np.int8), keep[split])
+                take(read(source[split]["labels"], np.uint8), keep[split]),
+                (take(read(source[split]["observed"], np.int8), keep[split])
                  if split in OBSERVED_SPLITS else None),
-                sparse.take(sparse.read(source[split][MASK], np.uint8), keep[split]) if MASK in source[split] else None,
+                take(read(source[split][MASK], np.uint8), keep[split]) if MASK in source[split] else None,
             )
             for split in SPLITS
         }
-        as_csr = sparse.stored_sparse(source["train"]["labels"])
+        as_csr = stored_sparse(source["train"]["labels"])
         root_attrs = {key: plain(value) for key, value in source.attrs.items()} | attrs
         temporary = self.final.with_name(self.final.name + ".compact.partial")
         stored = "float16" if source["train"]["features"].dtype == np.float16 else "float32"

@@ -32,9 +32,9 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     parse_names,
     require_root,
 )
-from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache import backbones
-from spml_cache.errors import Interrupted, SpmlError, stop_requested
+from spml_cache.cli.stopping import exit_code, stopping_on_signals
+from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
 
 app = typer.Typer(
     name="spml-cache",
@@ -235,8 +235,8 @@ def linear_command(
     Example: spml-cache linear --dataset voc --loss ll_r --hp delta=0.001,0.002
     Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1
     """
-    from spml_cache.memory import parse_size
     from spml_cache.observation import parse_rules
+    from spml_cache.runtime.memory import parse_size
 
     rules = None if observe is None else parse_rules(observe)  # before the heavy imports: a typo fails at once
     budget = parse_size(memory_budget)

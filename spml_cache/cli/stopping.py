@@ -13,7 +13,7 @@ import os
 import signal
 from contextlib import contextmanager
 
-from spml_cache.errors import clear_stop, request_stop, seconds_since_stop, stop_exit_code, stop_requested
+from spml_cache.runtime.errors import clear_stop, request_stop, seconds_since_stop, stop_exit_code, stop_requested
 
 # Seconds after a first signal within which, under torchrun, a second is the launcher's copy of it, not a user's
 # second Ctrl-C (the launcher forwards at once; a person presses again later).

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from spml_cache.cli.stopping import under_torchrun
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 ERR_CONSOLE = Console(stderr=True, soft_wrap=True)  # one red (or yellow) line per error or warning
 

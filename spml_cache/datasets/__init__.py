@@ -11,10 +11,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from spml_cache.datasets import coco, cub, nus, openimages, voc
-from spml_cache.datasets import csv as csv_reader
+from spml_cache.datasets import coco, csv as csv_reader, cub, nus, openimages, voc
 from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
-from spml_cache.errors import SpmlError, unknown_name
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:
     from rich.table import Table

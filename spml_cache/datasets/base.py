@@ -15,9 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
-from spml_cache.cache import sparse
-from spml_cache.cache.sparse import SparseLabels
-from spml_cache.errors import SpmlError
+from spml_cache.labels import SparseLabels, take
+from spml_cache.runtime.errors import SpmlError
 
 # How many missing ids an error message shows before "...".
 SHOW_FIRST = 5
@@ -169,7 +168,7 @@ def drop_missing(
 
     def keep(split: ImageSplit) -> ImageSplit:
         rows = np.array([i for i, image_id in enumerate(split.ids) if image_id not in gone], dtype=np.int64)
-        return ImageSplit([split.ids[i] for i in rows], sparse.take(split.labels, rows), sparse.take(split.mask, rows))
+        return ImageSplit([split.ids[i] for i in rows], take(split.labels, rows), take(split.mask, rows))
 
     return keep(train), keep(test), missing
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from spml_cache.datasets.base import ImageSplit, LabeledImages, finish, label_matrix, require_file
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 NAME = "coco"
 TITLE = "MS-COCO 2014"

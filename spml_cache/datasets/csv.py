@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import numpy as np
 
 from spml_cache.datasets.base import ImageSplit, LabeledImages, finish, label_matrix
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 NAME = "csv"
 TITLE = "your own data (CSV)"

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from spml_cache.datasets.base import ImageSplit, LabeledImages, data_lines, finish, malformed, parse_int, require_file
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 NAME = "cub"
 TITLE = "CUB-200-2011 (attributes)"

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from spml_cache.datasets.base import ImageSplit, LabeledImages, finish, malformed, read_text, require_file
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 NAME = "nus"
 TITLE = "NUS-WIDE"

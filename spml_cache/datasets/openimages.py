@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from spml_cache.cache.sparse import SparseLabels
 from spml_cache.datasets.base import ImageSplit, LabeledImages, finish, malformed
-from spml_cache.errors import SpmlError
+from spml_cache.labels import SparseLabels
+from spml_cache.runtime.errors import SpmlError
 
 NAME = "openimages"
 TITLE = "OpenImages V6/V7 (image-level labels)"

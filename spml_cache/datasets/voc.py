@@ -22,7 +22,7 @@ from spml_cache.datasets.base import (
     malformed,
     require_file,
 )
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 NAME = "voc"
 TITLE = "PASCAL VOC 2012"

@@ -27,7 +27,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from spml_cache.datasets.voc import CLASSES
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 COLOURS = {
     "red": (220, 30, 30),

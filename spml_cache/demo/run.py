@@ -19,16 +19,17 @@ from rich.console import Console
 from rich.markup import escape
 
 from spml_cache import report
-from spml_cache.backbone import RandomWeightsWarning, checkpoint_path
+from spml_cache.backbones.checkpoints import RandomWeightsWarning
+from spml_cache.backbones.resnet50 import checkpoint_path
 from spml_cache.cache import default_path
 from spml_cache.demo.data import make_demo_data
-from spml_cache.devices import resolve_device
-from spml_cache.errors import SpmlError
 from spml_cache.extract import extract
 from spml_cache.finetune import finetune
 from spml_cache.linear import LinearSettings, run_linear
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS
 from spml_cache.runs import best_loss
+from spml_cache.runtime.devices import resolve_device
+from spml_cache.runtime.errors import SpmlError
 
 # Sized by measurement (docs/benchmarks.md): a few minutes on 2 CPU cores. With a random trunk the linear
 # probes score the same at 64 px as at 128 px, and extraction is 2.7x faster.

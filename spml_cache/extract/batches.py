@@ -11,16 +11,15 @@ import numpy as np
 import torch
 
 from spml_cache import cache
-from spml_cache.backbone import ImageDecodeError, decode_jpegs
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.children import loader_worker_init
 from spml_cache.extract import writer
 from spml_cache.extract.feed import Feed
-from spml_cache.errors import SpmlError
-from spml_cache.progress import progress_bar
+from spml_cache.images import ImageDecodeError, decode_jpegs
+from spml_cache.runtime.children import loader_worker_init
+from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.progress import progress_bar
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 
 def decode_batch(blobs, bad: np.ndarray, device, preprocess: Preprocess, skip_bad: bool):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spml_cache.backbone import normalise
+from spml_cache.images import normalise
 
 DEPTH = 2  # batches decoded ahead of the trunk
 POLL_S = 0.1  # how often a blocked thread looks whether it was told to stop

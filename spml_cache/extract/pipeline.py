@@ -33,19 +33,19 @@ import torch
 import torchvision
 
 import spml_cache
-from spml_cache import backbones, cache, datasets, locks, protocol
-from spml_cache.cache import sparse
-from spml_cache.backbone import build_trunk
+from spml_cache import backbones, cache, datasets, protocol
 from spml_cache.extract import shards, writer
 from spml_cache.extract.batches import PRECISIONS, run_batches
+from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
     estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_room, require_writable,
     settings_attrs,
 )
+from spml_cache.cache.csr import DEFAULT_FORMAT, resolve_format
 from spml_cache.extract.rules import RuleStore
-from spml_cache.devices import default_workers, resolve_device
-from spml_cache.errors import DiskFull, Interrupted, SpmlError
 from spml_cache.observation import Rule
+from spml_cache.runtime.devices import default_workers, resolve_device
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
 
 BAD_IMAGE_POLICIES = ("fail", "skip")
 
@@ -89,12 +89,6 @@ def run_attrs(device: torch.device, family: str = "tv") -> dict:
     }
 
 
-def _trunk(described: backbones.Description):
-    """The backbone's trunk: ResNet-50's through `build_trunk` (what the tests hook), the others' through the
-    registry."""
-    if described.backbone == backbones.DEFAULT:
-        return build_trunk(described.weights)[0]
-    return backbones.build(described)
 
 
 def _text_side(trunk, classes: list[str], templates: list[str] | None) -> dict | None:
@@ -118,7 +112,7 @@ def _reported(report: ExtractReport, shard: shards.Shard | None) -> ExtractRepor
 
 
 def _check_options(resolution, batch_size, workers, precision, limit, on_bad_image, labels) -> None:
-    sparse.resolve_format(labels, 0)  # refuses anything but auto, dense and sparse, naming --labels
+    resolve_format(labels, 0)  # refuses anything but auto, dense and sparse, naming --labels
     if resolution is not None and not 32 <= resolution <= 2048:
         raise SpmlError(f"--resolution {resolution}: use a side between 32 and 2048 pixels (the papers use 448)")
     if batch_size < 1:
@@ -161,7 +155,7 @@ def extract(
     """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring.
     `observe`: observation rules whose masks to store beside `single`'s (extract/rules.py); a complete cache
     that lacks some gets them without recomputing its features. `labels`: how the cache stores its label
-    matrices, auto (CSR from `sparse.SPARSE_MIN_CLASSES` classes), dense or sparse (None: `sparse.DEFAULT_FORMAT`,
+    matrices, auto (CSR from `SPARSE_MIN_CLASSES` classes), dense or sparse (None: `DEFAULT_FORMAT`,
     so the command line need not import the cache package to show it); a sparse-read dataset (OpenImages) is
     densified only for a dense cache. `backbone`, `weights` (None: the backbone's default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
     torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks
@@ -169,7 +163,7 @@ def extract(
 
     `pad_batches` and `feed_thread` are internal (no flag): None is on for a GPU, off for the CPU; the tests
     force them on the CPU to show the cache does not depend on them."""
-    labels = sparse.DEFAULT_FORMAT if labels is None else labels
+    labels = DEFAULT_FORMAT if labels is None else labels
     _check_options(resolution, batch_size, workers, precision, limit, on_bad_image, labels)
     limit = limit or 0
     shard = shards.current()  # under torchrun: this process's share of the rows (shards.py)
@@ -180,7 +174,7 @@ def extract(
     images = datasets.read(dataset, root, skip_missing=skip_missing or dry_run)
     protocol_result = protocol.apply_protocol(images)
     rows = plan_rows(protocol_result, limit)
-    label_format = sparse.resolve_format(labels, len(images.classes))
+    label_format = resolve_format(labels, len(images.classes))
     described = backbones.describe(backbone, weights, resolution, clip_features, crops)
     templates = backbones.prompts(prompts) if described.embed_dim else None
     settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
@@ -215,7 +209,7 @@ def extract(
         report.notes.append(f"would {'resume' if resume else 'write'} {partial_file} and rename it to {path.name}")
         return _reported(report, shard)
 
-    trunk = _trunk(described)  # before creating anything: weights are the likeliest thing to be missing
+    trunk = backbones.build(described)  # before creating anything: weights are the likeliest thing to be missing
     require_writable(path.parent)
     with locks.held(writing, f"the cache {writing}"):  # one writer: a second `extract --force` would swap its file in
         if resume and not partial_file.exists():

@@ -14,9 +14,9 @@ import h5py
 import numpy as np
 
 from spml_cache import cache
-from spml_cache.cache import sparse
 from spml_cache.backbones import Description, templates_attr
-from spml_cache.errors import SpmlError
+from spml_cache.labels import is_sparse, same, take
+from spml_cache.runtime.errors import SpmlError
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
 SETTINGS = (
@@ -42,7 +42,7 @@ def _first(matrix, count: int, dtype):
     """The first `count` rows of a dense or sparse label matrix (None stays None)."""
     if matrix is None:
         return None
-    if sparse.is_sparse(matrix):
+    if is_sparse(matrix):
         return matrix if count == len(matrix) else matrix.take(np.arange(count))
     return np.asarray(matrix, dtype=dtype)[:count]
 
@@ -109,7 +109,7 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     for key in SETTINGS:
         if not _same(attrs.get(key), settings.get(key)):
             return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
-    stored = "sparse" if sparse.is_sparse(found["train"].labels) else "dense"
+    stored = "sparse" if is_sparse(found["train"].labels) else "dense"
     if label_format is not None and stored != label_format:
         return f"--labels: {stored} in the file, {label_format} now"
     dropped = json.loads(attrs.get("skipped_images") or "{}")
@@ -119,9 +119,9 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
         planned = rows[name]
         if found[name].ids != [planned.ids[i] for i in keep]:
             return f"the {name} images differ ({len(found[name])} rows in the file, {len(keep)} now)"
-        if not sparse.same(found[name].labels, sparse.take(planned.labels, keep)):
+        if not same(found[name].labels, take(planned.labels, keep)):
             return f"the {name} labels differ"
-        if planned.observed is not None and not sparse.same(found[name].observed, sparse.take(planned.observed, keep)):
+        if planned.observed is not None and not same(found[name].observed, take(planned.observed, keep)):
             return f"the {name} observed labels differ"
     return None
 
@@ -142,7 +142,7 @@ def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width
 
 
 def _nonzero(matrix) -> int:
-    return matrix.nnz if sparse.is_sparse(matrix) else int(np.count_nonzero(matrix))
+    return matrix.nnz if is_sparse(matrix) else int(np.count_nonzero(matrix))
 
 
 def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from spml_cache import cache, protocol
-from spml_cache.backbone import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.datasets import voc
-from spml_cache.errors import SpmlError, unknown_name
 from spml_cache.extract.pipeline import run_attrs
 from spml_cache.extract.plan import refuse_foreign_file
+from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 FILES = {
     "images": "formatted_{split}_images.npy",

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from spml_cache import cache, datasets, observation
-from spml_cache.errors import SpmlError
 from spml_cache.observation import Areas, Rule
+from spml_cache.runtime.errors import SpmlError
 
 
 class RuleStore:

@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spml_cache import cache, locks
-from spml_cache.cache import sparse
-from spml_cache.errors import SpmlError
-from spml_cache.ranks import Ranks
-from spml_cache.ranks import current as current_ranks
+from spml_cache import cache
+from spml_cache.cache.csr import DEFAULT_FORMAT
+from spml_cache.labels import is_sparse
+from spml_cache.runtime import locks
+from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.ranks import Ranks, current as current_ranks
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Shard:
         def mine(matrix, count: int):
             if matrix is None:
                 return None
-            if sparse.is_sparse(matrix):
+            if is_sparse(matrix):
                 return matrix.take(np.arange(self.rank, count, self.world))
             return matrix[self.rank :: self.world]
 
@@ -101,7 +102,7 @@ def refuse_other_layouts(final: Path, shard: Shard | None, force: bool) -> None:
 
 def join(shard: Shard, final: Path, settings: dict, rows: dict[str, cache.SplitRows], feature_dim,
          attrs: dict, done: dict, rule_masks=None, text: dict | None = None,
-         labels: str = sparse.DEFAULT_FORMAT) -> tuple[Path, dict, dict, dict] | None:
+         labels: str = DEFAULT_FORMAT) -> tuple[Path, dict, dict, dict] | None:
     """Once every rank is done: rank 0 copies the shards into the cache `final` and removes them. `done` is this
     rank's {extracted, left_out, resumed, seconds, not_finite}; returns (cache path, ids dropped per split, rows
     recomputed in fp32 per split, the totals of every rank) on rank 0, None on the others. `rule_masks`: what

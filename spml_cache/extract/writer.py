@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from spml_cache import cache
-from spml_cache.backbone import normalise
-from spml_cache.errors import SpmlError
+from spml_cache.images import normalise
+from spml_cache.runtime.errors import SpmlError
 
 
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -10,11 +10,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from spml_cache import backbone, datasets
+from spml_cache import datasets
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.children import loader_worker_init
 from spml_cache.datasets.base import find_missing
-from spml_cache.errors import SpmlError
+from spml_cache.images import decode_jpegs
+from spml_cache.runtime.children import loader_worker_init
+from spml_cache.runtime.errors import SpmlError
 
 EVAL_BATCH_SIZE = 32
 MISSING_SHOWN = 3
@@ -63,7 +64,7 @@ class ImageFiles(Dataset):
     def __getitem__(self, row: int):
         blob = torch.from_numpy(np.fromfile(self.paths[row], dtype=np.uint8))
         if self.decode:
-            return row, backbone.decode_jpegs([blob], "cpu")[0]
+            return row, decode_jpegs([blob], "cpu")[0]
         return row, blob
 
 
@@ -124,7 +125,7 @@ def model_input(images: list[torch.Tensor], preprocess: Preprocess | int, device
     """Decode (when given bytes) and preprocess on the device (the backbone's `preprocess`; a side R: the papers'
     R x R squash); mirror the rows where `flips` is set."""
     if images and images[0].dim() == 1:
-        images = backbone.decode_jpegs(images, device)
+        images = decode_jpegs(images, device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     preprocess = Preprocess(preprocess) if isinstance(preprocess, int) else preprocess
     batch = preprocess(images, device, dtype)

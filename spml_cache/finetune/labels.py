@@ -1,5 +1,5 @@
 """Stage three's labels: the training batches' observed (and full) label blocks, and per-class AP of a split's
-scores, for a cache whose label matrices are dense arrays or CSR (`cache.SparseLabels`, >= 1,000 classes).
+scores, for a cache whose label matrices are dense arrays or CSR (`SparseLabels`, >= 1,000 classes).
 
 Dense caches keep the path fine-tuning always had: the training labels moved whole to the device and gathered
 by row, and a split's labels scored at once. Sparse ones never become a whole dense [N, C] matrix: a training
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from spml_cache import losses, metrics
-from spml_cache.cache import sparse
+from spml_cache.labels import columns, for_loss, is_sparse
 
 # Entries (rows x classes) a block of sparse labels holds when a split is scored: the AP's sort buffers are a few
 # int64 copies of a block, so 2^24 entries cost a few hundred MB at most, whatever the class count.
@@ -23,7 +23,7 @@ SCORED_BLOCK_ENTRIES = 1 << 24
 def loss_observed(loss: str, observed) -> torch.Tensor | None:
     """The training observed labels loss `loss` is built with (`train_observed`): a sparse cache's made dense only
     for a loss that reads the whole matrix (`losses.reads_whole_observed`, as stage two), else None."""
-    found = sparse.for_loss(observed, losses.reads_whole_observed(loss))
+    found = for_loss(observed, losses.reads_whole_observed(loss))
     return None if found is None else torch.from_numpy(found)
 
 
@@ -33,7 +33,7 @@ class TrainLabels:
 
     def __init__(self, observed, labels, device: torch.device) -> None:
         self.device = device
-        self.sparse = sparse.is_sparse(observed)
+        self.sparse = is_sparse(observed)
         if self.sparse:
             self.observed, self.labels = observed, labels
         else:  # as fine-tuning always did: the whole matrices on the device
@@ -57,7 +57,7 @@ def split_ap(scores: torch.Tensor, labels, mask=None) -> tuple[torch.Tensor, flo
     partial labels: 1 where annotated; None where every label is known), dense or sparse. A dense matrix is scored
     at once; a sparse one a block of classes at a time (`metrics.average_precision` scores each class on its own,
     so the result is the same)."""
-    if not (sparse.is_sparse(labels) or sparse.is_sparse(mask)):
+    if not (is_sparse(labels) or is_sparse(mask)):
         labels = torch.from_numpy(np.asarray(labels)).to(scores.device)
         mask = None if mask is None else torch.from_numpy(np.asarray(mask))
         ap = metrics.average_precision(scores, labels, mask)
@@ -67,8 +67,8 @@ def split_ap(scores: torch.Tensor, labels, mask=None) -> tuple[torch.Tensor, flo
     aps, scored = [], []
     for low in range(0, num_classes, width):
         high = min(low + width, num_classes)
-        block = torch.from_numpy(sparse.columns(labels, low, high))
-        block_mask = None if mask is None else torch.from_numpy(sparse.columns(mask, low, high))
+        block = torch.from_numpy(columns(labels, low, high))
+        block_mask = None if mask is None else torch.from_numpy(columns(mask, low, high))
         aps.append(metrics.average_precision(scores[:, low:high], block, block_mask))
         if mask is not None:
             scored.append(metrics.scored_classes(block, block_mask))

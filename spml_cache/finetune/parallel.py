@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spml_cache.devices import resolve_device
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.devices import resolve_device
+from spml_cache.runtime.errors import SpmlError
 
 
 @dataclass(frozen=True)

@@ -26,19 +26,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from spml_cache import locks, losses, runs
-from spml_cache.cache import sparse
-from spml_cache.devices import default_workers
-from spml_cache.errors import DiskFull, Interrupted, SpmlError
-from spml_cache.finetune import checkpoints, parallel
+from spml_cache import losses, runs
+from spml_cache.finetune import checkpoints, images as data, parallel
 from spml_cache.finetune.labels import TrainLabels, loss_observed, split_ap
-from spml_cache.finetune import images as data
-from spml_cache.finetune.settings import FinetuneOptions, FineTuneModel, Resumed, Setup, resolve
+from spml_cache.finetune.settings import FineTuneModel, FinetuneOptions, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
+from spml_cache.labels import is_sparse, take
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE
-from spml_cache.progress import progress_bar
 from spml_cache.protocol import initial_head
+from spml_cache.runtime import locks
+from spml_cache.runtime.devices import default_workers
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.progress import progress_bar
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
 
@@ -143,7 +143,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     if scores:
         runs.write_scores(run_dir, settings.key, **scores)
     features, rows = setup.features, setup.rows
-    if not sparse.is_sparse(features.train.labels):  # as stage two: report's label figures read dense matrices only
+    if not is_sparse(features.train.labels):  # as stage two: report's label figures read dense matrices only
         runs.write_labels(run_dir, train_labels=features.train.labels[rows["train"]],
                           train_observed=features.train.observed[rows["train"]],
                           val_labels=features.val.labels[rows["val"]], test_labels=features.test.labels[rows["test"]])
@@ -376,9 +376,9 @@ def _label_mask(setup: Setup, split: str, batch_size: int | None = None):
     """The split's label mask on its rows (partial labels: 1 where annotated; dense or sparse), None where every
     label is known."""
     mask = getattr(setup.features, split).label_mask
-    return sparse.take(mask, _rows(setup, split, batch_size))
+    return take(mask, _rows(setup, split, batch_size))
 
 
 def _labels(setup: Setup, split: str, batch_size: int | None = None):
     """The split's full labels on its rows, dense or sparse (on the host)."""
-    return sparse.take(getattr(setup.features, split).labels, _rows(setup, split, batch_size))
+    return take(getattr(setup.features, split).labels, _rows(setup, split, batch_size))

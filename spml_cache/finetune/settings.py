@@ -16,14 +16,15 @@ from torch import nn
 
 from spml_cache import backbones, cache, losses, observation, runs
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.errors import SpmlError
 from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
 from spml_cache.finetune.labels import loss_observed
 from spml_cache.finetune.parallel import Processes, check_batch_split
+from spml_cache.labels import take
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key, split_key
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, check_grid, check_val_split
+from spml_cache.runtime.errors import SpmlError
 
 DEFAULT_LRS = (1e-5, 1e-4)
 INITS = ("best", "imagenet")  # LinearInit (the default), or a fresh head on the ImageNet trunk
@@ -218,7 +219,7 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     ids = {split: getattr(features, split).ids for split in cache.SPLITS}
     image_root, rows, skipped = usable_rows(features.dataset, Path(root), ids, settings.skip_missing)
     notes += [skipped] if skipped else []
-    check_val_split(cache.sparse.take(features.val.labels, rows["val"]), str(features.path))
+    check_val_split(take(features.val.labels, rows["val"]), str(features.path))
     described = linear_init.trunk_backbone(features.attrs, settings.weights, settings.resolution)
     trunk = backbones.build(described)
     provenance = described.provenance

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from spml_cache import backbone, backbones, cache, runs
-from spml_cache.errors import SpmlError
+from spml_cache import backbones, cache, runs
+from spml_cache.backbones.resnet50 import WEIGHT_NAMES
+from spml_cache.runtime.errors import SpmlError
 
 THETA_CLIP = 1e-5
 
@@ -26,7 +27,7 @@ def default_weights(cache_attrs: dict) -> str | None:
     weights = str(cache_attrs.get("weights", ""))
     if cache_attrs.get("backbone", backbones.DEFAULT) != backbones.DEFAULT:
         return None if weights.startswith("sha256:") or not weights else weights
-    return weights if weights in (*backbone.WEIGHT_NAMES, "none") else "IMAGENET1K_V1"
+    return weights if weights in (*WEIGHT_NAMES, "none") else "IMAGENET1K_V1"
 
 
 def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> backbones.Description:
@@ -84,3 +85,4 @@ def check_head(head: runs.LinearHead, features: cache.FeatureSet) -> None:
             f"{head.run / 'best.pt'}: ROLE's theta is {tuple(theta.shape)} but {cache_path} has {num_train} training"
             " rows: fine-tune with the cache that run used"
         )
+    runs.check_same_cache(head, cache.cache_id(features.attrs), cache_path)

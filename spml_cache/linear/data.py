@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from spml_cache.cache import FeatureSet, StoredFeatures, sparse
+from spml_cache.cache import FeatureSet, StoredFeatures
+from spml_cache.labels import SparseLabels, columns, for_loss, is_sparse
 from spml_cache.linear.out_of_core import Batch, MemoryPlan, RowSource, label_rows
 from spml_cache.metrics import scored_classes
 
@@ -26,20 +27,20 @@ class LinearData:
     """The cache's arrays on the training device, in the form the loop indexes directly."""
 
     train_features: torch.Tensor | StoredFeatures  # float32 [N, D]
-    train_observed: torch.Tensor | sparse.SparseLabels  # int8 [N, C]
-    train_labels: torch.Tensor | sparse.SparseLabels  # uint8 [N, C], for the oracle losses only
+    train_observed: torch.Tensor | SparseLabels  # int8 [N, C]
+    train_labels: torch.Tensor | SparseLabels  # uint8 [N, C], for the oracle losses only
     eval_features: torch.Tensor | RowSource  # float32 [N_val + N_test, D]: val rows, then test rows
     num_val: int
-    val_targets: torch.Tensor | sparse.SparseLabels  # [N_val, C]: full labels, or the observed positives
-    test_labels: torch.Tensor | sparse.SparseLabels  # uint8 [N_test, C]
+    val_targets: torch.Tensor | SparseLabels  # [N_val, C]: full labels, or the observed positives
+    test_labels: torch.Tensor | SparseLabels  # uint8 [N_test, C]
     dataset: str
     device: torch.device = torch.device("cpu")
     plan: MemoryPlan | None = None  # None: everything in memory, every class scored at once
     # Partial labels (a cache with label masks): 1 where a val / test label is annotated (dense tensors or
     # SparseLabels), and the classes each mAP averages over (those with an annotated positive); None where every
     # label is known.
-    val_mask: torch.Tensor | sparse.SparseLabels | None = None
-    test_mask: torch.Tensor | sparse.SparseLabels | None = None
+    val_mask: torch.Tensor | SparseLabels | None = None
+    test_mask: torch.Tensor | SparseLabels | None = None
     val_scored: np.ndarray | None = None
     test_scored: np.ndarray | None = None
     # the cache's text side, for the losses that read it: [N, C] and [N, G*G, C] image-text similarities (on the
@@ -94,7 +95,7 @@ class LinearData:
         if self.test_mask is None:
             return None
         mask = self.test_mask
-        annotated = len(mask.values) / float(np.prod(mask.shape)) if sparse.is_sparse(mask) else float(mask.float().mean())
+        annotated = len(mask.values) / float(np.prod(mask.shape)) if is_sparse(mask) else float(mask.float().mean())
         return {"annotated_fraction": annotated, "classes_scored": int(self.test_scored.sum()),
                 "classes_left_out": int((~self.test_scored).sum()),
                 "map": "per class over annotated test entries only; the mean over classes with an annotated positive"}
@@ -146,7 +147,7 @@ class LinearData:
 
 def _on_device(array, device: torch.device):
     """A dense array as a tensor on `device`; a sparse matrix or features left in the file as they are."""
-    if sparse.is_sparse(array) or isinstance(array, StoredFeatures):
+    if is_sparse(array) or isinstance(array, StoredFeatures):
         return array
     return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
@@ -155,7 +156,7 @@ def observed_for_loss(observed, whole: bool) -> torch.Tensor | None:
     """`LinearData.observed_for_loss` of a numpy, torch or sparse matrix."""
     if isinstance(observed, torch.Tensor):
         return observed.cpu()
-    found = sparse.for_loss(observed, whole)
+    found = for_loss(observed, whole)
     return None if found is None else torch.from_numpy(found)
 
 
@@ -164,12 +165,12 @@ def _scored(labels, mask) -> np.ndarray | None:
     for sparse labels; None without a mask."""
     if mask is None:
         return None
-    if not (sparse.is_sparse(labels) or sparse.is_sparse(mask)):
+    if not (is_sparse(labels) or is_sparse(mask)):
         return scored_classes(labels, mask).numpy()
     num_classes = labels.shape[1]
     return np.concatenate([
-        ((sparse.columns(labels, low, min(low + SCORED_BLOCK, num_classes)) > 0)
-         & (sparse.columns(mask, low, min(low + SCORED_BLOCK, num_classes)) > 0)).any(axis=0)
+        ((columns(labels, low, min(low + SCORED_BLOCK, num_classes)) > 0)
+         & (columns(mask, low, min(low + SCORED_BLOCK, num_classes)) > 0)).any(axis=0)
         for low in range(0, num_classes, SCORED_BLOCK)])
 
 
@@ -178,4 +179,4 @@ def _val_targets(labels, observed, val_labels: str):
     """Val's targets: its full labels, or its observed positives (`--val-labels observed`)."""
     if val_labels == "clean":
         return labels
-    return observed.equal(1) if sparse.is_sparse(observed) else (observed == 1).astype(np.uint8)
+    return observed.equal(1) if is_sparse(observed) else (observed == 1).astype(np.uint8)

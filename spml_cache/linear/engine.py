@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from spml_cache import losses as loss_registry
-from spml_cache.devices import to_host
-from spml_cache.errors import check_stop
 from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.head_matrix import HeadMatrix
+from spml_cache.runtime.devices import to_host
+from spml_cache.runtime.errors import check_stop
 from spml_cache.linear.out_of_core import (
     Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets,
 )

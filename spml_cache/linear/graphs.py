@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from spml_cache.errors import SpmlError, check_stop
 from spml_cache.linear.adam_kernel import fused_adam_available
 from spml_cache.linear.engine import HeadStack, SeedRun
+from spml_cache.runtime.errors import SpmlError, check_stop
 
 UNROLL = 8  # full steps per graph: one launch where eight would each cost a Python round trip
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from spml_cache import cache as cache_file
-from spml_cache.children import die_with_parent, ignore_interrupts, interrupts_held_back
-from spml_cache.errors import SpmlError, check_stop
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
-from spml_cache.memory import give_back_freed
+from spml_cache.runtime.children import die_with_parent, ignore_interrupts, interrupts_held_back
+from spml_cache.runtime.errors import SpmlError, check_stop
+from spml_cache.runtime.memory import give_back_freed
 from spml_cache.selection import best_so_far
 
 # Below this much work (training rows x epochs x (loss, seed) pairs) starting worker processes costs more than it

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from spml_cache import memory
 from spml_cache import cache
-from spml_cache.errors import check_stop
 from spml_cache.metrics import average_precision
+from spml_cache.runtime import memory
+from spml_cache.runtime.errors import check_stop
 
 FLOAT_BYTES = 4
 # Bytes per (head, row, class) element while scoring: the scores and `metrics.average_precision`'s buffers

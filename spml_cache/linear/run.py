@@ -18,25 +18,25 @@ from typing import Sequence
 import torch
 from rich.console import Console
 
-from spml_cache import losses as loss_registry
-from spml_cache import locks, memory, observation, runs
-from spml_cache.cache import cache_id, find_cache, sparse, verify
-from spml_cache.devices import resolve_device
-from spml_cache.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
+from spml_cache import losses as loss_registry, observation, runs
+from spml_cache.cache import cache_id, find_cache, verify
+from spml_cache.labels import is_sparse
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job
 from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
 from spml_cache.linear.live import LiveTable
 from spml_cache.linear.out_of_core import dense_targets, load_within, train_map
 from spml_cache.linear.parts import KeptParts, Part
+from spml_cache.runtime import locks, memory
+from spml_cache.runtime.devices import resolve_device
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
 from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
                                        stored_settings)
 from spml_cache.metrics import mean_average_precision
 from spml_cache.observation import Rule
-from spml_cache.progress import console as progress_console
-from spml_cache.ranks import PeerLost, Ranks
-from spml_cache.ranks import current as current_ranks
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS, check_train_test, check_val_split
+from spml_cache.runtime.progress import console as progress_console
+from spml_cache.runtime.ranks import PeerLost, Ranks, current as current_ranks
 from spml_cache.selection import HeadRecord, loss_results, select_config
 
 # --- the run ---------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def _train_in(run_dir: Path, resuming: bool, ranks, console, settings, units, us
     """Train what `run_dir` has not kept, select, and write its results."""
     several = _several(settings)
     # first: report's figures need it, whatever happens next (dense label matrices only)
-    if not (run_dir / "labels.npz").exists() and not sparse.is_sparse(features.train.labels):
+    if not (run_dir / "labels.npz").exists() and not is_sparse(features.train.labels):
         runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
                           val_labels=features.val.labels, test_labels=features.test.labels,
                           rules={rule: found.train for rule, found in observed.items() if several})

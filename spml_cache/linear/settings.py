@@ -11,16 +11,15 @@ from typing import Mapping, Sequence
 
 import torch
 
-from spml_cache import losses as loss_registry
-from spml_cache import memory, observation
+from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
-from spml_cache.errors import SpmlError
 from spml_cache.linear.data import observed_for_loss
 from spml_cache.losses import Overrides
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
 from spml_cache.protocol import check_grid
-from spml_cache import runs
+from spml_cache.runtime import memory
+from spml_cache.runtime.errors import SpmlError
 
 
 MAX_HEADS = 10_000  # beyond this a sweep is more likely a typo than a plan

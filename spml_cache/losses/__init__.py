@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spml_cache.errors import SpmlError, unknown_name
-from spml_cache.losses.base import _REGISTRY, Loss, register
+from spml_cache.losses.base import Loss, _REGISTRY, register
 from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 from spml_cache.losses.base import (
     Loss,
     bce,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 from spml_cache.losses.base import (
     Loss, as_tensor_like, bce, entropy, head_vector, mean_over_entries, neg_log_1mp, neg_log_p, register,
 )

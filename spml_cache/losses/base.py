@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 
 class Fidelity(str, Enum):

@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from spml_cache.errors import SpmlError
 from spml_cache.losses.base import Loss, assign_, neg_log_1mp, neg_log_p, register
+from spml_cache.runtime.errors import SpmlError
 
 
 def estimate_priors(scores: torch.Tensor, positive: torch.Tensor, delta: float, tau: float) -> torch.Tensor:

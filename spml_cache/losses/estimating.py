@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from spml_cache.errors import SpmlError
 from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
 from spml_cache.protocol import EXPECTED_POSITIVES
+from spml_cache.runtime.errors import SpmlError
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
 THETA_INIT_NEGATIVE = 0.005  # Q at an observed negative

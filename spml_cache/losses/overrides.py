@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from spml_cache.errors import SpmlError
 from spml_cache.losses.base import _REGISTRY
+from spml_cache.runtime.errors import SpmlError
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from spml_cache.errors import SpmlError
 from spml_cache.losses.base import Loss, assign_, register, rows_for_heads
 from spml_cache.protocol import average_precision
+from spml_cache.runtime.errors import SpmlError
 
 
 def soft_pair_loss(logits: torch.Tensor, targets: torch.Tensor, log_alpha: float, log_beta: float) -> torch.Tensor:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from spml_cache import losses
 from spml_cache.backbones import DEFAULT as DEFAULT_BACKBONE
-from spml_cache.errors import SpmlError
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key
 from spml_cache.runs import RESULTS, is_complete, read_json, run_stamp
+from spml_cache.runtime.errors import SpmlError
 
 RUN_FILES = ("config.json", RESULTS, "metrics.jsonl")
 # Fine-tuning from a fresh ImageNet model is another experiment than from the best linear head (LinearInit).

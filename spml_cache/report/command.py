@@ -8,11 +8,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from spml_cache.errors import SpmlError
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
 from spml_cache.report.tables import build_table, formatter, print_notes, print_table
 from spml_cache.runs import replace_atomically
+from spml_cache.runtime.errors import SpmlError
 
 
 def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console | None = None) -> None:

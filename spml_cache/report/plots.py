@@ -30,12 +30,12 @@ from numpy.lib.npyio import NpzFile
 from rich.console import Console
 from rich.text import Text
 
-from spml_cache.errors import SpmlError
 from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
 from spml_cache.report.layout import under_suptitle, wrapped
 from spml_cache.runs import replace_atomically, scores_path
+from spml_cache.runtime.errors import SpmlError
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
 # Why a figure a column cannot have is left out: said only of a figure asked for by name (`--compare` names the

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from spml_cache.errors import SpmlError, unknown_name
 from spml_cache.observation import DEFAULT_RULE
+from spml_cache.runtime.errors import SpmlError, unknown_name
 from spml_cache.report.collect import (
     DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
 )

@@ -9,7 +9,7 @@ import os
 import re
 import resource
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 FLAG = "--memory-budget"
 DEFAULT_SHARE = 0.8  # of the device's free memory, when no budget is given

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 
-from spml_cache.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -13,7 +13,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from spml_cache.errors import DiskFull, SpmlError
+from spml_cache.runtime.errors import DiskFull, SpmlError
 
 try:
     import fcntl

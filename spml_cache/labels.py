@@ -1,26 +1,20 @@
-"""Sparse label matrices (CSR) for caches with many classes: full, observed and test labels of OpenImages-scale
-data (1.7M x 9,600 is 16 GB dense, a few hundred MB sparse).
+"""The label matrix, dense or sparse, and everything that reads it: the one seam between the two forms.
 
-A `SparseLabels` holds an int8 [N, C] matrix whose zeros are absent: full labels keep their 1s, observed labels
-their 1s and -1s (0, unknown, is absent). The cache stores it as a group `/{split}/<name>` with the datasets
-`indptr` (int64 [N+1]), `indices` (int32 [nnz]) and `values` (int8 [nnz]) and the attrs format="csr" and
-shape=[N, C], in place of the dense dataset; any other [N, C] matrix (a test-label mask) can be stored the same
-way. Dense stays the default below `SPARSE_MIN_CLASSES` classes (VOC, COCO, NUS-WIDE and CUB caches do not change).
+A label matrix is an [N, C] array of a split's full (0/1), observed (1 / 0 unknown / -1) or mask labels. Below a
+thousand classes it is a dense numpy array; at OpenImages scale (1.7M x 9,600 is 16 GB dense, a few hundred MB
+sparse) a `SparseLabels`: an int8 matrix in CSR form whose zeros are absent (full labels keep their 1s, observed
+labels their 1s and -1s). The functions below take either form and answer in the same way (rows, class blocks,
+counts, comparisons), so that code outside this module and `cache/` never asks which form it holds. How the cache
+stores the two forms is `cache/csr.py`'s business.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import h5py
 import numpy as np
 
-from spml_cache.cache.schema import plain
-from spml_cache.errors import SpmlError
-
-SPARSE_MIN_CLASSES = 1000  # `extract --labels auto` stores label matrices of this many classes or more as CSR
-LABEL_FORMATS = ("auto", "dense", "sparse")
-DEFAULT_FORMAT = "auto"
+from spml_cache.runtime.errors import SpmlError
 
 
 @dataclass(frozen=True)
@@ -221,67 +215,6 @@ def count_positive(matrix, mask=None) -> int:
     if is_sparse(matrix) and is_sparse(mask):
         return int(contains(mask.keys()[mask.values != 0], matrix.keys()[matrix.values > 0]).sum())
     return int(((dense(matrix) > 0) & (dense(mask) != 0)).sum())
-
-
-def resolve_format(choice: str, num_classes: int) -> str:
-    """`--labels auto|dense|sparse` for a dataset of `num_classes` classes: dense or sparse."""
-    if choice not in LABEL_FORMATS:
-        raise SpmlError(f"--labels {choice!r}: use auto (sparse from {SPARSE_MIN_CLASSES} classes), dense or sparse")
-    if choice == "auto":
-        return "sparse" if num_classes >= SPARSE_MIN_CLASSES else "dense"
-    return choice
-
-
-# --- in the HDF5 cache -----------------------------------------------------------------------------------
-
-def store(group: h5py.Group, name: str, matrix, sparse: bool, dtype) -> None:
-    """Write a label matrix (dense or SparseLabels) as `group[name]`: a dense dataset, or the CSR group."""
-    if not sparse:
-        group.create_dataset(name, data=dense(matrix, dtype))
-        return
-    matrix = matrix if is_sparse(matrix) else SparseLabels.from_dense(matrix)
-    csr = group.create_group(name)
-    csr.attrs["format"], csr.attrs["shape"] = "csr", list(matrix.shape)
-    csr.create_dataset("indptr", data=matrix.indptr.astype(np.int64))
-    csr.create_dataset("indices", data=matrix.indices.astype(np.int32))
-    csr.create_dataset("values", data=matrix.values.astype(np.int8))
-
-
-def stored_sparse(node) -> bool:
-    """Whether a stored label matrix is the CSR group (else a dense dataset); a group of another format is refused
-    in one line (no reader could index it)."""
-    if not isinstance(node, h5py.Group):
-        return False
-    found = node.attrs.get("format")
-    if found not in ("csr", b"csr"):
-        raise SpmlError(f"{node.file.filename}: {node.name} is a group with format {plain(found)!r}, not a CSR"
-                        " matrix (format \"csr\") nor a dataset: rebuild the cache (extract --force)")
-    return True
-
-
-def stored_shape(node) -> tuple[int, ...]:
-    """The shape of a stored label matrix, dense or CSR, without reading it."""
-    return tuple(int(v) for v in node.attrs["shape"]) if stored_sparse(node) else tuple(node.shape)
-
-
-def read(node, dtype):
-    """A stored label matrix: a numpy array (dense) or a SparseLabels (CSR), checked for a consistent CSR."""
-    if not stored_sparse(node):
-        return node[...].astype(dtype, copy=False)
-    rows, columns = stored_shape(node)
-    matrix = SparseLabels(node["indptr"][...].astype(np.int64), node["indices"][...].astype(np.int32),
-                          node["values"][...].astype(np.int8), columns)
-    nnz = len(matrix.indices)
-    if (len(matrix.indptr) != rows + 1 or matrix.indptr[0] != 0 or matrix.indptr[-1] != nnz
-            or len(matrix.values) != nnz or (np.diff(matrix.indptr) < 0).any()
-            or (nnz and (matrix.indices.min() < 0 or matrix.indices.max() >= columns))):
-        raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix of shape {[rows, columns]};"
-                        " rebuild the cache (extract --force)")
-    row = unordered_row(matrix)
-    if row is not None:
-        raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix: row {row} holds a class"
-                        " twice or out of ascending order; rebuild the cache (extract --force)")
-    return matrix
 
 
 def unordered_row(matrix: SparseLabels) -> int | None:

@@ -1,0 +1,40 @@
+"""Run directories (docs/internals.md, "run directories"): the one owner of their files, for both training
+stages. `files.py`: atomic files; `layout.py`: where each file goes and what it holds (`start_run`,
+`finish_run`); `reading.py`: finished results and `--resume`; `handover.py`: the head a later stage starts from.
+"""
+
+from spml_cache.runs.files import (
+    append_metrics,
+    jsonable,
+    load_checkpoint,
+    read_json,
+    read_metrics,
+    replace_atomically,
+    save_checkpoint,
+    temporary_path,
+    write_json,
+    write_npz,
+)
+from spml_cache.runs.handover import LinearHead, best_loss, check_same_cache, newest_run, read_linear_head
+from spml_cache.runs.layout import (
+    RESULTS,
+    Grid,
+    env_info,
+    file_stem,
+    finish_run,
+    make_run_dir,
+    safe_name,
+    scores_path,
+    start_run,
+    write_labels,
+    write_scores,
+)
+from spml_cache.runs.reading import is_complete, load_results, open_for_resume, run_stamp
+
+__all__ = [
+    "RESULTS", "Grid", "LinearHead", "append_metrics", "best_loss", "check_same_cache", "env_info", "file_stem", "finish_run",
+    "is_complete", "jsonable", "load_checkpoint", "load_results", "make_run_dir", "newest_run", "open_for_resume",
+    "read_json", "read_linear_head", "read_metrics", "replace_atomically", "run_stamp", "safe_name",
+    "save_checkpoint", "scores_path", "start_run", "temporary_path", "write_json", "write_labels", "write_npz",
+    "write_scores",
+]

@@ -1,0 +1,154 @@
+"""Where a run's files go and what they hold, for both training stages.
+
+`runs/<dataset>/<stage>-<loss or "all">-<YYYYmmdd-HHMMSS>/` holds `config.json` and `env.json` (`start_run`),
+`metrics.jsonl` (`files.append_metrics`), `scores/<loss>.npz` (`write_scores`), `labels.npz` (`write_labels`),
+then `best.pt` and `results.json` (`finish_run`; results last: without it the run is incomplete).
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spml_cache.cache import FeatureSet, cache_id
+from spml_cache.losses.base import Fidelity
+from spml_cache.runs.files import save_checkpoint, write_json, write_npz
+from spml_cache.runtime.errors import SpmlError
+
+RESULTS = "results.json"
+
+
+def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs") -> Path:
+    """Create `root/<dataset>/<stage>-<loss>-<stamp>/` (a `-2`, `-3`, ... suffix when that second is taken)."""
+    parent = Path(root) / safe_name(dataset)
+    base = f"{stage}-{safe_name(loss)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpmlError(f"cannot create {parent} ({err.strerror or err}): pick a writable --out folder") from None
+    for attempt in range(1, 1000):
+        run_dir = parent / (base if attempt == 1 else f"{base}-{attempt}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+    raise SpmlError(f"cannot find a free run directory name under {parent}")
+
+
+def safe_name(text: str) -> str:
+    """A path component: letters, digits and ._+- only."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text) or "_"
+
+
+def env_info(device: torch.device | str) -> dict:
+    """Versions and the device, for `env.json` (torchvision's version from its metadata: importing it is slow)."""
+    from importlib import metadata
+
+    from spml_cache import __version__
+
+    try:
+        torchvision_version = metadata.version("torchvision")
+    except metadata.PackageNotFoundError:
+        torchvision_version = None
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return {
+        "package": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision_version,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": device_name,
+    }
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What a run trains, as its `config.json` keeps it (both stages): the losses, the (lr, batch size) grid, the
+    epochs, the seeds, per loss the resolved hyperparameters, the val labels it selects on, the fidelity."""
+
+    losses: list[str]
+    lrs: list[float]
+    batch_sizes: list[int]
+    epochs: int
+    seeds: list[int]
+    hparams: dict  # {loss: {key: value}}; a swept key holds its list of values
+    val_labels: str  # clean or observed
+    fidelity: Fidelity
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Grid":
+        """The grid of a `config.json` (runs written before `fidelity` was stored trained exactly)."""
+        return cls(list(config["losses"]), list(config["lrs"]), list(config["batch_sizes"]), int(config["epochs"]),
+                   list(config["seeds"]), dict(config["hparams"]), config["val_labels"],
+                   Fidelity.check(config.get("fidelity")))
+
+
+def start_run(out: Path | str, *, stage: str, label: str, features: FeatureSet, device: torch.device,
+              grid: Grid, **extra) -> Path:
+    """Make `out/<dataset>/<stage>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, then the
+    stage's `extra`) and `env.json`."""
+    run_dir = make_run_dir(stage, features.dataset, label, out)
+    try:
+        write_json(run_dir / "config.json", {
+            "stage": stage, "dataset": features.dataset, "cache": str(Path(features.path).resolve()),
+            "cache_id": cache_id(features.attrs), "cache_attrs": features.attrs, "classes": features.classes,
+            **asdict(grid), "device": str(device), **extra,
+        })
+        write_json(run_dir / "env.json", env_info(device))
+    except BaseException:  # a run directory without its config is no run: nothing to resume or report
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return run_dir
+
+
+def file_stem(key: str) -> str:
+    """The file name (without suffix) of a result key: a loss's name as it is, `loss@rule` with its `@`, `:`,
+    `=` and `,` as `_` (`an@entry:0.1` -> `an_entry_0.1`)."""
+    return safe_name(key)
+
+
+def scores_path(run_dir: Path | str, key: str) -> Path:
+    """`scores/<key>.npz` (`file_stem`) of result `key`: its selected head's sigmoid scores per split."""
+    return Path(run_dir) / "scores" / f"{file_stem(key)}.npz"
+
+
+def write_scores(run_dir: Path | str, key: str, **splits: torch.Tensor) -> Path:
+    """`scores/<key>.npz`: the selected head's sigmoid scores per split, as float16."""
+    arrays = {split: values.detach().cpu().numpy().astype(np.float16) for split, values in splits.items()}
+    return write_npz(scores_path(run_dir, key), **arrays)
+
+
+def write_labels(run_dir: Path | str, *, train_labels, train_observed, val_labels, test_labels,
+                 rules: dict[str, np.ndarray] | None = None) -> Path:
+    """`labels.npz`: the labels the scores are judged against (what report's figures need); `rules`: other
+    observation rules' training masks, as `train_observed@<rule>`."""
+    others = {f"train_observed@{rule}": observed for rule, observed in (rules or {}).items()}
+    return write_npz(Path(run_dir) / "labels.npz", train_labels=train_labels, train_observed=train_observed,
+                     val_labels=val_labels, test_labels=test_labels, **others)
+
+
+def finish_run(run_dir: Path | str, *, stage: str, features: FeatureSet, losses: dict, checkpoints: dict,
+               **extra) -> dict:
+    """Write `best.pt` (per loss: the selected model and its loss state) and then `results.json`, whose presence
+    marks a finished run; returns the results."""
+    run_dir = Path(run_dir)
+    results = {"stage": stage, "dataset": features.dataset, "cache_id": cache_id(features.attrs), "complete": True,
+               **extra, "losses": losses}
+    save_checkpoint(run_dir / "best.pt", checkpoints)
+    write_json(run_dir / RESULTS, results)
+    return results
