@@ -137,6 +137,7 @@ def _stop_workers(pool: ProcessPoolExecutor, progress) -> None:
     """End every worker now and reap it. The handles are taken first: `shutdown` forgets them (Python 3.11-3.13
     set `_processes` to None), after which nothing could stop a worker still training its queued jobs."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # forgotten by `shutdown` too
     for process in processes:
         process.terminate()
     pool.shutdown(wait=False, cancel_futures=True)
@@ -145,6 +146,11 @@ def _stop_workers(pool: ProcessPoolExecutor, progress) -> None:
         if process.is_alive():  # SIGTERM is handled only between bytecodes: a long native call may hold it off
             process.kill()
             process.join()
+    if manager is not None:
+        # The pool's manager thread closes its wake-up pipe as it ends; if the interpreter exits while it is still
+        # alive, concurrent.futures' exit hook writes to that closed pipe ("Exception ignored ... Bad file
+        # descriptor" after the stop line, Python 3.11). Its workers are gone, so it ends at once.
+        manager.join(timeout=2.0)
     progress.cancel_join_thread()  # what a worker left in the queue is not worth waiting for
     progress.close()
 
