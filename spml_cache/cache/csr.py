@@ -20,6 +20,11 @@ LABEL_FORMATS = ("auto", "dense", "sparse")
 DEFAULT_FORMAT = "auto"
 
 
+def format_of(matrix) -> str:
+    """How a label matrix read from a cache was stored there: "dense" or "sparse" (the words of `--labels`)."""
+    return "sparse" if is_sparse(matrix) else "dense"
+
+
 def resolve_format(choice: str, num_classes: int) -> str:
     """`--labels auto|dense|sparse` for a dataset of `num_classes` classes: dense or sparse."""
     if choice not in LABEL_FORMATS:

@@ -15,7 +15,8 @@ import numpy as np
 
 from spml_cache import cache
 from spml_cache.backbones import Description, templates_attr
-from spml_cache.labels import is_sparse, same, take
+from spml_cache.cache.csr import format_of
+from spml_cache.labels import head, nonzero_count, same, take
 from spml_cache.runtime.errors import SpmlError
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
@@ -33,18 +34,9 @@ def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
     for name in cache.SPLITS:
         split = getattr(protocol_splits, name)
         count = len(split.ids) if limit == 0 else min(limit, len(split.ids))
-        rows[name] = cache.SplitRows(list(split.ids)[:count], _first(split.labels, count, np.uint8),
-                                     _first(split.observed, count, np.int8), _first(split.mask, count, np.uint8))
+        rows[name] = cache.SplitRows(list(split.ids)[:count], head(split.labels, count, np.uint8),
+                                     head(split.observed, count, np.int8), head(split.mask, count, np.uint8))
     return rows
-
-
-def _first(matrix, count: int, dtype):
-    """The first `count` rows of a dense or sparse label matrix (None stays None)."""
-    if matrix is None:
-        return None
-    if is_sparse(matrix):
-        return matrix if count == len(matrix) else matrix.take(np.arange(count))
-    return np.asarray(matrix, dtype=dtype)[:count]
 
 
 def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
@@ -109,7 +101,7 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     for key in SETTINGS:
         if not _same(attrs.get(key), settings.get(key)):
             return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
-    stored = "sparse" if is_sparse(found["train"].labels) else "dense"
+    stored = format_of(found["train"].labels)
     if label_format is not None and stored != label_format:
         return f"--labels: {stored} in the file, {label_format} now"
     dropped = json.loads(attrs.get("skipped_images") or "{}")
@@ -134,15 +126,13 @@ def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width
     for name, split in rows.items():
         matrices = [m for m in (split.labels, split.observed, split.label_mask) if m is not None]
         if labels == "sparse":
-            total += sum(8 * (len(split) + 1) + 5 * _nonzero(m) for m in matrices)
+            total += sum(8 * (len(split) + 1) + 5 * nonzero_count(m) for m in matrices)
         else:
             total += len(split) * num_classes * len(matrices)
         total += len(split) * (row_width * 4 + 2) + sum(len(i.encode()) + 16 for i in split.ids)
     return total
 
 
-def _nonzero(matrix) -> int:
-    return matrix.nnz if is_sparse(matrix) else int(np.count_nonzero(matrix))
 
 
 def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:

@@ -22,7 +22,7 @@ import torch
 
 from spml_cache import cache
 from spml_cache.cache.csr import DEFAULT_FORMAT
-from spml_cache.labels import is_sparse
+from spml_cache.labels import take
 from spml_cache.runtime import locks
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.ranks import Ranks, current as current_ranks
@@ -49,11 +49,7 @@ class Shard:
     def rows(self, rows: dict[str, cache.SplitRows]) -> dict[str, cache.SplitRows]:
         """This rank's rows of each split; sparse label matrices stay sparse (`take`)."""
         def mine(matrix, count: int):
-            if matrix is None:
-                return None
-            if is_sparse(matrix):
-                return matrix.take(np.arange(self.rank, count, self.world))
-            return matrix[self.rank :: self.world]
+            return take(matrix, np.arange(self.rank, count, self.world))
 
         return {name: cache.SplitRows(split.ids[self.rank :: self.world], mine(split.labels, len(split)),
                                       mine(split.observed, len(split)), mine(split.label_mask, len(split)))

@@ -28,10 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from spml_cache import losses, runs
 from spml_cache.finetune import checkpoints, images as data, parallel
-from spml_cache.finetune.labels import TrainLabels, loss_observed, split_ap
+from spml_cache.finetune.labels import TrainLabels, loss_observed
 from spml_cache.finetune.settings import FineTuneModel, FinetuneOptions, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
-from spml_cache.labels import is_sparse, take
+from spml_cache.labels import average_precision, take
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.protocol import initial_head
@@ -131,7 +131,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         state = runs.load_checkpoint(checkpoints.checkpoint(run_dir, record, best=True))
         model.load_state_dict(state["model"])
         train = torch.sigmoid(_score(model, setup, "train"))
-        train_maps.append(split_ap(train, _labels(setup, "train"))[1])
+        train_maps.append(average_precision(train, _labels(setup, "train"))[1])
         if record is selection.representative:
             saved = {"model": state["model"], "loss_state": state["loss_state"], "lr": record.lr,
                      "batch_size": record.batch_size, "seed": record.seed, "epoch": record.best_epoch,
@@ -143,10 +143,9 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     if scores:
         runs.write_scores(run_dir, settings.key, **scores)
     features, rows = setup.features, setup.rows
-    if not is_sparse(features.train.labels):  # as stage two: report's label figures read dense matrices only
-        runs.write_labels(run_dir, train_labels=features.train.labels[rows["train"]],
-                          train_observed=features.train.observed[rows["train"]],
-                          val_labels=features.val.labels[rows["val"]], test_labels=features.test.labels[rows["test"]])
+    runs.write_labels(run_dir, train_labels=take(features.train.labels, rows["train"]),
+                      train_observed=take(features.train.observed, rows["train"]),
+                      val_labels=take(features.val.labels, rows["val"]), test_labels=take(features.test.labels, rows["test"]))
     if selection and all(record.start for record in selection.records):  # a run begun before epoch 0 had none
         entry.update(start_summary(selection.records, entry["test_map"]))
     if settings.rule != DEFAULT_RULE:
@@ -368,7 +367,7 @@ def _rows(setup: Setup, split: str, batch_size: int | None) -> np.ndarray:
 
 def _scored_split(model, setup: Setup, split: str, batch_size: int | None = None) -> tuple[torch.Tensor, float]:
     """The split's per-class AP and its mAP (partial labels: over annotated entries, classes with a positive)."""
-    return split_ap(torch.sigmoid(_score(model, setup, split, batch_size)), _labels(setup, split, batch_size),
+    return average_precision(torch.sigmoid(_score(model, setup, split, batch_size)), _labels(setup, split, batch_size),
                     _label_mask(setup, split, batch_size))
 
 

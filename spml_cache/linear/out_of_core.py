@@ -119,13 +119,6 @@ class Batch:
     labels: torch.Tensor | None
 
 
-def label_rows(matrix, rows: torch.Tensor, dtype) -> torch.Tensor:
-    """The dense label block of `rows` from a device tensor (a gather) or a `SparseLabels` (built now)."""
-    if isinstance(matrix, torch.Tensor):
-        return matrix.index_select(0, rows)
-    return torch.from_numpy(matrix.rows(rows.cpu().numpy(), dtype)).to(rows.device)
-
-
 class ChunkReader:
     """Training rows read from the cache a chunk at a time, for the batches of one chunked order: the chunks a
     batch touches are kept (at most two: a batch straddles at most one chunk boundary when it is no larger than

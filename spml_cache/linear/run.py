@@ -20,7 +20,7 @@ from rich.console import Console
 
 from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import cache_id, find_cache, verify
-from spml_cache.labels import is_sparse
+
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job
 from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
@@ -228,7 +228,7 @@ def _train_in(run_dir: Path, resuming: bool, ranks, console, settings, units, us
     """Train what `run_dir` has not kept, select, and write its results."""
     several = _several(settings)
     # first: report's figures need it, whatever happens next (dense label matrices only)
-    if not (run_dir / "labels.npz").exists() and not is_sparse(features.train.labels):
+    if not (run_dir / "labels.npz").exists():
         runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
                           val_labels=features.val.labels, test_labels=features.test.labels,
                           rules={rule: found.train for rule, found in observed.items() if several})

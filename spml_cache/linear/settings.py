@@ -13,7 +13,7 @@ import torch
 
 from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
-from spml_cache.linear.data import observed_for_loss
+from spml_cache.labels import observed_for_loss
 from spml_cache.losses import Overrides
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule

@@ -129,16 +129,18 @@ class Rule:
     def param(self, key: str) -> float:
         return dict(self.values)[key]
 
-    def check_sparse(self) -> None:
-        """Refuse, in one line, to draw this rule on sparse labels when it has no sparse draw."""
+    def check_form(self, labels) -> bool:
+        """Whether `labels` are sparse; a rule with no sparse draw refuses them in one line."""
+        if not is_sparse(labels):
+            return False
         if not self.entry.has_sparse_draw():
             raise SpmlError(f"{FLAG} {self}: {self.entry.refusal_on_sparse()}")
+        return True
 
     def draw(self, labels: np.ndarray, areas: Areas | None = None, seed: int | None = None) -> np.ndarray:
         """The observed matrix (int8 [N, C]) of full labels `labels` (uint8 [N, C]; sparse: sparse), deterministic."""
         seed = self.seed if seed is None else seed
-        if is_sparse(labels):
-            self.check_sparse()
+        if self.check_form(labels):
             return self.entry.draw_sparse(labels, seed, **dict(self.values))
         labels = np.asarray(labels, dtype=np.uint8)
         if self.entry.needs_areas and areas is None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from spml_cache.cache import FeatureSet, cache_id
+from spml_cache.labels import is_sparse
 from spml_cache.losses.base import Fidelity
 from spml_cache.runs.files import save_checkpoint, write_json, write_npz
 from spml_cache.runtime.errors import SpmlError
@@ -134,9 +135,12 @@ def write_scores(run_dir: Path | str, key: str, **splits: torch.Tensor) -> Path:
 
 
 def write_labels(run_dir: Path | str, *, train_labels, train_observed, val_labels, test_labels,
-                 rules: dict[str, np.ndarray] | None = None) -> Path:
+                 rules: dict[str, np.ndarray] | None = None) -> Path | None:
     """`labels.npz`: the labels the scores are judged against (what report's figures need); `rules`: other
-    observation rules' training masks, as `train_observed@<rule>`."""
+    observation rules' training masks, as `train_observed@<rule>`. Sparse label matrices (a cache of many
+    classes) are not written (None): report's figures read dense matrices, which would be [N, C] of them."""
+    if is_sparse(train_labels):
+        return None
     others = {f"train_observed@{rule}": observed for rule, observed in (rules or {}).items()}
     return write_npz(Path(run_dir) / "labels.npz", train_labels=train_labels, train_observed=train_observed,
                      val_labels=val_labels, test_labels=test_labels, **others)
