@@ -126,7 +126,8 @@ def run_linear(
         ranks.leave()
         return None
     if resume is None:
-        label = "all" if settings.every_loss else "+".join(settings.losses)
+        plugins = [name for name in settings.losses if name not in loss_registry.names()]
+        label = "+".join(["all", *plugins] if settings.every_loss else settings.losses)
         grid = runs.Grid(settings.losses, settings.lrs, settings.batch_sizes, settings.epochs, settings.seeds,
                          {name: loss_registry.merged(combos) for name, combos in used.items()}, settings.val_labels,
                          settings.fidelity)
