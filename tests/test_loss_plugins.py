@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -17,7 +20,8 @@ from linear_support import interrupted_run, quiet, write_synthetic_cache
 from spml_cache import losses
 from spml_cache.linear import run_linear
 from spml_cache.linear.settings import resolve_losses
-from spml_cache.losses import plugins
+from spml_cache.losses import Overrides, plugins
+from spml_cache.report.plots import parse_compare
 
 EXAMPLE = REPO / "examples" / "masked_focal.py"
 SPEC = "masked_focal.py:MaskedFocal"
@@ -38,6 +42,13 @@ def beside(tmp_path, monkeypatch):
     return tmp_path
 
 
+def run_cli_module(*args: str, cwd) -> subprocess.CompletedProcess:
+    """`python -m ARGS` with this checkout importable (for torchrun)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="400")
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
 def without_seconds(results: dict) -> dict:
     return {key: value for key, value in results.items() if key not in ("seconds", "run_dir")} | {
         "losses": {name: {k: v for k, v in entry.items() if k != "seconds"} for name, entry in results["losses"].items()}}
@@ -53,6 +64,9 @@ def test_a_file_plugin_is_known_by_its_name_and_its_origin_is_recorded(beside):
                                                   "sha256": digest, "spec": f"{beside / 'masked_focal.py'}:MaskedFocal"}}
     assert run.run_dir.name.startswith("linear-an+masked_focal-")
     assert resolve_losses(["all", SPEC]) == [*losses.names(), "masked_focal"]  # beside --loss all
+    # --hp and report's --compare take the spec too, and mean the plugin's name
+    assert Overrides.given(["an", "masked_focal"], {f"{SPEC}.w": 0.3}).per_loss == {"an": {}, "masked_focal": {"w": 0.3}}
+    assert parse_compare(f"an,{SPEC}") == ("an", "masked_focal")
 
 
 def test_a_resumed_plugin_run_equals_the_uninterrupted_one_and_a_changed_file_is_refused(beside, monkeypatch):
@@ -162,3 +176,26 @@ def test_a_plugin_fine_tunes_from_its_linear_head_and_appears_in_the_report(tmp_
     report = json.loads(done.stdout)
     rows = json.dumps(report)
     assert "masked_focal" in rows and "an" in rows
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
+def test_under_torchrun_every_process_loads_the_plugin_and_the_results_are_one_processs(beside):
+    write_synthetic_cache(beside / "voc.h5", train=40, val=16, test=20)
+    done = run_cli_module("torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "spml_cache",
+                          "linear", "--cache", "voc.h5", "--loss", f"an,{SPEC}", "--lr", "1e-2", "--batch-size", "4,8",
+                          "--epochs", "2", "--device", "cpu", "--out", "two", cwd=beside)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (beside / "two" / "voc").iterdir()
+    whole = run_linear(cache=beside / "voc.h5", out=beside / "one", console=quiet(), losses=["an", SPEC],
+                       lrs=[1e-2], batch_sizes=[4, 8], epochs=2)
+    assert without_seconds(json.loads((run_dir / "results.json").read_text())) == without_seconds(whole.results)
+
+
+def test_spawned_worker_processes_load_the_plugin_again(beside, monkeypatch):
+    """Where workers are spawned (macOS's CPU, any GPU), they start without the parent's plugins."""
+    write_synthetic_cache(beside / "voc.h5")
+    grid = {"losses": [SPEC], "lrs": [1e-2], "batch_sizes": [4, 8], "epochs": 2}
+    whole = run_linear(cache=beside / "voc.h5", out=beside / "one", console=quiet(), **grid)
+    monkeypatch.setattr(sys, "platform", "darwin")  # jobs.py forks only on Linux
+    spawned = run_linear(cache=beside / "voc.h5", out=beside / "two", console=quiet(), workers=2, **grid)
+    assert without_seconds(spawned.results) == without_seconds(whole.results)

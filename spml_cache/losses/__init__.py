@@ -102,8 +102,8 @@ def describe(specs: tuple[str, ...] = ()) -> list[dict]:
             {
                 "name": name,
                 "origin": plugins.origin(name),
-                "description": cls.description,
-                "reference": cls.reference,
+                "description": getattr(cls, "description", ""),  # a plugin may leave them out
+                "reference": getattr(cls, "reference", ""),
                 "defaults": {
                     key: cls.derived.get(key, "derived at build time") if value is None else value
                     for key, value in cls.defaults.items()

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from spml_cache.losses import plugins
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -68,9 +69,11 @@ class Overrides:
 
 
 def _loss_class(name: str):
-    from spml_cache.losses import get  # the registry's door, which knows plugins too (losses imports this module)
-
-    return get(name)
+    """A built-in or plugin loss class by name (the names reach here checked: `losses.get`)."""
+    found = plugins.lookup(name)
+    if found is None:
+        raise SpmlError(f"unknown loss '{name}'")
+    return found
 
 
 def combinations(hparams: Mapping) -> list[dict]:

@@ -43,6 +43,11 @@ def find(text: str) -> type[Loss] | None:
     return _load_entry_point(point) if point is not None else None
 
 
+def lookup(name: str) -> type[Loss] | None:
+    """A built-in loss class, else the plugin `name` names; None if neither."""
+    return _REGISTRY.get(name) or find(name)
+
+
 def canonical(text: str) -> str:
     """The name a loss is known by: a spec's class's `name`, any other text as it is."""
     return load(text).name if is_spec(text) else text
