@@ -9,8 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from spml_cache.linear import run_linear
 from spml_cache.linear.settings import resolve_losses
 from spml_cache.losses import Overrides, plugins
 from spml_cache.report.plots import parse_compare
+from spml_cache.runtime.errors import SpmlError
 
 EXAMPLE = REPO / "examples" / "masked_focal.py"
 SPEC = "masked_focal.py:MaskedFocal"
@@ -50,8 +49,9 @@ def run_cli_module(*args: str, cwd) -> subprocess.CompletedProcess:
 
 
 def without_seconds(results: dict) -> dict:
-    return {key: value for key, value in results.items() if key not in ("seconds", "run_dir")} | {
-        "losses": {name: {k: v for k, v in entry.items() if k != "seconds"} for name, entry in results["losses"].items()}}
+    """A run's results less what differs between two runs of the same grid (wall times, the run directory)."""
+    entries = {name: {k: v for k, v in entry.items() if k != "seconds"} for name, entry in results["losses"].items()}
+    return {key: value for key, value in results.items() if key not in ("seconds", "run_dir")} | {"losses": entries}
 
 
 def test_a_file_plugin_is_known_by_its_name_and_its_origin_is_recorded(beside):
@@ -60,12 +60,14 @@ def test_a_file_plugin_is_known_by_its_name_and_its_origin_is_recorded(beside):
     config = json.loads((run.run_dir / "config.json").read_text())
     assert config["losses"] == ["an", "masked_focal"] and set(run.results["losses"]) == {"an", "masked_focal"}
     digest = hashlib.sha256((beside / "masked_focal.py").read_bytes()).hexdigest()
-    assert config["plugins"] == {"masked_focal": {"kind": "file", "path": str(beside / "masked_focal.py"),
-                                                  "sha256": digest, "spec": f"{beside / 'masked_focal.py'}:MaskedFocal"}}
+    path = beside / "masked_focal.py"
+    assert config["plugins"] == {"masked_focal": {"kind": "file", "path": str(path), "sha256": digest,
+                                                  "spec": f"{path}:MaskedFocal"}}
     assert run.run_dir.name.startswith("linear-an+masked_focal-")
     assert resolve_losses(["all", SPEC]) == [*losses.names(), "masked_focal"]  # beside --loss all
     # --hp and report's --compare take the spec too, and mean the plugin's name
-    assert Overrides.given(["an", "masked_focal"], {f"{SPEC}.w": 0.3}).per_loss == {"an": {}, "masked_focal": {"w": 0.3}}
+    given = Overrides.given(["an", "masked_focal"], {f"{SPEC}.w": 0.3})
+    assert given.per_loss == {"an": {}, "masked_focal": {"w": 0.3}}
     assert parse_compare(f"an,{SPEC}") == ("an", "masked_focal")
 
 
@@ -103,9 +105,9 @@ def test_a_module_plugin_and_an_entry_point_plugin_with_their_origins(tmp_path, 
     cls = losses.get("plug_focal")  # by the entry point's name alone
     assert cls.name == "plug_focal" and cls.__module__ == "spmlplug"
     digest = hashlib.sha256((package / "__init__.py").read_bytes()).hexdigest()
-    assert plugins.origin("plug_focal") == {"kind": "entry point", "spec": "plug_focal", "value": "spmlplug:MaskedFocal",
-                                            "path": str(package / "__init__.py"), "sha256": digest,
-                                            "distribution": "spmlplug", "version": "1.2"}
+    assert plugins.origin("plug_focal") == {"kind": "entry point", "spec": "plug_focal",
+                                            "value": "spmlplug:MaskedFocal", "path": str(package / "__init__.py"),
+                                            "sha256": digest, "distribution": "spmlplug", "version": "1.2"}
     env = {"PYTHONPATH": f"{REPO}:{tmp_path / 'site'}"}
     listed = run_cli("losses", "--json", cwd=tmp_path, env=env)
     assert listed.returncode == 0, listed.stderr
@@ -199,3 +201,24 @@ def test_spawned_worker_processes_load_the_plugin_again(beside, monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")  # jobs.py forks only on Linux
     spawned = run_linear(cache=beside / "voc.h5", out=beside / "two", console=quiet(), workers=2, **grid)
     assert without_seconds(spawned.results) == without_seconds(whole.results)
+
+
+def test_an_entry_point_plugin_is_loaded_again_by_its_record_and_refused_once_its_version_changed(tmp_path,
+                                                                                                 monkeypatch):
+    site = tmp_path / "site"
+    (site / "otherplug").mkdir(parents=True)
+    (site / "otherplug" / "__init__.py").write_text(EXAMPLE.read_text().replace('"masked_focal"', '"other_focal"'))
+    info = site / "otherplug-2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: otherplug\nVersion: 2.0\n")
+    (info / "entry_points.txt").write_text("[spml_cache.losses]\nother_focal = otherplug:MaskedFocal\n")
+    monkeypatch.syspath_prepend(str(site))
+    recorded = plugins.records([losses.get("other_focal").name])  # what config.json keeps
+    monkeypatch.setattr(plugins, "_LOADED", {})  # a new process: nothing loaded
+    plugins.load_recorded(recorded, run_dir="RUN", strict=True)
+    assert plugins.origin("other_focal") == recorded["other_focal"]
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: otherplug\nVersion: 2.1\n")
+    monkeypatch.setattr(plugins, "_LOADED", {})
+    with pytest.raises(SpmlError, match="--resume RUN: the loss plugin other_focal changed since the run began"
+                                        r" \(version 2.0 then, 2.1 now"):
+        plugins.load_recorded(recorded, run_dir="RUN", strict=True)

@@ -135,7 +135,8 @@ class HeldFixed(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat((args, list((kwargs or {}).values())))):
+        given = flat((args, list((kwargs or {}).values())))
+        if not any(isinstance(value, torch.Tensor) and value.requires_grad for value in given):
             return out
         if isinstance(out, torch.Tensor):
             return self._held(out)
@@ -183,7 +184,8 @@ def check_gradient(cls: type[Loss]) -> str:
             raise Failed(f"the gradient along a random direction is {exact:.6g} but central finite differences in"
                          f" float64 give {numeric:.6g}; compute the loss with differentiable torch ops (a custom"
                          " backward must agree with forward)")
-    return f"gradient equals finite differences in float64 along {DIRECTIONS} random directions (up to {worst:.1e})"
+    return (f"the logits' gradient equals finite differences in float64 along {DIRECTIONS} random directions"
+            f" (up to {worst:.1e})")
 
 
 def check_stacked(cls: type[Loss]) -> str:
