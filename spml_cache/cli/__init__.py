@@ -33,6 +33,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     require_root,
 )
 from spml_cache import backbones
+from spml_cache.cli.check_loss import check_loss_command
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
 
@@ -181,23 +182,29 @@ def import_features_command(
 
 @app.command("losses")
 def losses_command(
+    specs: Optional[List[str]] = typer.Argument(None, help="Plugin losses to list too: path/to/file.py:Class or package.module:Class."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array (one object per loss) instead of a table."),
 ) -> None:
-    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags.
+    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags; then
+    the installed plugins (entry-point group spml_cache.losses) and the plugins named, with their origin.
 
-    Override any default in training with --hp name=value.
+    Override any default in training with --hp name=value. Your own loss: docs/your-own-loss.md.
 
     Example: spml-cache losses --json
+    Example: spml-cache losses examples/masked_focal.py:MaskedFocal
     """
     import json
 
     from spml_cache import losses
 
-    rows = losses.describe()
+    rows = losses.describe(tuple(specs or ()))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     console.print(losses.describe_table(rows))
+
+
+app.command("check-loss")(check_loss_command)
 
 
 # --- linear, demo (linear helper) ---

@@ -69,6 +69,9 @@ class FinetuneOptions:
             if isinstance(value, (list, tuple)):
                 raise SpmlError(f"--hp {key}={','.join(f'{v:g}' for v in value)}: fine-tuning takes one value; sweep"
                                 " on the linear probe (spml-cache linear --hp ...), then fine-tune from its best head")
+        if self.loss is not None:  # a plugin spec (`file.py:Class@rule`) is known by its class's name from here on
+            loss, rule = split_key(self.loss)
+            object.__setattr__(self, "loss", result_key(losses.canonical(loss), rule))
         if self.init is not None and self.init not in INITS:
             raise SpmlError(f"--init {self.init}: use best (LinearInit) or imagenet (a fresh head)")
         object.__setattr__(self, "fidelity", None if self.fidelity is None else Fidelity.check(self.fidelity))

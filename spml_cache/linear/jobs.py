@@ -24,6 +24,7 @@ from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
+from spml_cache.losses import plugins
 from spml_cache.runtime.children import die_with_parent, ignore_interrupts, interrupts_held_back
 from spml_cache.runtime.errors import SpmlError, check_stop
 from spml_cache.runtime.memory import give_back_freed
@@ -99,7 +100,8 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
     sys.stdout.flush()  # a forked worker flushes what it inherited when it exits
     sys.stderr.flush()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(source, str(device), settings.val_labels, progress, os.getpid()))
+                               initargs=(source, str(device), settings.val_labels, progress, os.getpid(),
+                                         plugins.loaded()))
     try:
         with interrupts_held_back():  # the first submit starts the workers
             pending = {pool.submit(_run_job, job, settings, used[job.loss], starts.get(job.loss)): job
@@ -158,10 +160,11 @@ def _stop_workers(pool: ProcessPoolExecutor, progress) -> None:
 _worker: dict = {}  # in a worker process: the training data of each rule and the progress queue
 
 
-def _start_worker(source, device: str, val_labels: str, progress, parent_pid: int) -> None:
+def _start_worker(source, device: str, val_labels: str, progress, parent_pid: int, loaded: dict) -> None:
     """The training data of each rule: inherited (fork), or read from the cache file and given each rule's
-    observed rows (spawn)."""
+    observed rows (spawn); the plugin losses the parent loaded (`loaded`: their origins), loaded again."""
     die_with_parent(parent_pid)
+    plugins.load_recorded(loaded, run_dir="(a worker)", strict=False)  # a spawned worker starts without them
     ignore_interrupts()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler (a SIGTERM to the group) is not a worker's
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool

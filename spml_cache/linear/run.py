@@ -192,7 +192,8 @@ def _start_run_dir(out, settings: LinearSettings, used, starts, features, whole:
                    budget: int, plan) -> Path:
     """A new run's directory and config.json: the grid, and the memory budget and chunk plan it trains under
     (what `--resume` reads back)."""
-    label = "all" if settings.every_loss else "+".join(settings.losses)
+    plugins = [name for name in settings.losses if name not in loss_registry.names()]
+    label = "+".join(["all", *plugins] if settings.every_loss else settings.losses)
     grid = runs.Grid(settings.losses, settings.lrs, settings.batch_sizes, settings.epochs, settings.seeds,
                      {name: loss_registry.merged(combos) for name, combos in used.items()}, settings.val_labels,
                      settings.fidelity)

@@ -69,8 +69,8 @@ class LinearSettings:
 
     @property
     def every_loss(self) -> bool:
-        """`--loss all` (on a cache without a text side: every loss that does not read one)."""
-        return self.losses in (loss_registry.names(), loss_registry.names(similarity=False))
+        """`--loss all` (on a cache without a text side: every loss that does not read one), plugins beside."""
+        return set(loss_registry.names(similarity=False)) <= set(self.losses)
 
     def for_cache(self, features: FeatureSet) -> tuple["LinearSettings", list[str]]:
         """These settings on `features`, and notes: on a cache without a text side, the losses that read one are
@@ -125,17 +125,18 @@ class StartHead:
 
 
 def resolve_losses(names: str | Sequence[str]) -> list[str]:
-    """"all", or loss names, each checked against the registry."""
+    """"all" (every built-in loss), loss names and plugin specs (`file.py:Class`, `module:Class`, loaded and
+    known by their class's name from then on), each checked against the registry; "all" may stand beside
+    plugins (`all,examples/masked_focal.py:MaskedFocal`)."""
     if isinstance(names, str):
         names = [names]
     names = [name for name in names if name]
-    if names == ["all"]:
-        return loss_registry.names()
     if not names:
         raise SpmlError(f"--loss is empty: give a loss name, a comma list, or all ({', '.join(loss_registry.names())})")
+    resolved = []
     for name in names:
-        loss_registry.get(name)  # raises with the valid names
-    return list(dict.fromkeys(names))
+        resolved += loss_registry.names() if name == "all" else [loss_registry.get(name).name]  # raises if unknown
+    return list(dict.fromkeys(resolved))
 
 
 def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[dict]]:

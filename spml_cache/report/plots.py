@@ -30,6 +30,7 @@ from numpy.lib.npyio import NpzFile
 from rich.console import Console
 from rich.text import Text
 
+from spml_cache import losses
 from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
@@ -54,7 +55,7 @@ def require_matplotlib():
 
 def parse_compare(compare: str | None) -> tuple[str, str] | None:
     """`--compare a,b` as a pair of two different loss names (None when not given)."""
-    names = [name.strip() for name in (compare or "").split(",") if name.strip()]
+    names = [losses.canonical(name.strip()) for name in (compare or "").split(",") if name.strip()]
     if compare is not None and (len(names) != 2 or names[0] == names[1]):
         raise SpmlError(f"--compare {compare}: give two different loss names separated by a comma, e.g. an,role")
     return (names[0], names[1]) if names else None

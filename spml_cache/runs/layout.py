@@ -19,6 +19,7 @@ import torch
 
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.labels import is_sparse
+from spml_cache.losses import plugins
 from spml_cache.losses.base import Fidelity
 from spml_cache.runs.files import save_checkpoint, write_json, write_npz
 from spml_cache.runtime.errors import SpmlError
@@ -101,14 +102,15 @@ class Grid:
 
 def start_run(out: Path | str, *, stage: str, label: str, features: FeatureSet, device: torch.device,
               grid: Grid, **extra) -> Path:
-    """Make `out/<dataset>/<stage>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, then the
-    stage's `extra`) and `env.json`."""
+    """Make `out/<dataset>/<stage>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, where
+    each plugin loss came from, then the stage's `extra`) and `env.json`."""
     run_dir = make_run_dir(stage, features.dataset, label, out)
+    loaded = plugins.records(grid.losses)
     try:
         write_json(run_dir / "config.json", {
             "stage": stage, "dataset": features.dataset, "cache": str(Path(features.path).resolve()),
             "cache_id": cache_id(features.attrs), "cache_attrs": features.attrs, "classes": features.classes,
-            **asdict(grid), "device": str(device), **extra,
+            **asdict(grid), **({"plugins": loaded} if loaded else {}), "device": str(device), **extra,
         })
         write_json(run_dir / "env.json", env_info(device))
     except BaseException:  # a run directory without its config is no run: nothing to resume or report

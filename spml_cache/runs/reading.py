@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from spml_cache.losses import plugins
 from spml_cache.runs.files import read_json
 from spml_cache.runs.layout import RESULTS
 from spml_cache.runtime.errors import SpmlError
@@ -41,4 +42,5 @@ def open_for_resume(run_dir: Path | str, stage: str) -> dict:
                         f" spml-cache {config.get('stage')} --resume {run_dir}")
     if is_complete(run_dir):
         raise SpmlError(f"--resume {run_dir}: that run is already complete ({RESULTS})")
+    plugins.load_recorded(config.get("plugins"), run_dir=run_dir, strict=True)  # the very same code, or refused
     return config
