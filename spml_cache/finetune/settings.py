@@ -7,6 +7,8 @@ is resumed. `Setup` adds what the run needs besides (the cache, the image rows, 
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -241,19 +243,29 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     return Setup(settings, features, image_root, rows, start, model, processes, workers, notes, described.preprocess)
 
 
+def _misspelt(name: str) -> bool:
+    """A name that is no built-in loss but close to one (a plugin's name is known only once a run recorded it)."""
+    return name not in losses.names() and bool(difflib.get_close_matches(name, losses.names(), n=1, cutoff=0.6))
+
+
 def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
     """The cache fine-tuning reads and, for LinearInit, the linear head it starts from (checked to fit)."""
     best = options.init in (None, "best")
-    if options.loss is not None:
-        losses.get(split_key(options.loss)[0])  # a misspelt name fails here, with a suggestion, not as "no run"
+    if options.loss is not None and not best:
+        losses.get(split_key(options.loss)[0])  # a misspelt name fails here, with a suggestion
     if not best and options.from_run is not None:
         raise SpmlError("--from RUN names a linear run to start from: it goes with --init best, not --init imagenet")
     features = cache.load(options.cache) if options.cache is not None else None
     start = None
     if best:
         dataset = features.dataset if features is not None else options.dataset
-        start = linear_init.choose_head(options.from_run, options.loss, dataset,
-                                        cache.cache_id(features.attrs) if features is not None else None, out)
+        try:
+            start = linear_init.choose_head(options.from_run, options.loss, dataset,
+                                            cache.cache_id(features.attrs) if features is not None else None, out)
+        except SpmlError:
+            if options.loss is not None and _misspelt(split_key(options.loss)[0]):
+                losses.get(split_key(options.loss)[0])  # said as a misspelling, with its suggestion, not as "no run"
+            raise
     elif options.loss is None:
         raise SpmlError("--loss NAME is needed with --init imagenet (spml-cache losses lists the names)")
     if features is None:
