@@ -8,7 +8,6 @@ is resumed. `Setup` adds what the run needs besides (the cache, the image rows, 
 from __future__ import annotations
 
 import difflib
-
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
