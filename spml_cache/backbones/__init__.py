@@ -116,14 +116,17 @@ def family_of(name: str) -> tuple[str, str]:
     if not colon:
         return "tv", name
     if prefix not in FAMILIES:
-        from spml_cache.backbones import plugins
-
-        if plugins.is_spec(name):
+        if _plugins().is_spec(name):
             return "plugin", name
         raise SpmlError(f"--backbone {name}: {unknown_name('backbone family', prefix, ('timm', 'clip', 'tv'))}, nor"
                         " a module found on the path; use a torchvision name (resnet50, vit_b_16, ...), timm:NAME,"
                         " clip:ARCH/TAG or module:callable (docs/your-own-backbone.md)")
     return prefix, rest
+
+
+def _plugins():
+    """plugins.py, imported when first needed (like the families' modules: it imports torch, and this module)."""
+    return importlib.import_module("spml_cache.backbones.plugins")
 
 
 def _module(prefix: str):
@@ -155,17 +158,14 @@ def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | 
     if prefix == "clip":
         return _module(prefix).describe(rest, weights, resolution, clip_features, crops)
     if prefix == "plugin":
-        from spml_cache.backbones import plugins
-
-        return plugins.describe(rest, weights, resolution)
+        return _plugins().describe(rest, weights, resolution)
     return _module(prefix).describe(rest, weights, resolution)
 
 
 def _plugin_named(name: str) -> bool:
     """Whether the plain name `name` is an installed entry point of spml_cache.backbones; one that is also a
     torchvision model is refused (`tv:NAME` names torchvision's)."""
-    from spml_cache.backbones import plugins
-
+    plugins = _plugins()
     point = plugins.entry_point(name)
     if point is None:
         return False
@@ -180,9 +180,7 @@ def _plugin_named(name: str) -> bool:
 def build(description: Description) -> nn.Module:
     """The trunk, in train mode with gradients on (extraction freezes it); `RandomWeightsWarning` for none."""
     if description.family == "plugin":
-        from spml_cache.backbones import plugins
-
-        return plugins.build(description)
+        return _plugins().build(description)
     return _module(description.family).build(description)
 
 
