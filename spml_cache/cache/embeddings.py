@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from spml_cache.cache.reading import load
-from spml_cache.cache.schema import SPLITS, cache_id, plain
+from spml_cache.cache.schema import COPY_BLOCK_ROWS, SPLITS, cache_id, plain
 from spml_cache.labels import is_sparse
 from spml_cache.runtime.errors import Interrupted, SpmlError
 
@@ -33,7 +33,6 @@ KEY_COLUMNS = ("id", "image_path")  # what a metadata row names its image by, in
 # The cache attrs that say what the features are: an export keeps them, an import of it restores them.
 DESCRIBING = ("backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim", "clip_features",
               "backbone_origin")
-BLOCK_ROWS = 65536
 
 
 def is_layout(folder: Path) -> bool:
@@ -156,8 +155,8 @@ def _write_part(folder: Path, index: int, name: str, split) -> None:
     schema = pa.schema([("id", pa.string()), ("image_path", pa.string()), ("split", pa.string()),
                         ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8(), num_classes))])
     with pq.ParquetWriter(folder / METADATA / f"{METADATA}_{index}.parquet", schema) as writer:
-        for start in range(0, max(total, 1), BLOCK_ROWS):
-            stop = min(start + BLOCK_ROWS, total)
+        for start in range(0, max(total, 1), COPY_BLOCK_ROWS):  # labels made dense a block at a time
+            stop = min(start + COPY_BLOCK_ROWS, total)
             array[start:stop] = np.asarray(split.features[start:stop], dtype=np.float32)
             ids = split.ids[start:stop]
             observed = (pa.nulls(stop - start, schema.field("observed").type) if split.observed is None else
