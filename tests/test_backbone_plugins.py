@@ -174,5 +174,8 @@ def test_finetune_refuses_a_plugin_whose_file_changed_since_the_cache(data, monk
     assert trunk_backbone(attrs, "callable", SIDE).origin == attrs["backbone_origin"]
     source = data / "code" / "tinynets37.py"
     source.write_text(source.read_text() + "# changed\n")
-    with pytest.raises(SpmlError, match="not the code that made the cache"):
+    before = json.loads(attrs["backbone_origin"])["sha256"][:12]
+    now = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    with pytest.raises(SpmlError, match=f"not the code that made the cache .then {source.resolve()} with sha256"
+                                        f" {before}, now .* with sha256 {now}"):
         trunk_backbone(attrs, "callable", SIDE)

@@ -124,6 +124,14 @@ def family_of(name: str) -> tuple[str, str]:
     return prefix, rest
 
 
+def origin_text(origin: str) -> str:
+    """A plugin's recorded origin (the `backbone_origin` JSON) in words: its file and hash, or its distribution."""
+    found = json.loads(origin)
+    if found.get("kind") == "entry_point":
+        return f"{found.get('value')} from {found.get('distribution')} {found.get('version')}"
+    return f"{found.get('file')} with sha256 {str(found.get('sha256'))[:12]}"
+
+
 def _plugins():
     """plugins.py, imported when first needed (like the families' modules: it imports torch, and this module)."""
     return importlib.import_module("spml_cache.backbones.plugins")

@@ -41,9 +41,9 @@ def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> b
     described = backbones.describe(name, weights, resolution)
     stored = cache_attrs.get("backbone_origin")
     if stored and described.origin != stored:
-        raise SpmlError(f"finetune: the backbone {name} is not the code that made the cache (its origin was"
-                        f" {stored}, now {described.origin}); restore that code, or extract the cache again with"
-                        " this one")
+        raise SpmlError(f"finetune: the backbone {name} is not the code that made the cache (then"
+                        f" {backbones.origin_text(stored)}, now {backbones.origin_text(described.origin)}); restore"
+                        " that code, or extract the cache again with this one")
     return described
 
 
