@@ -4,7 +4,7 @@ import pytest
 
 from cli_support import run_cli, run_main
 
-COMMANDS = ["datasets", "make-demo-data", "extract", "import-features", "losses", "linear", "demo", "finetune", "report"]
+COMMANDS = ["datasets", "make-demo-data", "extract", "import-features", "export", "losses", "linear", "demo", "finetune", "report"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

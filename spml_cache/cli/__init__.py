@@ -112,7 +112,7 @@ def extract_command(
     dataset: str = typer.Argument(..., help="voc, coco, nus, cub or csv."),
     root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the backbone's - : / as _)."),
-    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG (docs/internals.md)."),
+    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG; your own module:callable or spml_cache.backbones entry point (docs/your-own-backbone.md)."),
     weights: Optional[str] = typer.Option(None, "--weights", help="resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default DEFAULT); timm: pretrained (default) or a tag; clip: a tag (default: the name's); any: a local .pth, or none (random)."),
     resolution: Optional[int] = typer.Option(None, "--resolution", help="The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and centre-cropped)."),
     clip_features: str = typer.Option(backbones.DEFAULT_CLIP_FEATURES, "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
@@ -156,25 +156,46 @@ def extract_command(
 
 @app.command("import-features")
 def import_features_command(
-    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy."),
-    dataset: str = typer.Option(..., "--dataset", help="voc, coco, nus, cub or csv (decides the image-id prefix)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5)."),
+    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy, metadata/metadata_{i}.parquet)."),
+    dataset: str = typer.Option(..., "--dataset", help="voc, coco, nus, cub or csv (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root)."),
+    root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say)."),
     classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing cache at --out."),
 ) -> None:
-    """Turn the authors' published features (their `val` = the official test split) into a project cache.
+    """Turn features computed elsewhere into a project cache: the authors' published features (their `val` = the
+    official test split), or embeddings in the clip-retrieval layout matched to a dataset's images.
 
-    Our val split is drawn from their train rows with the protocol's seed; their observed labels are kept.
+    Authors' files: our val split is drawn from their train rows, their observed labels kept. clip-retrieval
+    layout: splits and single positives drawn from the dataset under --root, as extract draws them.
 
     Example: spml-cache import-features data/pascal --dataset voc
     """
     from spml_cache.extract import import_features
 
-    report = import_features(folder, dataset=dataset, out=out, classes_file=classes, force=force)
+    report = import_features(folder, dataset=dataset, root=root or default_data_root(), out=out,
+                             classes_file=classes, force=force)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
     console.print(f"wrote {escape(str(report.path))} ({counts})")
     for note in report.notes:
         console.print(f"[dim]{escape(note)}[/dim]")
+
+
+@app.command("export")
+def export_command(
+    cache_file: Path = typer.Argument(..., help="The cache to export (an .h5 file)."),
+    out: Path = typer.Option(..., "--out", help="A new (or empty) folder to write the clip-retrieval layout into."),
+) -> None:
+    """Write a cache's features in the clip-retrieval layout for other tools: img_emb/img_emb_{0,1,2}.npy (train,
+    val, test) beside metadata/metadata_{i}.parquet (id, image_path, split, labels, observed), spml_cache.json.
+
+    Example: spml-cache export cache/voc-resnet50-448.h5 --out voc-embeddings
+    """
+    from spml_cache.cache.embeddings import export
+
+    report = export(cache_file, out)
+    counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
+    console.print(f"wrote {escape(str(report.folder))} ({counts} rows)")
 
 
 # --- losses (losses helper) ---

@@ -113,7 +113,7 @@ def _classes(dataset: str, num_classes: int, classes_file: Path | None) -> tuple
     return [f"class_{i}" for i in range(num_classes)], [note]
 
 
-def import_features(
+def import_published(
     folder: Path, *, dataset: str, out: Path | None = None, classes_file: Path | None = None, force: bool = False
 ) -> ImportReport:
     """Write the cache of `dataset` from the authors' files in `folder`; refuses to replace a cache unless `force`."""
