@@ -142,14 +142,14 @@ def extract_command(
     from spml_cache.observation import parse_rules
 
     rules = None if observe is None else parse_rules(observe)  # before the heavy imports: a typo fails at once
-    from spml_cache.extract import extract
+    from spml_cache.extract import ExtractOptions, run_extract
 
-    report = extract(
+    report = run_extract(ExtractOptions(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
         clip_features=clip_features, prompts=prompts, crops=crops, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules, labels=labels,
-    )
+    ))
     if report is not None:  # under torchrun, rank 0 reports for every process
         extract_report(report, console)
 
