@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = resolve_device(args.device)
-    processes = parallel.Processes(0, 1, device)
+    processes = parallel.Processes(device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     with warnings.catch_warnings():
