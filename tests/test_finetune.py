@@ -312,7 +312,7 @@ def test_a_run_of_another_cache_is_refused_even_with_heads_that_fit(world, tmp_p
     _, theirs = runs_of_two_backbones(world, tmp_path)
     with pytest.raises(SpmlError, match=rf"--from {theirs}: its heads were trained on .*voc-timm_resnet18-32.h5"
                                         rf" \(cache voc-timm_resnet18-32-0000\), not on {world.cache}"):
-        finetune.finetune(init="best", from_run=theirs, cache_path=world.cache, **common(world, out=tmp_path / "out"))
+        finetune.finetune(init="best", from_run=theirs, cache=world.cache, **common(world, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
@@ -465,13 +465,13 @@ def test_a_text_side_loss_is_refused_in_one_line_with_or_without_a_clip_cache(wo
     from linear_support import add_text_side
 
     with pytest.raises(SpmlError, match=r"voc.h5 has no text side .*--loss vlpl needs.*--backbone clip:ViT-B-16/openai"):
-        finetune.finetune(init="imagenet", loss="vlpl", cache_path=world.cache, **common(world, out=tmp_path))
+        finetune.finetune(init="imagenet", loss="vlpl", cache=world.cache, **common(world, out=tmp_path))
     clip = tmp_path / "voc-clip.h5"
     clip.write_bytes(Path(world.cache).read_bytes())
     add_text_side(clip)
     with pytest.raises(SpmlError, match=r"clip:ViT-B-16/openai is a CLIP image tower, which spml-cache does not"
                                         r" fine-tune end to end"):
-        finetune.finetune(init="imagenet", loss="vlpl", cache_path=clip, **common(world, out=tmp_path, epochs=1))
+        finetune.finetune(init="imagenet", loss="vlpl", cache=clip, **common(world, out=tmp_path, epochs=1))
 
 
 def test_a_start_on_a_cache_without_checksum_notes_that_it_cannot_verify(world, tmp_path):
