@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from cli_support import REPO
@@ -103,3 +104,19 @@ def test_a_process_alone_has_no_ranks(monkeypatch):
     processes = parallel.start_processes("cpu")
     assert ranks.current() is None and processes.ranks is None
     assert (processes.rank, processes.world, processes.main) == (0, 1, True)
+
+
+def test_over_nccl_each_process_takes_its_own_gpu_before_joining(monkeypatch):
+    """What a GPU run under torchrun does first (checked on the CPU, the GPU calls recorded): the local rank's GPU
+    is made current, then the group is joined over nccl, and the process's device is that GPU."""
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(("join", backend)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    joined = ranks.current("nccl")
+    assert calls == [("set_device", 1), ("join", "nccl")]
+    assert joined.device(torch.device("cuda")) == torch.device("cuda", 1) and joined.owns_group

@@ -45,12 +45,7 @@ def start_processes(device_name: str) -> Processes:
     its own GPU (its local rank)."""
     device = resolve_device(device_name)
     ranks = current_ranks("nccl" if device.type == "cuda" else "gloo")
-    if ranks is None:
-        return Processes(device)
-    device = ranks.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return Processes(device, ranks)
+    return Processes(device) if ranks is None else Processes(ranks.device(device), ranks)
 
 
 def stop_processes(processes: Processes) -> None:

@@ -71,10 +71,14 @@ class Ranks:
 
 def current(backend: str = "gloo") -> Ranks | None:
     """This process's place under torchrun, None when it runs alone. Joins the process group over `backend`
-    unless the caller has joined one already (then that group is used, and left to the caller)."""
+    unless the caller has joined one already (then that group is used, and left to the caller); over nccl, on
+    this process's own GPU, chosen before joining so that nccl's communicators are made there."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local)
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend)
-    return Ranks(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns_group)
+    return Ranks(dist.get_rank(), dist.get_world_size(), local, owns_group)
