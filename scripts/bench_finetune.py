@@ -30,7 +30,7 @@ from spml_cache import losses  # noqa: E402
 from spml_cache.backbones.checkpoints import RandomWeightsWarning
 from spml_cache.backbones.resnet50 import FEATURE_DIM, build_trunk
 from spml_cache.finetune import parallel  # noqa: E402
-from spml_cache.finetune import FineTuneModel, make_optimizer, train_step  # noqa: E402
+from spml_cache.finetune import FineTuneModel, Training, make_optimizer, train_step  # noqa: E402
 from spml_cache.images import decode_jpegs
 from spml_cache.runtime.devices import resolve_device  # noqa: E402
 
@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = resolve_device(args.device)
-    processes = parallel.Processes(0, 1, device)
+    processes = parallel.Processes(device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     with warnings.catch_warnings():
@@ -75,7 +75,7 @@ def main() -> None:
     observed[torch.arange(NUM_TRAIN), torch.arange(NUM_TRAIN) % NUM_CLASSES] = 1
     loss_fn = losses.build(args.loss, num_classes=NUM_CLASSES, dataset="voc", num_heads=1, train_observed=observed)
     loss_fn = loss_fn.to(device)
-    optimizer = make_optimizer(model, loss_fn, lr=1e-5)
+    training = Training(model, model, loss_fn, make_optimizer(model, loss_fn, lr=1e-5), args.resolution, processes)
     observed, labels = observed.to(device), observed.to(device).clamp(min=0).to(torch.uint8)
 
     blobs = synthetic_jpegs(args.batch_size)
@@ -85,8 +85,7 @@ def main() -> None:
     def step(number: int) -> None:
         index = (torch.arange(args.batch_size) + number * args.batch_size) % NUM_TRAIN
         index = index.to(device)
-        train_step(model, model, loss_fn, optimizer, images, flips, observed[index], labels[index], index,
-                   args.resolution, processes)
+        train_step(training, images, flips, observed[index], labels[index], index)
 
     for number in range(args.warmup):
         step(number)

@@ -32,6 +32,7 @@ from spml_cache.finetune import images as data, parallel
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.finetune.start import role_theta_handover
 from spml_cache.runtime.errors import Interrupted, SpmlError
+from spml_cache.runtime.ranks import Ranks
 
 RESOLUTION = 32
 RUN_ARGS = ["--lr", "1e-4", "--batch-size", "4", "--epochs", "2", "--workers", "0", "--device", "cpu"]
@@ -311,7 +312,7 @@ def test_a_run_of_another_cache_is_refused_even_with_heads_that_fit(world, tmp_p
     _, theirs = runs_of_two_backbones(world, tmp_path)
     with pytest.raises(SpmlError, match=rf"--from {theirs}: its heads were trained on .*voc-timm_resnet18-32.h5"
                                         rf" \(cache voc-timm_resnet18-32-0000\), not on {world.cache}"):
-        finetune.finetune(init="best", from_run=theirs, cache_path=world.cache, **common(world, out=tmp_path / "out"))
+        finetune.finetune(init="best", from_run=theirs, cache=world.cache, **common(world, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
@@ -377,14 +378,14 @@ def test_data_parallel_shares_are_the_single_process_batches():
         assert set(sum(whole, [])) <= set(rows.tolist())
         assert torch.equal(shares[1].flips, single.flips)
     with pytest.raises(SpmlError, match="--batch-size 8 does not split over 3 processes"):
-        parallel.check_batch_split([6, 8], parallel.Processes(0, 3, torch.device("cpu")))
+        parallel.check_batch_split([6, 8], parallel.Processes(torch.device("cpu"), Ranks(0, 3, 0)))
 
 
 def _distributed_gradients(rank: int, world: int, port: int, images: torch.Tensor, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    processes = parallel.Processes(rank, world, torch.device("cpu"))
+    processes = parallel.Processes(torch.device("cpu"), Ranks(rank, world, rank, owns_group=False))
     model = parallel.synchronise_batchnorm(small_model(), processes)
     share = len(images) // world
     trainer = torch.nn.parallel.DistributedDataParallel(model)  # kept alive: its hooks average the gradients
@@ -453,7 +454,7 @@ def test_authors_fidelity_is_recorded_and_takes_coles_code_linear_init_epochs(wo
     for fidelity in ("authors", "exact"):
         options = FinetuneOptions(from_run=world.linear, loss="role", weights=str(world.weights), fidelity=fidelity)
         setup = resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0,
-                        processes=parallel.Processes(0, 1, torch.device("cpu")))
+                        processes=parallel.Processes(torch.device("cpu")))
         assert setup.settings.epochs == 10 and setup.settings.fidelity == fidelity
     with pytest.raises(SpmlError, match="--fidelity 'nearly'"):
         finetune.finetune(init="best", from_run=world.linear, loss="role", fidelity="nearly", **common(world))
@@ -464,13 +465,13 @@ def test_a_text_side_loss_is_refused_in_one_line_with_or_without_a_clip_cache(wo
     from linear_support import add_text_side
 
     with pytest.raises(SpmlError, match=r"voc.h5 has no text side .*--loss vlpl needs.*--backbone clip:ViT-B-16/openai"):
-        finetune.finetune(init="imagenet", loss="vlpl", cache_path=world.cache, **common(world, out=tmp_path))
+        finetune.finetune(init="imagenet", loss="vlpl", cache=world.cache, **common(world, out=tmp_path))
     clip = tmp_path / "voc-clip.h5"
     clip.write_bytes(Path(world.cache).read_bytes())
     add_text_side(clip)
     with pytest.raises(SpmlError, match=r"clip:ViT-B-16/openai is a CLIP image tower, which spml-cache does not"
                                         r" fine-tune end to end"):
-        finetune.finetune(init="imagenet", loss="vlpl", cache_path=clip, **common(world, out=tmp_path, epochs=1))
+        finetune.finetune(init="imagenet", loss="vlpl", cache=clip, **common(world, out=tmp_path, epochs=1))
 
 
 def test_a_start_on_a_cache_without_checksum_notes_that_it_cannot_verify(world, tmp_path):
@@ -485,7 +486,7 @@ def test_a_start_on_a_cache_without_checksum_notes_that_it_cannot_verify(world, 
     classes = len(world.features.classes)
     head = {"weight": torch.zeros(classes, 2048), "bias": torch.zeros(classes)}
     older = write_linear_run(tmp_path / "runs" / "voc" / "linear-role-20240101-000000", unsealed, {"role": head})
-    processes = parallel.Processes(0, 1, torch.device("cpu"))
+    processes = parallel.Processes(torch.device("cpu"))
     for run, noted in ((older, True), (world.linear, False)):
         options = FinetuneOptions(from_run=run, loss="role", weights=str(world.weights))
         setup = resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0, processes=processes)
@@ -499,7 +500,7 @@ def test_a_random_trunk_says_batchnorm_training_moves_its_features(world, tmp_pa
     def notes(weights):
         options = FinetuneOptions(from_run=world.linear, loss="role", weights=weights)
         return resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0,
-                       processes=parallel.Processes(0, 1, torch.device("cpu"))).notes
+                       processes=parallel.Processes(torch.device("cpu"))).notes
 
     with pytest.warns(RandomWeightsWarning):
         random_trunk = notes("none")

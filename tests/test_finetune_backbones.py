@@ -53,7 +53,7 @@ def test_the_timm_trunk_is_rebuilt_as_extracted(world):
 
 def test_one_epoch_end_to_end_with_a_timm_backbone(world):
     lines = []
-    results = finetune.finetune(init="best", cache_path=world.cache, root=world.root, loss="an", lrs=[1e-4],
+    results = finetune.finetune(init="best", cache=world.cache, root=world.root, loss="an", lrs=[1e-4],
                                 batch_sizes=[4], epochs=1, workers=0, device="cpu", out=world.runs, log=lines.append)
     assert lines[0].startswith(f"LinearInit from {world.linear}")
     assert (Path(results["run_dir"]) / "best.pt").is_file()
@@ -64,7 +64,7 @@ def test_a_clip_cache_is_refused_in_one_line(world, tmp_path):
     clip_cache = extract.extract("voc", world.root, out=tmp_path, backbone=f"clip:{TINY_CLIP}", weights="none",
                                  batch_size=8, workers=0, device="cpu", limit=4).path
     with pytest.raises(SpmlError, match="CLIP image tower, which spml-cache does not fine-tune") as error:
-        finetune.finetune(init="imagenet", cache_path=clip_cache, root=world.root, loss="an", workers=0,
+        finetune.finetune(init="imagenet", cache=clip_cache, root=world.root, loss="an", workers=0,
                           device="cpu", out=tmp_path / "runs")
     assert "\n" not in str(error.value)
     assert cache.load(clip_cache).attrs["backbone"] == f"clip:{TINY_CLIP}"

@@ -54,7 +54,7 @@ def world(tmp_path_factory):
 
 def fine_tuned(world, loss: str, labels: str, masked: bool) -> dict:
     path = world.caches[(labels, masked)]
-    results = finetune.finetune(init="imagenet", cache_path=path, root=world.root, loss=loss, lrs=[1e-4],
+    results = finetune.finetune(init="imagenet", cache=path, root=world.root, loss=loss, lrs=[1e-4],
                                 batch_sizes=[4], epochs=2, workers=0, device="cpu",
                                 out=world.base / f"runs-{loss}-{labels}-{masked}")
     run_dir = Path(results["run_dir"])

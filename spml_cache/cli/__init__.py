@@ -352,18 +352,21 @@ def finetune_command(
 
     Example: spml-cache finetune --dataset voc --loss role --root ~/data --lr 1e-5
     """
-    from spml_cache.finetune import finetune
+    from spml_cache.finetune import FinetuneOptions, FinetuneRun, run_finetune
     from spml_cache.protocol import GRID_LRS
 
     lrs = None if lr is None else list(GRID_LRS) if lr == "grid" else parse_list(lr, "--lr", float)
-    results = finetune(
-        init=init, from_run=from_run, cache_path=cache_file, dataset=dataset,
-        root=root if root is not None else (None if resume else default_data_root()), loss=loss, weights=weights,
-        epochs=epochs, lrs=lrs, batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int),
-        resolution=resolution, seeds=seeds, hparams=parse_hparams(hp or []),
-        head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, device=device, out=out, resume=resume,
-        workers=workers, fidelity=fidelity, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+    options = FinetuneOptions(
+        init=init, from_run=from_run, cache=cache_file, dataset=dataset, loss=loss, weights=weights,
+        resolution=resolution, epochs=epochs, lrs=lrs,
+        batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int), seeds=seeds,
+        head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, hparams=parse_hparams(hp or []),
+        fidelity=fidelity,
     )
+    run = FinetuneRun(device=device, out=out, resume=resume, workers=workers,
+                      root=root if root is not None else (None if resume else default_data_root()))
+    results = run_finetune(options, run,
+                           log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     for line in finetune_summary(results):  # other torchrun processes return nothing
         console.print(line, soft_wrap=True)
 

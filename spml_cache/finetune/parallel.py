@@ -9,7 +9,6 @@ indexed by training row stay identical in every process without further communic
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +17,23 @@ from torch import nn
 
 from spml_cache.runtime.devices import resolve_device
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.ranks import Ranks, current as current_ranks
 
 
 @dataclass(frozen=True)
 class Processes:
-    """Where this process stands: `rank` of `world` processes, on `device`."""
+    """Where this process stands: alone, or one of torchrun's (`ranks`, runtime/ranks.py), on `device`."""
 
-    rank: int
-    world: int
     device: torch.device
-    owns_group: bool = False  # this run started the process group, so it ends it
+    ranks: Ranks | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank if self.ranks else 0
+
+    @property
+    def world(self) -> int:
+        return self.ranks.world if self.ranks else 1
 
     @property
     def main(self) -> bool:
@@ -35,24 +41,16 @@ class Processes:
 
 
 def start_processes(device_name: str) -> Processes:
-    """One process, or (under torchrun) join the process group: nccl on GPUs, gloo on the CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Processes(0, 1, resolve_device(device_name))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    """One process, or (under torchrun) one of the process group: nccl on GPUs, gloo on the CPU; each process on
+    its own GPU (its local rank)."""
     device = resolve_device(device_name)
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Processes(dist.get_rank(), dist.get_world_size(), device, owns_group)
+    ranks = current_ranks("nccl" if device.type == "cuda" else "gloo")
+    return Processes(device) if ranks is None else Processes(ranks.device(device), ranks)
 
 
 def stop_processes(processes: Processes) -> None:
-    if processes.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if processes.ranks is not None:
+        processes.ranks.leave()
 
 
 def gather_rows(local: torch.Tensor, counts: list[int], processes: Processes) -> torch.Tensor:

@@ -17,22 +17,22 @@ import math
 import shlex
 import shutil
 import time
+from dataclasses import fields
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from spml_cache import losses, runs
 from spml_cache.finetune import checkpoints, images as data, parallel
 from spml_cache.finetune.labels import TrainLabels, loss_observed
-from spml_cache.finetune.settings import FineTuneModel, FinetuneOptions, Resumed, Setup, resolve
+from spml_cache.finetune.settings import FineTuneModel, FinetuneOptions, FinetuneRun, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
+from spml_cache.finetune.step import Training, make_optimizer, train_step
 from spml_cache.labels import average_precision, take
-from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.protocol import initial_head
 from spml_cache.runtime import locks
@@ -42,60 +42,63 @@ from spml_cache.runtime.progress import progress_bar
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
 
-def finetune(
-    *, init: str | None = None, from_run: Path | None = None, cache_path: Path | None = None,
-    dataset: str | None = None, cache_dir: Path | str | None = None, root: Path | None = None, loss: str | None = None,
-    weights: str | None = None, epochs: int | None = None, lrs: Sequence[float] | None = None,
-    batch_sizes: Sequence[int] | None = None, resolution: int | None = None, seeds: int | None = None,
-    hparams: dict[str, float] | None = None, head_lr_mult: float | None = None, skip_missing: bool | None = None,
-    device: str = "auto", out: Path | str = "runs", resume: Path | None = None, workers: int | None = None,
-    fidelity: Fidelity | str | None = None, log: Callable[[str], None] = lambda line: None,
-) -> dict:
-    """Fine-tune and write `out/<dataset>/finetune-<loss>-<stamp>/`; returns its results plus `run_dir`.
+def run_finetune(options: FinetuneOptions, run: FinetuneRun = FinetuneRun(), *,
+                 log: Callable[[str], None] = lambda line: None) -> dict:
+    """Fine-tune and write `run.out/<dataset>/finetune-<loss>-<stamp>/`; returns its results plus `run_dir`.
 
-    `seeds` is a count (seeds 0..N-1), `hparams` loss hyperparameter overrides `{key: value}`. Options left as
-    None take their defaults or, with `resume`, the interrupted run's values (options given must match those).
-    The first line logged names the linear run and head the model starts from.
+    Options left as None take their defaults or, with `run.resume`, the interrupted run's values (options given
+    must match those). The first line logged names the linear run and head the model starts from.
     """
-    options = FinetuneOptions(
-        init=init, from_run=from_run, cache=cache_path, dataset=dataset, loss=loss, weights=weights,
-        resolution=resolution, epochs=epochs, lrs=None if lrs is None else list(lrs),
-        batch_sizes=None if batch_sizes is None else list(batch_sizes), seeds=seeds, head_lr_mult=head_lr_mult,
-        skip_missing=skip_missing, hparams=hparams, fidelity=fidelity,
-    )
-    processes = parallel.start_processes(device)
+    processes = parallel.start_processes(run.device)
     say = log if processes.main else (lambda line: None)
     if processes.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # one input shape for training, one for scoring
     try:
-        resumed = Resumed.read(Path(resume)) if resume is not None else None
-        workers = default_workers(processes.device) if workers is None else workers
-        setup = resolve(options, resumed, root=root, out=Path(out), cache_dir=cache_dir, processes=processes,
+        resumed = Resumed.read(run.resume) if run.resume is not None else None
+        workers = default_workers(processes.device) if run.workers is None else run.workers
+        setup = resolve(options, resumed, root=run.root, out=run.out, cache_dir=run.cache_dir, processes=processes,
                         workers=workers)
-        for note in setup.notes + ([f"resuming {resume}"] if resume is not None else []):
+        for note in setup.notes + ([f"resuming {run.resume}"] if resumed is not None else []):
             say(note)
-        run_dir = Path(resume) if resume is not None else checkpoints.create_run_dir(Path(out), setup)
+        run_dir = run.resume if resumed is not None else checkpoints.create_run_dir(run.out, setup)
         # one process at a time in a run directory (rank 0 speaks for a torchrun group)
         with locks.held(run_dir, f"run directory {run_dir}") if processes.main else contextlib.nullcontext():
-            try:
-                return _run_grid(setup, run_dir, resumed=resume is not None, say=say)
-            except KeyboardInterrupt:
-                if not processes.main:
-                    raise SystemExit(130) from None  # rank 0 says what was kept
-                raise Interrupted(f"every finished epoch is kept in {run_dir / 'checkpoints'}",
-                                  f"spml-cache finetune --resume {shlex.quote(str(run_dir))}") from None
-            except DiskFull as full:  # every finished epoch is kept
-                raise full.going_on(f"go on with: spml-cache finetune --resume {shlex.quote(str(run_dir))}") from None
-            except torch.cuda.OutOfMemoryError:
-                if resume is None and processes.main and not any(run_dir.glob("checkpoints/*.pt")):
-                    shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable in it yet
-                raise SpmlError(
-                    f"CUDA out of memory on {processes.device} (resolution {setup.settings.resolution}, --batch-size"
-                    f" {setup.settings.batch_sizes}): pass a smaller --batch-size, or share each batch over more GPUs"
-                    " with torchrun --nproc-per-node N"
-                ) from None
+            return _run_and_keep(setup, run_dir, resumed is not None, say)
     finally:
         parallel.stop_processes(processes)
+
+
+RUN_FIELDS = tuple(field.name for field in fields(FinetuneRun))
+
+
+def finetune(*, log: Callable[[str], None] = lambda line: None, **given) -> dict:
+    """`run_finetune` by keywords, for the Python API: each keyword a field of `FinetuneOptions` (what the run
+    trains) or of `FinetuneRun` (where it runs), e.g. `finetune(init="best", dataset="voc", loss="role",
+    root=...)`."""
+    placement = {name: given.pop(name) for name in RUN_FIELDS if name in given}
+    return run_finetune(FinetuneOptions(**given), FinetuneRun(**placement), log=log)
+
+
+def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
+    """The run's grid; a stop or a full disk keeps every finished epoch and says how to go on, an out-of-memory
+    before any checkpoint leaves nothing."""
+    processes, going_on = setup.processes, f"spml-cache finetune --resume {shlex.quote(str(run_dir))}"
+    try:
+        return _run_grid(setup, run_dir, resumed=resumed, say=say)
+    except KeyboardInterrupt:
+        if not processes.main:
+            raise SystemExit(130) from None  # rank 0 says what was kept
+        raise Interrupted(f"every finished epoch is kept in {run_dir / 'checkpoints'}", going_on) from None
+    except DiskFull as full:  # every finished epoch is kept
+        raise full.going_on(f"go on with: {going_on}") from None
+    except torch.cuda.OutOfMemoryError:
+        if not resumed and processes.main and not any(run_dir.glob("checkpoints/*.pt")):
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable in it yet
+        raise SpmlError(
+            f"CUDA out of memory on {processes.device} (resolution {setup.settings.resolution}, --batch-size"
+            f" {setup.settings.batch_sizes}): pass a smaller --batch-size, or share each batch over more GPUs"
+            " with torchrun --nproc-per-node N"
+        ) from None
 
 
 def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
@@ -181,16 +184,15 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, starts: dict,
             runs.append_metrics(run_dir, record.metric_lines())
         if checkpoint["done"]:
             return record
-    model, loss_fn, optimizer = _config_model(setup, record, checkpoint)
+    training = _config_training(setup, record, checkpoint)
     if checkpoint is None:
-        _score_start(setup, run_dir, record, model, loss_fn, starts, say)
-    trainer = model if processes.world == 1 else DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None)
+        _score_start(setup, run_dir, record, training, starts, say)
     batches = data.EpochBatches(setup.rows["train"], len(features.train), record.batch_size, record.seed,
                                 processes.rank, processes.world)
     train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=device.type == "cpu"), batches,
                                setup.workers)
     train_labels = TrainLabels(features.train.observed, features.train.labels, device)
+    model, loss_fn = training.model, training.loss_fn
     for epoch in range(len(record.train_loss) + 1, settings.epochs + 1):
         train_logits = None
         if loss_fn.needs_train_logits:
@@ -198,29 +200,27 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, starts: dict,
             train_logits[0, torch.as_tensor(setup.rows["train"], device=device)] = _score(model, setup, "train")
         loss_fn.start_epoch(epoch, settings.epochs, train_logits)
         batches.set_epoch(epoch)
-        label = _label(record, epoch, settings.epochs)
-        train_loss = _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, train_labels, setup,
-                                  label)
-        _evaluate(setup, run_dir, record, epoch, train_loss, model, loss_fn, label, say)
+        train_loss = _train_epoch(training, train_loader, batches, train_labels, _label(record, epoch, settings.epochs))
+        _evaluate(setup, run_dir, record, epoch, train_loss, training, say)
         done = epoch == settings.epochs or record.diverged_epoch is not None or record.stopped_epoch is not None
         if processes.main:
-            _save_config_epoch(run_dir, path, record, epoch, done, model, optimizer, loss_fn, device)
+            _save_config_epoch(run_dir, record, epoch, done, training)
         if done:
             break
     return record
 
 
-def _config_model(setup: Setup, record: HeadRecord, checkpoint: dict | None):
+def _config_training(setup: Setup, record: HeadRecord, checkpoint: dict | None) -> Training:
     """The config's model (LinearInit's head, or its seed's fresh one), loss and optimiser, on the device, in the
-    state of its checkpoint when it has one."""
-    processes, features = setup.processes, setup.features
+    state of its checkpoint when it has one; under torchrun the model steps through DistributedDataParallel."""
+    processes, features, device = setup.processes, setup.features, setup.processes.device
     model = copy.deepcopy(setup.initial)
     if setup.start is None:
         model.head.weight.data, model.head.bias.data = initial_head(model.head.in_features, len(features.classes),
                                                                     record.seed)
     # channels_last as the inputs (and the extraction) are: also what keeps DDP's gradient buckets aligned.
-    model = parallel.synchronise_batchnorm(model.to(processes.device, memory_format=torch.channels_last), processes)
-    loss_fn = _build_loss(setup, record.seed, processes.device)
+    model = parallel.synchronise_batchnorm(model.to(device, memory_format=torch.channels_last), processes)
+    loss_fn = _build_loss(setup, record.seed, device)
     if setup.start is not None and "theta" in setup.start.loss_state:
         loss_fn.theta.data.copy_(role_theta_handover(setup.start.loss_state["theta"]))
     optimizer = make_optimizer(model, loss_fn, record.lr, setup.settings.head_lr_mult)
@@ -231,17 +231,19 @@ def _config_model(setup: Setup, record: HeadRecord, checkpoint: dict | None):
         torch.set_rng_state(checkpoint["rng"]["torch"])
         if checkpoint["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
-    return model, loss_fn, optimizer
+    trainer = model if processes.world == 1 else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+    return Training(model, trainer, loss_fn, optimizer, setup.preprocess, processes)
 
 
-def _score_start(setup: Setup, run_dir: Path, record: HeadRecord, model: FineTuneModel, loss_fn: losses.Loss,
-                 starts: dict, say) -> None:
+def _score_start(setup: Setup, run_dir: Path, record: HeadRecord, training: Training, starts: dict, say) -> None:
     """Epoch 0: val and test mAP of the model the config starts from, before any step. With LinearInit that is
     the linear run's head on the trunk that made the cache: the linear run's numbers again, on the same device."""
-    kept = record.batch_size if loss_fn.drops_last else None  # as every epoch's evaluation
+    kept = record.batch_size if training.loss_fn.drops_last else None  # as every epoch's evaluation
     key = (None if setup.start is not None else record.seed, kept)  # a fresh head is its seed's own
     if key not in starts:
-        starts[key] = {f"{split}_map": _scored_split(model, setup, split, kept)[1] for split in ("val", "test")}
+        starts[key] = {f"{split}_map": _scored_split(training.model, setup, split, kept)[1]
+                       for split in ("val", "test")}
     label, scores = f"{_label(record, 0, setup.settings.epochs)} (the starting model, before any step)", starts[key]
     if not all(math.isfinite(value) for value in scores.values()):  # never a NaN in the run's files
         say(f"{label}: its scores are not finite (val mAP {scores['val_map']}, test mAP {scores['test_map']})")
@@ -252,10 +254,11 @@ def _score_start(setup: Setup, run_dir: Path, record: HeadRecord, model: FineTun
     say(f"{label}: val mAP {scores['val_map']:.2f}, test mAP {scores['test_map']:.2f}")
 
 
-def _evaluate(setup: Setup, run_dir: Path, record: HeadRecord, epoch: int, train_loss: float, model: FineTuneModel,
-              loss_fn: losses.Loss, label: str, say) -> None:
+def _evaluate(setup: Setup, run_dir: Path, record: HeadRecord, epoch: int, train_loss: float, training: Training,
+              say) -> None:
     """Score val and test after an epoch into `record` (and keep the model of a new best epoch), or mark the
     config diverged; stop it early where the fidelity's rule says so."""
+    model, loss_fn, label = training.model, training.loss_fn, _label(record, epoch, setup.settings.epochs)
     if not math.isfinite(train_loss):
         record.diverged_epoch = epoch
         say(f"{label}: the loss is {train_loss}: diverged, stopped")
@@ -278,14 +281,14 @@ def _evaluate(setup: Setup, run_dir: Path, record: HeadRecord, epoch: int, train
         say(f"{label}: stopped early, as the paper's code does ({rule[0]} {rule[1]:g})")
 
 
-def _save_config_epoch(run_dir: Path, path: Path, record: HeadRecord, epoch: int, done: bool, model, optimizer,
-                       loss_fn, device: torch.device) -> None:
+def _save_config_epoch(run_dir: Path, record: HeadRecord, epoch: int, done: bool, training: Training) -> None:
     """The config's checkpoint after an epoch (a finished config keeps only its record and its best model)."""
+    path, on_cuda = checkpoints.checkpoint(run_dir, record), training.processes.device.type == "cuda"
     state = {"record": record.to_state(), "done": done}
     if not done:
-        state.update(model=model.state_dict(), optimizer=optimizer.state_dict(), loss_state=loss_fn.state_dict(),
-                     rng={"torch": torch.get_rng_state(),
-                          "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []})
+        state.update(model=training.model.state_dict(), optimizer=training.optimizer.state_dict(),
+                     loss_state=training.loss_fn.state_dict(),
+                     rng={"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if on_cuda else []})
     runs.save_checkpoint(path, state)
     for stale in path.parent.glob(f"{path.stem}.best-*.pt"):
         if stale != checkpoints.checkpoint(run_dir, record, best=True):
@@ -293,48 +296,22 @@ def _save_config_epoch(run_dir: Path, path: Path, record: HeadRecord, epoch: int
     runs.append_metrics(run_dir, record.metric_lines(epoch))
 
 
-def _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, train_labels, setup, label) -> float:
-    processes = setup.processes
-    trainer.train()
+def _train_epoch(training: Training, train_loader, batches: data.EpochBatches, train_labels: TrainLabels,
+                 label: str) -> float:
+    """One epoch of steps over the config's batches; returns the mean training loss."""
+    processes = training.processes
+    training.trainer.train()
     total, steps = torch.zeros((), device=processes.device), 0
     with progress_bar(label, total=len(batches) * batches.batch_size, unit="img") as bar:
         for step, (rows, images) in enumerate(train_loader):
             batch_rows = batches.order[step * batches.batch_size : (step + 1) * batches.batch_size]
             index = batch_rows.to(processes.device)
-            observed, labels = train_labels.batch(batch_rows, index, loss_fn.oracle)
-            total += train_step(trainer, model, loss_fn, optimizer, images, batches.flips[rows], observed, labels,
-                                index, setup.preprocess, processes)
+            observed, labels = train_labels.batch(batch_rows, index, training.loss_fn.oracle)
+            total += train_step(training, images, batches.flips[rows], observed, labels, index)
             steps += 1
             if processes.main:
                 bar.advance(batches.batch_size)
     return total.item() / max(steps, 1)
-
-
-def make_optimizer(model: FineTuneModel, loss_fn: losses.Loss, lr: float, head_lr_mult: float = 1.0):
-    """Adam without weight decay: the trunk at lr, the head at head_lr_mult x lr, the loss's own parameters
-    (ROLE's theta) at their lr_mult x lr."""
-    groups = [{"params": list(model.trunk.parameters()), "lr": lr},
-              {"params": list(model.head.parameters()), "lr": lr * head_lr_mult}]
-    groups += [{"params": [p], "lr": lr * getattr(p, "lr_mult", 1.0)} for p in loss_fn.parameters()]
-    return torch.optim.Adam(groups, lr=lr, weight_decay=0.0)
-
-
-def train_step(trainer: nn.Module, model: FineTuneModel, loss_fn: losses.Loss, optimizer, images: list, flips,
-               observed: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, preprocess,
-               processes: parallel.Processes) -> torch.Tensor:
-    """One optimiser step on a global batch (`observed`, `labels`, `index` are the global batch's; `images` and
-    `flips` this process's share): device-side preprocessing, bf16 autocast on GPU, the loss on the gathered
-    logits, the head-only penalty. Returns the loss (detached)."""
-    x = data.model_input(images, preprocess, processes.device, flips)
-    with torch.autocast(processes.device.type, dtype=torch.bfloat16, enabled=processes.device.type == "cuda"):
-        local_logits = trainer(x)
-    logits = parallel.global_batch(local_logits.float(), processes)
-    value = loss_fn(logits, observed, labels=labels, index=index)
-    value = value + loss_fn.penalty(model.head.weight.t())  # L1R/L2R: on the head only
-    optimizer.zero_grad(set_to_none=True)
-    value.backward()
-    optimizer.step()
-    return value.detach()
 
 
 @torch.no_grad()

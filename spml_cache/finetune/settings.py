@@ -76,6 +76,9 @@ class FinetuneOptions:
         if self.init is not None and self.init not in INITS:
             raise SpmlError(f"--init {self.init}: use best (LinearInit) or imagenet (a fresh head)")
         object.__setattr__(self, "fidelity", None if self.fidelity is None else Fidelity.check(self.fidelity))
+        for name in ("lrs", "batch_sizes"):  # any sequence given, compared with a stored run's lists
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, list(getattr(self, name)))
 
     @classmethod
     def of(cls, settings: "FinetuneSettings") -> "FinetuneOptions":
@@ -106,6 +109,24 @@ class FinetuneOptions:
         differ += [f"--hp {key}={value} vs {stored.hparams.get(key)}" for key, value in hparams.items()
                    if stored.hparams.get(key) != value]
         return differ
+
+
+@dataclass(frozen=True)
+class FinetuneRun:
+    """Where and how this process runs a fine-tuning, none of which changes its results: the device, the folders
+    read and written, the run to resume, the image reader processes."""
+
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: each process's own GPU)
+    out: Path = Path("runs")  # linear runs are looked up here, and the fine-tuning run written
+    resume: Path | None = None  # an interrupted fine-tuning run to go on with
+    workers: int | None = None  # image reader processes (None: runtime.devices.default_workers)
+    root: Path | None = None  # the images' root (None: a resumed run's)
+    cache_dir: Path | None = None  # where --dataset's default cache is looked for
+
+    def __post_init__(self) -> None:
+        for name in ("out", "resume", "root", "cache_dir"):  # a str given from Python
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
 
 
 @dataclass(frozen=True)

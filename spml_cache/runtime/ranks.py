@@ -1,7 +1,7 @@
 """The processes of one command under `torchrun` (one node or many): which one this is, and the few Python values
-they exchange. They talk over gloo, which works between CPU and GPU processes alike: stage one and stage two
-exchange rows' results and barriers, never tensors in a training step (stage three's data parallelism has its own
-process group, finetune/parallel.py).
+they exchange. The one place torchrun's state is read, for every stage. Stages one and two talk over gloo, which
+works between CPU and GPU processes alike: they exchange rows' results and barriers, never tensors in a training
+step; stage three's data parallelism joins over nccl on GPUs (finetune/parallel.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Ranks:
     rank: int
     world: int
     local: int
+    owns_group: bool = True  # this command joined the process group, so it leaves it (a caller's group stays)
 
     @property
     def main(self) -> bool:
@@ -64,14 +65,20 @@ class Ranks:
     def leave(self) -> None:
         """Leave the process group once this process has nothing more to exchange: gloo's threads must end
         before the interpreter does (an exit with them running aborts the process)."""
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def current() -> Ranks | None:
-    """This process's place under torchrun (joining the process group), None when it runs alone."""
+def current(backend: str = "gloo") -> Ranks | None:
+    """This process's place under torchrun, None when it runs alone. Joins the process group over `backend`
+    unless the caller has joined one already (then that group is used, and left to the caller); over nccl, on
+    this process's own GPU, chosen before joining so that nccl's communicators are made there."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return Ranks(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend)
+    return Ranks(dist.get_rank(), dist.get_world_size(), local, owns_group)
