@@ -204,6 +204,7 @@ def linear_command(
     cache: Optional[Path] = typer.Option(None, "--cache", help="The feature cache (.h5) to train on."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Train on the one cache of this dataset in $SPML_CACHE or ./cache."),
     lr: Optional[str] = typer.Option(None, "--lr", help="Learning rates, a comma list (default: the papers' grid)."),
+    wd: Optional[str] = typer.Option(None, "--wd", help="The probe's L2 weight decays, a comma list (e.g. 0,1e-4,1e-3): one head per (lr, wd) in the same stacks, selected on val (default: 0, the papers' grid)."),
     batch_size: Optional[str] = typer.Option(None, "--batch-size", help="Batch sizes, a comma list (default: the papers' grid)."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs per head; the best val epoch is selected (default: the papers' number)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", help="Run seeds 0..N-1 (init and batch order); results are mean ± std (default: one seed)."),
@@ -227,6 +228,7 @@ def linear_command(
 
     Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3 --hp ll_r.delta=0.001,0.002,0.003
     Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1,entry:0.5
+    Example: spml-cache linear --dataset voc --loss all --wd 0,1e-4,1e-3
     """
     from spml_cache.observation import parse_rules
     from spml_cache.runtime.memory import parse_size
@@ -238,6 +240,7 @@ def linear_command(
     if loss is None and resume is None:
         raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN)", param_hint="--loss")
     grid = {"lrs": None if lr is None else parse_list(lr, "--lr", float), "epochs": epochs, "seeds": seeds,
+            "wds": None if wd is None else parse_list(wd, "--wd", float),
             "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int),
             "val_labels": val_labels}
     run = run_linear(

@@ -56,6 +56,7 @@ def run_linear(
     out: Path | str = "runs", val_labels: str = "clean", workers: int = 0, from_run: Path | str | None = None,
     resume: Path | str | None = None, fidelity: str | None = None, hp_grid: str | None = None, graphs: bool = True,
     observe: Sequence[Rule] | None = None, memory_budget: str | int | None = None, console: Console | None = None,
+    wds: Sequence[float] | None = None,
 ) -> LinearRun | None:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
@@ -75,14 +76,15 @@ def run_linear(
     training whole parts; rank 0 writes the run directory, gathers the others' parts, selects and returns the run
     (the others return None). `memory_budget` (bytes, or "1GB"; None: most of the device's free memory): train
     and val/test features that do not fit it stream from the cache (out_of_core.py; a resumed run keeps its
-    chunk order).
+    chunk order). `wds`: the probe's L2 weight decays (None: 0 alone, the papers' grid), a grid axis beside the lrs:
+    one head per (lr, weight decay) in the same stacks, selected on val like the rest.
     """
     if resume is not None:
         config, settings, from_run = stored_settings(Path(resume))
         cache, dataset = config["cache"], None
     else:
         settings = LinearSettings.check(losses, lrs, batch_sizes, epochs, seeds, hparams or {}, val_labels, fidelity,
-                                        hp_grid, observe)
+                                        hp_grid, observe, wds)
     ranks = current_ranks()  # under torchrun: this process's share of the parts
     target = ranks.device(resolve_device(device)) if ranks else resolve_device(device)
     budget = memory.budget(memory_budget, target)
@@ -136,6 +138,7 @@ def run_linear(
             feature_dim=whole.train_features.shape[1],
             **{"from": {name: s.source for name, s in starts.items()} or None},
             **({"observe": [rule.text for rule in settings.rules]} if several else {}),
+            **({"wds": settings.wd_axis} if settings.wd_axis else {}),
             **({"out_of_core": {"chunk_rows": plan.chunk_rows}} if not plan.train_in_memory else {}),
         )
     else:
@@ -219,8 +222,9 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
     swept = {name: [{key: combo[key] for key in loss_registry.varying_keys(combos)} for combo in combos]
              for name, combos in used.items()}
 
-    def grid_order(record) -> tuple:  # seed, lr, batch size, swept values: selection breaks ties in this order
-        return (record.seed, settings.lrs.index(record.lr), settings.batch_sizes.index(record.batch_size),
+    def grid_order(record) -> tuple:  # seed, lr, wd, batch size, swept values: selection breaks ties in this order
+        wd = 0 if record.wd is None else settings.wds.index(record.wd)
+        return (record.seed, settings.lrs.index(record.lr), wd, settings.batch_sizes.index(record.batch_size),
                 swept[record.loss].index(record.hparams))
 
     parts = {key: {part: done for part, done in kept.items() if part[0] == key} for key in units}
@@ -255,7 +259,7 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
                 if job.lrs:  # one lr group of the part (its best states to disk now): kept once every lr is trained
                     part = keeping.spill(key, part)
                     part = groups[slot] = groups[slot].merged(part) if slot in groups else part
-                    if len(part.records) < len(settings.lrs) * len(used[job.loss]):
+                    if len(part.records) < len(settings.lrs) * len(settings.wds) * len(used[job.loss]):
                         continue
                     del groups[slot]
                 parts[key][slot] = part
@@ -319,7 +323,7 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: lis
         train_maps = [None if data.streams_train else train_map(r.best_state["head"], data)
                       for r in selection.records]
     checkpoint = {
-        "head": best.best_state["head"], "loss_state": best.best_state["loss_state"], "lr": best.lr,
+        "head": best.best_state["head"], "loss_state": best.best_state["loss_state"], "lr": best.lr, **best.wd_entry(),
         "batch_size": best.batch_size, "seed": best.seed, "epoch": best.best_epoch, "hparams": hparams,
     }
     return loss_results(records, selection, hparams, train_maps, seconds), checkpoint
