@@ -112,6 +112,7 @@ def extract_command(
     clip_features: str = typer.Option(backbones.DEFAULT_CLIP_FEATURES, "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
     prompts: str = typer.Option(backbones.DEFAULT_PROMPTS, "--prompts", help="clip: the text templates, default ('a photo of a {}.'), vlpl, or a file with one template per line."),
     crops: int = typer.Option(0, "--crops", help="clip: also the embeddings of a G x G grid of crops of each image (G >= 2; GPR's crop pseudo-labels)."),
+    features: str = typer.Option(backbones.DEFAULT_FEATURES, "--features", help="pooled (the pooled vector) or last4: a ViT's last four blocks' class tokens and last block's mean patch token, a CNN's last four stages average-pooled, concatenated (DINOv2's linear evaluation); the kind names the cache."),
     batch_size: int = typer.Option(64, "--batch-size", help="Images per forward pass."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
     device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
@@ -132,6 +133,7 @@ def extract_command(
     them into the one cache.
 
     Example: spml-cache extract voc --root ~/data --batch-size 128 --observe entry:0.1,largest
+    Example: spml-cache extract voc --root ~/data --backbone timm:vit_base_patch14_dinov2.lvd142m --features last4
     """
     from spml_cache.observation import parse_rules
 
@@ -140,7 +142,7 @@ def extract_command(
 
     report = extract(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
-        clip_features=clip_features, prompts=prompts, crops=crops, batch_size=batch_size,
+        clip_features=clip_features, prompts=prompts, crops=crops, features=features, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules, labels=labels,
     )

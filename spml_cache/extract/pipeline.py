@@ -138,6 +138,7 @@ def extract(
     clip_features: str = backbones.DEFAULT_CLIP_FEATURES,
     prompts: str = backbones.DEFAULT_PROMPTS,
     crops: int = 0,
+    features: str = backbones.DEFAULT_FEATURES,
     batch_size: int = 64,
     workers: int | None = None,
     device: str = "auto",
@@ -157,7 +158,7 @@ def extract(
     that lacks some gets them without recomputing its features. `labels`: how the cache stores its label
     matrices, auto (CSR from `SPARSE_MIN_CLASSES` classes), dense or sparse (None: `DEFAULT_FORMAT`,
     so the command line need not import the cache package to show it); a sparse-read dataset (OpenImages) is
-    densified only for a dense cache. `backbone`, `weights` (None: the backbone's default), `resolution` (None: its own), `clip_features`, `prompts` and `crops`: see backbones/. Under
+    densified only for a dense cache. `backbone`, `weights` (None: the backbone's default), `resolution` (None: its own), `clip_features`, `prompts`, `crops` and `features` (pooled or last4): see backbones/. Under
     torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks
     return None, rank 0 the report of the whole.
 
@@ -175,7 +176,7 @@ def extract(
     protocol_result = protocol.apply_protocol(images)
     rows = plan_rows(protocol_result, limit)
     label_format = resolve_format(labels, len(images.classes))
-    described = backbones.describe(backbone, weights, resolution, clip_features, crops)
+    described = backbones.describe(backbone, weights, resolution, clip_features, crops, features)
     templates = backbones.prompts(prompts) if described.embed_dim else None
     settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
     path = output_path(out, images.dataset, described.resolution, described.slug)
