@@ -360,18 +360,20 @@ def report_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG figures into DIR (needs matplotlib)."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Two losses for the per-class AP figure, e.g. an,role (default: the best two)."),
+    pivot: Optional[str] = typer.Option(None, "--pivot", help="backbone: one dataset's linear runs as losses x backbones (with their feature kind); --plots then draws that table."),
 ) -> None:
     """Table-1 style table of test mAP (mean ± std over seeds) per loss, dataset and stage, and figures.
 
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
 
     Example: spml-cache report --paper --plots figures --format md --out table1.md
+    Example: spml-cache report runs/voc --pivot backbone --plots figures
     """
     from spml_cache import report
 
     report.report_command(
         run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots,
-        compare=compare, console=console,
+        compare=compare, console=console, pivot=pivot,
     )
 
 

@@ -36,7 +36,7 @@ class Cell:
     best: bool = False
     paper: float | None = None
     source: str | None = None
-    swept: dict | None = None  # the selected values of the hyperparameters the run swept
+    swept: dict | None = None  # the selected values of the hyperparameters the run swept (and its weight decay)
 
     @property
     def diff(self) -> float | None:
@@ -60,8 +60,10 @@ def _cell(run: Run, loss: str) -> Cell:
     result = run.losses[loss]
     seeds = len(result.get("per_seed") or []) or 1
     std = result.get("test_map_std") if seeds > 1 else None
+    selected = result.get("selected") or {}
+    swept = {**(selected.get("swept") or {}), **({"wd": selected["wd"]} if "wd" in selected else {})}  # linear --wd
     return Cell(mean=float(result["test_map"]), std=None if std is None else float(std), seeds=seeds, run=run.path,
-                swept=(result.get("selected") or {}).get("swept") or None)
+                swept=swept or None)
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:
