@@ -6,7 +6,11 @@ For each backbone and feature kind: `spml_cache.extract.extract` on `--images` V
 `--resolution` unless the backbone fixes its own, e.g. torchvision's ViTs at 224), timed over its extraction loop
 (model loading excluded); the cache's bytes per image (file size over rows); then `linear` on a synthetic cache
 of that width (`--rows` training rows, VOC's 20 classes, one loss, the papers' four lrs and two batch sizes,
-`--epochs` epochs), timed from the command's start to its results.
+`--epochs` epochs), timed from the command's start to its results; and the trunk alone, pooled and last4
+interleaved (`--trunk-repeats` forward passes of one batch each, one thread, the median per image): the figure
+that says what the kind itself costs, which the end-to-end times (decoding included) blur. The kinds of a backbone are measured in turn,
+`--repeats` times, and each figure is the fastest of its repeats: on a shared machine the other jobs' load comes
+and goes, and alternating keeps it from landing on one kind.
 
 Examples:
     python scripts/bench_features.py                        # the CPU defaults: small, under a minute each
@@ -65,6 +69,40 @@ def synthetic_cache(path: Path, width: int, rows: int, seed: int = 0) -> Path:
     return cache.write(path, attrs=attrs, **splits)
 
 
+def fastest(runs: list[dict]) -> dict:
+    """One kind's repeats as one row: the fastest extraction and the fastest linear run, each time listed."""
+    best = dict(min(runs, key=lambda run: run["extract_s"]))
+    best["linear_s"] = min(run["linear_s"] for run in runs)
+    best["extract_s_each"] = [run["extract_s"] for run in runs]
+    best["linear_s_each"] = [run["linear_s"] for run in runs]
+    return best
+
+
+@torch.inference_mode()
+def trunk_seconds(backbone: str, side: int, args) -> dict[str, float]:
+    """Per kind, the median seconds per image of the trunk alone on one batch, the kinds interleaved."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RandomWeightsWarning)
+            trunks = {kind: backbones.build(backbones.describe(backbone, "none", side, features=kind)).eval()
+                      .requires_grad_(False).to(memory_format=torch.channels_last) for kind in backbones.FEATURES}
+        described = backbones.describe(backbone, "none", side)
+        batch = torch.randn(args.batch_size, 3, described.preprocess.resolution, described.preprocess.resolution)
+        batch = batch.contiguous(memory_format=torch.channels_last)
+        times = {kind: [] for kind in trunks}
+        for repeat in range(args.trunk_repeats + 1):  # the first pass of each is a warm-up
+            for kind, trunk in trunks.items():
+                start = time.perf_counter()
+                trunk(batch)
+                if repeat:
+                    times[kind].append((time.perf_counter() - start) / len(batch))
+        return {kind: round(float(np.median(values)), 4) for kind, values in times.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure_one(backbone: str, kind: str, folder: Path, args) -> dict:
     side = FIXED_SIDE.get(backbone, args.resolution)
     described = backbones.describe(backbone, "none", side, features=kind)
@@ -95,6 +133,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=1000, help="training rows of stage two's synthetic cache")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--loss", default="an")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--trunk-repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, default=None, help="default docs/benchmarks/features-<device>.json")
     return parser.parse_args(argv)
@@ -107,8 +147,13 @@ def main(argv=None) -> None:
         folder = Path(tmp)
         write_images(folder, args.images, unique=min(args.images, 16))
         for backbone in args.backbones.split(","):
+            runs = {kind: [] for kind in backbones.FEATURES}
+            for _ in range(args.repeats):
+                for kind in backbones.FEATURES:
+                    runs[kind].append(measure_one(backbone, kind, folder, args))
+            trunk = trunk_seconds(backbone, FIXED_SIDE.get(backbone, args.resolution), args)
             for kind in backbones.FEATURES:
-                results.append(measure_one(backbone, kind, folder, args))
+                results.append({**fastest(runs[kind]), "trunk_s_per_image_1_thread": trunk[kind]})
                 print(json.dumps(results[-1]), flush=True)
     device = torch.device(args.device)
     named = "cpu" if device.type == "cpu" else "gpu"

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from cli_support import run_cli, run_main
+from cli_support import one_error_line, run_cli
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 
 from spml_cache.linear import run_linear
@@ -90,13 +90,7 @@ BAD = [(["--wd", "-1e-4"], "--wd -0.0001: every weight decay must be 0 or more")
 
 @pytest.mark.parametrize("args, message", BAD, ids=[m for _, m in BAD])
 def test_a_bad_wd_is_one_line_and_writes_nothing(tmp_path, tiny_cache, args, message, monkeypatch, capsys):
-    if args == BAD[0][0]:  # one as a user types it, the others in this process
-        done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", *args, cwd=tmp_path)
-        code, stderr = done.returncode, done.stderr
-    else:
-        code, stderr = run_main("linear", "--cache", str(tiny_cache), "--loss", "an", *args, cwd=tmp_path,
-                                monkeypatch=monkeypatch, capsys=capsys)
-    assert code == 1
-    (line,) = stderr.strip().splitlines()
-    assert line.startswith("error: ") and message in line, line
+    line = one_error_line(["linear", "--cache", str(tiny_cache), "--loss", "an", *args], cwd=tmp_path,
+                          subprocess_too=args == BAD[0][0], monkeypatch=monkeypatch, capsys=capsys)
+    assert message in line, line
     assert not (tmp_path / "runs").exists()
