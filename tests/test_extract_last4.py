@@ -188,3 +188,13 @@ def test_clip_last4_keeps_its_text_side_and_a_kind_never_mixes_with_another(data
     assert features.train.crop_embeddings.shape[1:] == (4, 16)
     with pytest.raises(SpmlError, match="was built with other settings \\(feature"):
         extract("csv", data, backbone=name, weights="none", device="cpu", workers=0, out=report.path, crops=2)
+
+
+def test_last4_on_a_backbone_without_blocks_is_one_line_and_writes_nothing(data, tmp_path):
+    done = run_cli("extract", "csv", "--root", str(data), "--weights", "none", "--backbone", "mobilenet_v3_small",
+                   "--features", "last4", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line == ("error: --features last4: mobilenet_v3_small has no blocks or stages this reads (torchvision:"
+                    " VisionTransformer, ResNet, ResNeXt, Wide ResNet, ConvNeXt); use --features pooled with it")
+    assert not (tmp_path / "out").exists()

@@ -94,3 +94,15 @@ def test_a_bad_wd_is_one_line_and_writes_nothing(tmp_path, tiny_cache, args, mes
                           subprocess_too=args == BAD[0][0], monkeypatch=monkeypatch, capsys=capsys)
     assert message in line, line
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_report_curves_follow_the_selected_weight_decay(tmp_path, tiny_cache):
+    from spml_cache.report import collect, val_curves
+
+    run = run_linear(cache=tiny_cache, losses="an", wds=[0.0, 2.0], out=tmp_path, console=quiet(), **GRID)
+    selected = run.results["losses"]["an"]["selected"]
+    mine = [line["val_map"] for line in lines_of(run.run_dir)
+            if all(line[key] == selected[key] for key in ("lr", "wd", "batch_size"))]
+    (found,) = collect.collect_runs([tmp_path])
+    _, curve, _ = val_curves.read_curves({"an": found})["an"]
+    assert curve == pytest.approx(mine)  # one seed: the selected head's own line, not the other weight decay's

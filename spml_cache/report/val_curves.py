@@ -34,7 +34,7 @@ def read_curves(by_loss: dict[str, Run]) -> dict[str, tuple[list[int], list[floa
         by_epoch: dict[int, list[float]] = {}
         for line in lines:
             same = (line.get("loss") == loss and line.get("rule", DEFAULT_RULE) == run.rule
-                    and all(line.get(k) == selected.get(k) for k in ("lr", "batch_size")))
+                    and all(line.get(k) == selected.get(k) for k in ("lr", "batch_size", "wd")))  # wd: --wd
             if line.get("val_map") is None:  # the epoch a head diverged
                 continue
             if same and line.get("hparams", {}) == selected.get("swept", {}):  # the selected values of a sweep
