@@ -91,7 +91,8 @@ def draw(Figure, title: str, by_loss: dict[str, Run], oracles: set[str]):
         for name in names:
             epochs, values, selected = curves[name]
             rank = f"#{best.index(name) + 1} " if name in best else ""
-            config = f" (lr {selected['lr']:g}, batch {selected.get('batch_size')})" if "lr" in selected else ""
+            decay = f", wd {selected['wd']:g}" if "wd" in selected else ""
+            config = f" (lr {selected['lr']:g}{decay}, batch {selected.get('batch_size')})" if "lr" in selected else ""
             label = f"{rank}{name}: test {test_map[name]:.1f}{config}"
             colour = palette(best.index(name) if name in best else next(free))
             axes.plot(epochs, values, "--" if name in oracles else "-", color=colour, linewidth=2.4 if rank else 1.3,
