@@ -198,3 +198,26 @@ def test_last4_on_a_backbone_without_blocks_is_one_line_and_writes_nothing(data,
     assert line == ("error: --features last4: mobilenet_v3_small has no blocks or stages this reads (torchvision:"
                     " VisionTransformer, ResNet, ResNeXt, Wide ResNet, ConvNeXt); use --features pooled with it")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stopped_last4_extraction_resumes_to_the_uninterrupted_cache(tmp_path):
+    """A bad image stops the run with rows kept in the partial file; once the image is fixed, the run resumes
+    (under the same kind's settings) and gives the cache of a run never stopped."""
+    from extract_support import write_jpeg
+
+    data = write_numbered_csv_dataset(tmp_path / "data", 14, first_test=10, classes=("cat", "dog"),
+                                      bad=("images/9.jpg",))
+    options = dict(backbone="resnet18", weights="none", resolution=32, device="cpu", workers=0, batch_size=4,
+                   features="last4")
+    with pytest.raises(SpmlError, match="9.jpg"):
+        extract("csv", data, out=tmp_path / "cut.h5", **options)
+    assert cache.partial_path(tmp_path / "cut.h5").exists()
+    write_jpeg(data / "images" / "9.jpg", seed=9)
+    resumed = extract("csv", data, out=tmp_path / "cut.h5", **options)
+    whole = extract("csv", data, out=tmp_path / "whole.h5", **options)
+    assert resumed.resumed > 0 and resumed.resumed + resumed.extracted == whole.extracted
+    first, second = cache.load(resumed.path), cache.load(whole.path)
+    for split in cache.SPLITS:
+        assert getattr(first, split).ids == getattr(second, split).ids
+        np.testing.assert_allclose(getattr(first, split).features, getattr(second, split).features, rtol=1e-5,
+                                   atol=1e-6)
