@@ -10,6 +10,9 @@
 # $SPML_DATA holds one folder per dataset (voc/, coco/, nus/, cub/; the layouts are in `spml-cache datasets`).
 # Stages one and three need ImageNet ResNet-50 weights in torch's cache, or WEIGHTS=PATH.pth. Stage three wants
 # a GPU; for several: FINETUNE="torchrun --nproc-per-node 4 -m spml_cache". FINETUNE_LOSSES picks its losses.
+# Stage three starts as each paper did (docs/protocol.md, "The numbers to reproduce"): Cole et al.'s "+LinearInit"
+# rows (an_ls, role; LINEAR_INIT) from the best linear head (--init best); Zhou et al.'s, Chen et al.'s and Li et
+# al.'s losses end to end from ImageNet with a fresh head (--init imagenet).
 set -euo pipefail
 
 datasets=("$@")
@@ -17,6 +20,7 @@ datasets=("$@")
 stages=" ${STAGES:-extract linear finetune report} "
 seeds=${SEEDS:-3}
 finetune_losses=${FINETUNE_LOSSES:-an_ls role em em_apl gr opml opml_sp}
+linear_init=" ${LINEAR_INIT:-an_ls role} "
 spml=${SPML:-spml-cache}
 finetune=${FINETUNE:-$spml}
 
@@ -35,7 +39,9 @@ for dataset in "${datasets[@]}"; do
   fi
   if [[ $stages == *" finetune "* ]]; then
     for loss in $finetune_losses; do
-      run $finetune finetune --init best --dataset "$dataset" --loss "$loss" --seeds "$seeds" \
+      init=imagenet
+      [[ $linear_init == *" $loss "* ]] && init=best
+      run $finetune finetune --init "$init" --dataset "$dataset" --loss "$loss" --seeds "$seeds" \
         ${weights[@]+"${weights[@]}"} ${missing[@]+"${missing[@]}"}
     done
   fi

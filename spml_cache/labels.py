@@ -143,8 +143,10 @@ def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
-def stack(parts: list[SparseLabels]) -> SparseLabels:
-    """The rows of `parts` one after the other (one class count), still sparse."""
+def stack(parts: list) -> SparseLabels | np.ndarray:
+    """The rows of `parts` one after the other (one class count), in their form (all dense or all sparse)."""
+    if not is_sparse(parts[0]):
+        return np.concatenate([np.asarray(part) for part in parts])
     offsets = np.cumsum([0] + [part.nnz for part in parts[:-1]], dtype=np.int64)
     indptr = np.concatenate([[0]] + [part.indptr[1:] + offset for part, offset in zip(parts, offsets)])
     return SparseLabels(indptr.astype(np.int64), _joined([p.indices for p in parts], np.int32),
@@ -171,12 +173,45 @@ def dense(matrix, dtype=np.int8) -> np.ndarray:
     return matrix.to_dense(dtype) if is_sparse(matrix) else np.asarray(matrix).astype(dtype, copy=False)
 
 
-def take(matrix, rows):
+def take(matrix, rows, dtype=None):
     """The rows `rows` (indices, in that order) of a dense or sparse label matrix, in its form: a sparse one stays
-    sparse; None stays None."""
+    sparse (its dtype is its own); a dense one as `dtype` when given; None stays None."""
     if matrix is None:
         return None
-    return matrix.take(np.asarray(rows, dtype=np.int64)) if is_sparse(matrix) else matrix[rows]
+    if is_sparse(matrix):
+        return matrix.take(np.asarray(rows, dtype=np.int64))
+    return matrix[rows] if dtype is None else np.asarray(matrix[rows], dtype=dtype)
+
+
+def head(matrix, count: int, dtype=None):
+    """The first `count` rows of a dense or sparse label matrix, in its form (all of them: the matrix itself)."""
+    if matrix is None or count == len(matrix) and (dtype is None or is_sparse(matrix)):
+        return matrix
+    return take(matrix, np.arange(count), dtype)
+
+
+def as_full(labels):
+    """Full labels as the protocol keeps them: dense uint8, or sparse as they are."""
+    return labels if is_sparse(labels) else np.asarray(labels, dtype=np.uint8)
+
+
+def positives(observed):
+    """1 where `observed` holds an observed positive, in its form (dense uint8, or sparse)."""
+    return observed.equal(1) if is_sparse(observed) else (np.asarray(observed) == 1).astype(np.uint8)
+
+
+def nonzero_count(matrix) -> int:
+    """The non-zero entries of a label matrix: numpy, torch (any device) or sparse."""
+    if is_sparse(matrix):
+        return int(np.count_nonzero(matrix.values))
+    if hasattr(matrix, "count_nonzero"):  # a torch tensor, counted where it lives
+        return int(matrix.count_nonzero())
+    return int(np.count_nonzero(matrix))
+
+
+def value_count(matrix, value: int) -> int:
+    """How many entries of a dense or sparse label matrix equal `value` (non-zero)."""
+    return int(((matrix.values if is_sparse(matrix) else np.asarray(matrix)) == value).sum())
 
 
 def columns(matrix, low: int, high: int, dtype=np.uint8) -> np.ndarray:
@@ -199,6 +234,20 @@ def for_loss(observed, whole: bool) -> np.ndarray | None:
     return np.asarray(observed)
 
 
+def hide_unannotated(observed, mask):
+    """`observed` with every unannotated entry (mask 0) unknown: a rule never observes a label nobody annotated
+    (its 0 is not a known negative). Sparse observed labels stay sparse (a sparse mask is never made dense)."""
+    if mask is None:
+        return observed
+    if not is_sparse(observed):
+        return np.where(dense(mask) != 0, observed, 0).astype(np.int8)
+    if is_sparse(mask):
+        annotated = contains(mask.keys()[mask.values != 0], observed.keys())
+    else:
+        annotated = np.asarray(mask)[observed.row_of_entries(), observed.indices] != 0
+    return observed.select(annotated)
+
+
 def same(first, second) -> bool:
     """Whether two label matrices, each dense or sparse, hold the same values (a dense one made CSR to compare)."""
     if not (is_sparse(first) or is_sparse(second)):
@@ -207,13 +256,101 @@ def same(first, second) -> bool:
     return first == second
 
 
-def count_positive(matrix) -> int:
-    """How many entries of a dense or sparse label matrix are positive (> 0)."""
-    return int((matrix.values > 0).sum()) if is_sparse(matrix) else int((np.asarray(matrix) > 0).sum())
+def count_positive(matrix, mask=None) -> int:
+    """How many entries of a dense or sparse label matrix are positive (> 0); with a `mask` (partial labels, the
+    same form: non-zero where annotated), the annotated ones only."""
+    if mask is None:
+        return int((matrix.values > 0).sum()) if is_sparse(matrix) else int((np.asarray(matrix) > 0).sum())
+    if is_sparse(matrix) and is_sparse(mask):
+        return int(contains(mask.keys()[mask.values != 0], matrix.keys()[matrix.values > 0]).sum())
+    return int(((dense(matrix) > 0) & (dense(mask) != 0)).sum())
 
 
-def signed_annotations(labels: SparseLabels, mask: SparseLabels) -> SparseLabels:
-    """The annotated entries of `mask`, +1 where `labels` holds a positive and -1 elsewhere: every annotated label
-    observed (the `given` observation rule), still sparse."""
+def unordered_row(matrix: SparseLabels) -> int | None:
+    """The first row whose stored classes are not strictly ascending (a class twice, or out of order), or None:
+    every reader (`rows`, `columns`, `keys`, the content hash) takes a row's classes as a sorted set."""
+    within = np.diff(matrix.indices) <= 0  # entry k+1 not after entry k ...
+    starts = matrix.indptr[1:-1]
+    within[starts[(starts > 0) & (starts < matrix.nnz)] - 1] = False  # ... unless k+1 starts the next row
+    bad = np.flatnonzero(within)
+    return int(np.searchsorted(matrix.indptr, bad[0], side="right") - 1) if len(bad) else None
+
+
+def signed_annotations(labels, mask):
+    """The annotated entries of `mask`, +1 where `labels` holds a positive and -1 elsewhere, 0 where unannotated:
+    every annotated label observed (the `given` observation rule), in the labels' form (sparse stays sparse)."""
+    if not (is_sparse(labels) and is_sparse(mask)):
+        return hide_unannotated(2 * dense(labels, np.int8) - 1, mask)
     signs = np.where(contains(labels.keys()[labels.values > 0], mask.keys()), 1, -1).astype(np.int8)
     return SparseLabels(mask.indptr.copy(), mask.indices.copy(), signs, mask.num_classes)
+
+
+# --- on the training device (torch, imported when first needed: the protocol's users do without it) -----------
+
+# Entries (rows x classes) of one class block when a split is scored: the AP's sort buffers are a few int64 copies
+# of a block, so 2^24 entries cost a few hundred MB at most, whatever the class count.
+SCORED_BLOCK_ENTRIES = 1 << 24
+
+
+def on_device(matrix, device):
+    """A dense label matrix as a tensor on `device` (gathered from by `block`); a sparse one stays on the host."""
+    import torch
+
+    if is_sparse(matrix) or isinstance(matrix, torch.Tensor) and matrix.device == torch.device(device):
+        return matrix
+    return torch.as_tensor(np.ascontiguousarray(matrix)).to(device)
+
+
+def block(matrix, rows, dtype, host_rows: np.ndarray | None = None):
+    """The dense `[B, C]` label block of `rows` (a tensor on the training device): gathered there from an
+    `on_device` tensor, or built on the host from a sparse matrix (from `host_rows` when the caller has them, so as
+    not to wait for the device) and moved to the device."""
+    import torch
+
+    if isinstance(matrix, torch.Tensor):
+        return matrix.index_select(0, rows)
+    wanted = host_rows if host_rows is not None else rows.cpu().numpy()
+    return torch.from_numpy(matrix.rows(np.asarray(wanted), dtype)).to(rows.device)
+
+
+def observed_for_loss(observed, whole: bool):
+    """The training observed labels a loss is built with (`train_observed`), on the host: `for_loss` as a tensor."""
+    import torch
+
+    if isinstance(observed, torch.Tensor):
+        return observed.cpu()
+    found = for_loss(observed, whole)
+    return None if found is None else torch.from_numpy(found)
+
+
+def _class_blocks(num_rows: int, num_classes: int):
+    width = max(1, SCORED_BLOCK_ENTRIES // max(num_rows, 1))
+    return [(low, min(low + width, num_classes)) for low in range(0, num_classes, width)]
+
+
+def scored_classes(labels, mask) -> np.ndarray | None:
+    """bool [C]: the classes with an annotated positive (`metrics.scored_classes`), a block of classes at a time;
+    None without a mask (every class is scored)."""
+    if mask is None:
+        return None
+    return np.concatenate([((columns(labels, low, high) > 0) & (columns(mask, low, high) > 0)).any(axis=0)
+                           for low, high in _class_blocks(len(labels), labels.shape[1])])
+
+
+def average_precision(scores, labels, mask=None):
+    """Per-class AP `[C]` and mAP (0..100) of `scores [N, C]` against a split's labels (and label mask, partial
+    labels: 1 where annotated; None where every label is known), dense or sparse, a block of classes at a time
+    (`metrics.average_precision` scores each class on its own, so the result does not depend on the blocks)."""
+    import torch
+
+    from spml_cache import metrics
+
+    aps, scored = [], []
+    for low, high in _class_blocks(len(labels), labels.shape[1]):
+        labelled = torch.from_numpy(columns(labels, low, high)).to(scores.device)
+        annotated = None if mask is None else torch.from_numpy(columns(mask, low, high)).to(scores.device)
+        aps.append(metrics.average_precision(scores[:, low:high], labelled, annotated))
+        if mask is not None:
+            scored.append(metrics.scored_classes(labelled, annotated))
+    ap = torch.cat(aps)
+    return ap, float(metrics.mean_over_classes(ap, torch.cat(scored) if mask is not None else None))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from spml_cache.labels import SparseLabels, contains, count_positive, dense, is_sparse, take
+from spml_cache.labels import SparseLabels, as_full, count_positive, hide_unannotated, is_sparse, take
 from spml_cache.runtime.errors import SpmlError
 
 if TYPE_CHECKING:
@@ -149,30 +149,11 @@ def _observe_sparse(labels: SparseLabels, keep_pos: int | None, keep_neg: int | 
     return SparseLabels(indptr, indices, values, labels.num_classes)
 
 
-def hide_unannotated(observed, mask):
-    """`observed` with every unannotated entry (mask 0) unknown: a rule never observes a label nobody annotated
-    (its 0 is not a known negative). Sparse observed labels stay sparse (a sparse mask is never made dense)."""
-    if mask is None:
-        return observed
-    if not is_sparse(observed):
-        return np.where(dense(mask) != 0, observed, 0).astype(np.int8)
-    if is_sparse(mask):
-        annotated = contains(mask.keys()[mask.values != 0], observed.keys())
-    else:
-        annotated = np.asarray(mask)[observed.row_of_entries(), observed.indices] != 0
-    return observed.select(annotated)
-
-
 def expected_positives(labels) -> float:
     """Mean number of positive labels per image (the papers' `k`); 0.0 for no images."""
-    if is_sparse(labels):
-        return float(count_positive(labels) / len(labels)) if len(labels) else 0.0
-    labels = np.asarray(labels)
-    if labels.ndim != 2:
-        raise SpmlError(f"labels must be a 2-D [images, classes] matrix, got shape {labels.shape}")
-    if labels.shape[0] == 0:
-        return 0.0
-    return float((labels > 0).sum(axis=1, dtype=np.int64).mean())
+    if len(getattr(labels, "shape", np.shape(labels))) != 2:
+        raise SpmlError(f"labels must be a 2-D [images, classes] matrix, got shape {np.shape(labels)}")
+    return float(count_positive(labels) / len(labels)) if len(labels) else 0.0
 
 
 def apply_protocol(
@@ -189,7 +170,7 @@ def apply_protocol(
     The observed labels are drawn before the split, over the official training rows in their order, so the
     val rows keep theirs too (for `--val-labels observed`). The official test split gets no observed labels.
     """
-    labels = _labels(images.train.labels)
+    labels = as_full(images.train.labels)
     ids = list(images.train.ids)
     if len(ids) != labels.shape[0]:
         raise SpmlError(f"{images.dataset}: {len(ids)} training ids but {labels.shape[0]} label rows")
@@ -203,7 +184,7 @@ def apply_protocol(
         return ProtocolSplit([ids[i] for i in selected], take(labels, selected),
                              take(observed, selected), take(mask, selected))
 
-    test = ProtocolSplit(list(images.test.ids), _labels(images.test.labels), None, images.test.mask)
+    test = ProtocolSplit(list(images.test.ids), as_full(images.test.labels), None, images.test.mask)
     attrs = {
         "split_seed": int(split_seed),
         "val_frac": float(val_frac),
@@ -215,11 +196,6 @@ def apply_protocol(
     return Protocol(train=rows(train_rows), val=rows(val_rows), test=test, attrs=attrs)
 
 
-def _labels(labels):
-    """Full labels as the protocol keeps them: dense uint8, or sparse as they are."""
-    return labels if is_sparse(labels) else np.asarray(labels, dtype=np.uint8)
-
-
 def check_val_split(val_labels: np.ndarray, source: str) -> None:
     """Selection ranks epochs and configs by val mAP: a val split of fewer than two rows, or without a single
     positive label, ranks nothing (every val mAP 0, the first epoch picked by chance); refuse it."""
@@ -229,6 +205,23 @@ def check_val_split(val_labels: np.ndarray, source: str) -> None:
         what = f"{rows} row{'s' * (rows != 1)}" + ("" if rows < 2 else " and no positive label")
         raise SpmlError(f"{source}: its val split has {what}, so val mAP cannot select an epoch or a config: use a"
                         f" dataset with more training images (val is {VAL_FRAC:.0%} of them)")
+
+
+def check_train_test(num_train: int, test_labels, test_mask, source: str) -> None:
+    """Results that look real and are not: without a training row no head learns (the report would show the
+    initial heads' mAP as a result), and a test split without a row, or without an annotated positive label,
+    scores 0.00 whatever the heads learnt; refuse them before training."""
+    if num_train == 0:
+        raise SpmlError(f"{source}: its train split has no rows, so no head would learn anything: use a dataset with"
+                        " training images")
+    rows = len(test_labels)
+    if rows == 0:
+        raise SpmlError(f"{source}: its test split has no rows, so test mAP would be 0.00 whatever the heads learn:"
+                        " use a dataset with test images")
+    if count_positive(test_labels, test_mask) == 0:
+        what = "positive label" if test_mask is None else "annotated positive label (every positive cell unknown)"
+        raise SpmlError(f"{source}: its test split has no {what} in {rows} rows, so test mAP would be 0.00 whatever"
+                        " the heads learn: label the test images' classes (a CSV's test rows need known positives)")
 
 
 def check_grid(lrs: Sequence[float], batch_sizes: Sequence[int]) -> tuple[list[float], list[int]]:

@@ -38,6 +38,7 @@ class HeadRecord:
     best_state: dict | None = None  # {"head": nn.Linear layout, "loss_state": num_heads=1 state} at the best epoch
     rule: str = DEFAULT_RULE  # the observation rule of its training labels (observation.py)
     wd: float | None = None  # its weight decay when the grid has that axis (linear --wd), else None: not recorded
+    start: dict | None = None  # fine-tuning: {"val_map", "test_map"} of the model before any step (epoch 0)
 
     def add_epoch(self, epoch: int, train_loss: float, val_map: float, test_map: float, test_ap: np.ndarray) -> bool:
         """Record a finished epoch; True when it becomes the best epoch. Strictly greater replaces: on ties the
@@ -65,8 +66,9 @@ class HeadRecord:
         """`{"wd": value}` where the grid has a weight decay axis, else nothing (the papers' files unchanged)."""
         return {} if self.wd is None else {"wd": self.wd}
 
-    def metric_lines(self, first: int = 1) -> list[dict]:
-        """The metrics.jsonl lines of this head's epochs from `first` on (the diverged epoch last)."""
+    def metric_lines(self, first: int = 0) -> list[dict]:
+        """The metrics.jsonl lines of this head's epochs from `first` on (the diverged epoch last; epoch 0, the
+        starting model, where it was scored)."""
         keys = {"loss": self.loss, **({"rule": self.rule} if self.rule != DEFAULT_RULE else {}), "lr": self.lr,
                 **self.wd_entry(), "batch_size": self.batch_size, "seed": self.seed, **({"hparams": self.hparams} if self.hparams else {})}
         lines = [{**keys, "epoch": e + 1, "train_loss": t, "val_map": v, "test_map": m}
@@ -76,7 +78,9 @@ class HeadRecord:
         if self.diverged_epoch is not None:
             lines.append({**keys, "epoch": self.diverged_epoch, "train_loss": None, "val_map": None,
                           "test_map": None, "diverged": True})
-        return lines[first - 1 :]
+        if self.start is not None:
+            lines.insert(0, {**keys, "epoch": 0, "train_loss": None, **self.start})
+        return [line for line in lines if line["epoch"] >= first]
 
 
 def stops_early(record: HeadRecord, rule: str, margin: float) -> bool:

@@ -107,7 +107,7 @@ def test_offline_enum_weights_fail_fast_naming_the_way_out(tmp_path, monkeypatch
         build_trunk("IMAGENET1K_V1")
     message = str(error.value)
     assert "resnet50-0676ba61.pth" in message and str(tmp_path) in message and "TORCH_HOME" in message
-    assert "--weights PATH" in message
+    assert "--weights PATH" in message and "--weights none" in message
     assert not (tmp_path / "hub" / "checkpoints" / "resnet50-0676ba61.pth").exists()
 
 

@@ -57,14 +57,24 @@ def test_names_pick_families_and_slugs_keep_find_cache_working(tmp_path):
 
 @pytest.mark.parametrize("name, message", [
     ("resnet5", "not a torchvision classification model"),
-    ("foo:bar", "unknown family 'foo'"),
+    ("foo:bar", "unknown backbone family 'foo'"),
     ("timm:no_such_net", "timm has no such model"),
-    ("clip:No-Such-Arch/openai", "open_clip has no model"),
+    ("clip:No-Such-Arch/openai", "open_clip has no such model"),
 ])  # fmt: skip
 def test_bad_names_are_one_line(name, message):
     with pytest.raises(SpmlError, match=message) as error:
         backbones.describe(name, "none")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("resnet05", "resnet50"), ("vit_b_61", "vit_b_16"), ("tim:resnet10t", "timm"),
+    ("timm:resnet10", "resnet10t"), ("clip:ViT-B-61/openai", "ViT-B-16"),
+])  # fmt: skip
+def test_a_misspelt_backbone_gets_the_closest_name(typed, meant):
+    with pytest.raises(SpmlError) as error:
+        backbones.describe(typed, "none")
+    assert f"(did you mean {meant}?)" in str(error.value)
 
 
 def test_a_missing_extra_names_the_pip_command(monkeypatch):
@@ -105,7 +115,7 @@ def test_torchvision_enum_weights_offline_name_the_file(monkeypatch, tmp_path):
     monkeypatch.setenv("SPML_OFFLINE", "1")
     described = backbones.describe("resnet18", None, 32)
     assert described.provenance == "IMAGENET1K_V1"
-    with pytest.raises(SpmlError, match=r"resnet18-f37072fd\.pth.*TORCH_HOME=.*SPML_OFFLINE is set"):
+    with pytest.raises(SpmlError, match=r"resnet18-f37072fd\.pth.*TORCH_HOME=.*SPML_OFFLINE is set.*--weights none"):
         backbones.build(described)
     with pytest.raises(SpmlError, match="resnet18's weights are IMAGENET1K_V1"):
         backbones.describe("resnet18", "IMAGENET9K", 32)
@@ -134,7 +144,7 @@ def test_timm_weights_missing_offline_are_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(SpmlError, match="not in the hub cache .*HF_HUB_OFFLINE is set.*--weights PATH") as error:
         backbones.build(backbones.describe("timm:resnet10t", "pretrained", 32))
-    assert "\n" not in str(error.value)
+    assert "\n" not in str(error.value) and "--weights none" in str(error.value)
 
 
 def test_clip_rows_are_features_then_the_normalised_embedding(tiny_clip):
@@ -226,3 +236,4 @@ def test_clip_weights_missing_offline_are_one_line_naming_the_hub_repository(mon
     with pytest.raises(SpmlError, match=r"\(timm/resnet50_clip.openai\) are not in the hub cache") as error:
         backbones.build(described)
     assert "\n" not in str(error.value) and "ERROR" not in capfd.readouterr().err
+    assert "--weights none" in str(error.value)

@@ -61,6 +61,9 @@ def test_finetune_on_cuda_gives_finite_results(world, tmp_path):
                        lrs=[1e-4], batch_sizes=[8], device="cuda", out=tmp_path)
     entry = results["losses"]["an_ls"]
     assert entry["selected"] is not None and math.isfinite(entry["test_map"]) and math.isfinite(entry["val_map"])
+    # epoch 0, before any step: the linear head on the (seeded random) trunk that made the cache, on the same GPU
+    for key in ("val_map", "test_map"):
+        assert entry["start"][key] == pytest.approx(linear.results["losses"]["an_ls"][key], abs=0.1), key
     table = report.build_table(report.collect_runs([tmp_path]))
     cells = [cell for _, row in table.rows for cell in row.values()]
     assert len(cells) == 2 and all(math.isfinite(cell.mean) for cell in cells)

@@ -1,6 +1,7 @@
 """`spml-cache demo`: the whole pipeline from a subprocess, at a tiny size (hidden size flags)."""
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,33 @@ def test_demo_end_to_end(tmp_path):
     # each loss's result once in the final table (not also in a summary table), and warnings as one line each
     assert done.stdout.count("linear heads: best config per loss") == 0
     assert "RandomWeightsWarning" not in done.stderr and "build_trunk" not in done.stderr
+    # stage three says where it started: epoch 0, the linear head before any step
+    assert "epoch 0/1 (the starting model, before any step): val mAP" in done.stdout
+    go_on_from_the_demo(tmp_path, done.stdout, loss, run_dir.relative_to(tmp_path))
+
+
+def go_on_from_the_demo(folder: Path, stdout: str, loss: str, linear_run: Path) -> None:
+    """The demo's last lines name its folders and commands that work when pasted where it ran: run each."""
+    lines = stdout.rstrip().splitlines()
+    cache_line = f"cache: {Path('out', 'cache', 'voc-resnet50-32.h5')}; runs: {Path('out', 'runs')}"
+    start = lines.index(next(line for line in lines if line.startswith(cache_line)))
+    assert "export SPML_CACHE=out/cache" in lines[start + 1]
+    commands = [shlex.split(line) for line in lines[start + 2:]]
+    assert [command[:2] for command in commands] == [["spml-cache", "linear"], ["spml-cache", "finetune"],
+                                                     ["spml-cache", "report"]]
+    assert f"--from {linear_run} --loss {loss}" in shlex.join(commands[1])
+    before = set((folder / "out" / "runs" / "voc").iterdir())
+    for command in commands:
+        done = run_cli(*command[1:], cwd=folder, env={"TORCH_HOME": str(folder / "torch-home")})
+        assert done.returncode == 0, (command, done.stderr)
+    made = sorted(path.name.split("-")[0] for path in set((folder / "out" / "runs" / "voc").iterdir()) - before)
+    assert made == ["finetune", "linear"]
+    # and the SPML_CACHE form: `--dataset voc` finds the demo's cache
+    linear = commands[0][1:]
+    at = linear.index("--cache")
+    done = run_cli(*linear[:at], *linear[at + 2:], "--dataset", "voc", "--epochs", "1", cwd=folder,
+                   env={"SPML_CACHE": str(Path("out", "cache"))})
+    assert done.returncode == 0, done.stderr
 
 
 def test_demo_never_replaces_a_real_dataset(tmp_path):

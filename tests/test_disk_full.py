@@ -46,6 +46,18 @@ def fill(folder, leave: int):
     return filler
 
 
+def linear_stopped_by_full_disk(cache_path, disk, **grid):
+    """`linear` into `disk` until it is full: the one line names a file of the run and the command that goes on;
+    returns the run directory."""
+    with pytest.raises(DiskFull) as full:
+        run_linear(cache=cache_path, out=disk, console=quiet(), **grid)
+    (run_dir,) = (disk / "voc").iterdir()
+    assert re.fullmatch(rf"no space left on the disk to write {re.escape(str(run_dir))}/\S+ \([\d.]+ MiB free\):"
+                        rf" free some space, then go on with: spml-cache linear --resume {re.escape(str(run_dir))}",
+                        str(full.value))
+    return run_dir
+
+
 def test_extract_on_a_full_disk_stops_before_writing(small_disk, tmp_path):
     from spml_cache.demo.data import make_demo_data
 
@@ -63,12 +75,7 @@ def test_linear_on_a_disk_that_fills_mid_run_says_so_and_goes_on(small_disk, tmp
     cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20)
     whole = run_linear(cache=cache_path, out=tmp_path / "whole", console=quiet(), **GRID)
     filler = fill(small_disk, leave=24 * 1024)  # the run's first files and a part or two
-    with pytest.raises(DiskFull) as full:
-        run_linear(cache=cache_path, out=small_disk, console=quiet(), **GRID)
-    (run_dir,) = (small_disk / "voc").iterdir()
-    assert re.fullmatch(rf"no space left on the disk to write {re.escape(str(run_dir))}/\S+ \([\d.]+ MiB free\):"
-                        rf" free some space, then go on with: spml-cache linear --resume {re.escape(str(run_dir))}",
-                        str(full.value))
+    run_dir = linear_stopped_by_full_disk(cache_path, small_disk, **GRID)
     assert (run_dir / "labels.npz").exists()  # written first: report's figures need it
     filler.unlink()
     resumed = run_linear(resume=run_dir, console=quiet())

@@ -15,7 +15,7 @@ from extract_support import write_numbered_csv_dataset
 from spml_cache import cache
 from spml_cache.backbones import resnet50
 from spml_cache.extract import extract
-from spml_cache.extract.feed import THREAD_NAME, Feed
+from spml_cache.extract.feed import Feed, THREAD_NAME
 from spml_cache.extract.writer import HostRing
 from spml_cache.runtime.errors import Interrupted, SpmlError
 

@@ -16,8 +16,7 @@ from spml_cache.demo.data import make_demo_data
 from spml_cache.extract import extract
 from spml_cache.extract.plan import estimated_size, plan_rows
 from spml_cache.extract.shards import Shard
-from spml_cache.labels import SparseLabels, is_sparse, same
-from spml_cache.labels import dense as densified
+from spml_cache.labels import SparseLabels, dense as densified, is_sparse, same
 from spml_cache.linear import run_linear
 from spml_cache.observation import parse_rules
 from spml_cache.runtime.errors import SpmlError

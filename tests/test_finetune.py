@@ -26,9 +26,9 @@ from rich.console import Console
 from sklearn.metrics import average_precision_score
 
 from spml_cache import cache, extract, finetune, linear, losses, runs
+from spml_cache.backbones.checkpoints import RandomWeightsWarning
 from spml_cache.demo import data as demo_data
-from spml_cache.finetune import images as data
-from spml_cache.finetune import parallel
+from spml_cache.finetune import images as data, parallel
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.finetune.start import role_theta_handover
 from spml_cache.runtime.errors import Interrupted, SpmlError
@@ -150,15 +150,32 @@ def test_cli_run_names_its_start_and_selects_the_best_val_epoch(world, cli_run):
         f"{runs.read_json(world.linear / 'results.json')['losses']['role']['val_map']:.2f})")
     names = {p.name for p in cli_run.run_dir.iterdir()}
     assert names == {"config.json", "env.json", "metrics.jsonl", "results.json", "best.pt", "scores", "labels.npz"}
-    assert [m["epoch"] for m in cli_run.metrics] == [1, 2]
+    assert [m["epoch"] for m in cli_run.metrics] == [0, 1, 2]  # epoch 0: the start, never selected
+    trained = cli_run.metrics[1:]
     best = 0  # the first epoch of the highest val mAP: a later one replaces it only when strictly greater
-    for i, line in enumerate(cli_run.metrics):
-        if line["val_map"] > cli_run.metrics[best]["val_map"]:
+    for i, line in enumerate(trained):
+        if line["val_map"] > trained[best]["val_map"]:
             best = i
     role = cli_run.results["losses"]["role"]
     assert role["best_epoch"] == [best + 1]
-    assert role["val_map"] == pytest.approx(cli_run.metrics[best]["val_map"])
-    assert role["test_map"] == pytest.approx(cli_run.metrics[best]["test_map"])
+    assert role["val_map"] == pytest.approx(trained[best]["val_map"])
+    assert role["test_map"] == pytest.approx(trained[best]["test_map"])
+
+
+def test_epoch_0_scores_the_start_as_the_linear_run_did(world, cli_run):
+    """LinearInit's model before any step is the linear run's role head on the trunk that made the cache: scored
+    from the images on the same device, it gives that run's val and test mAP (within 0.1)."""
+    linear_role = runs.read_json(world.linear / "results.json")["losses"]["role"]
+    tuned = cli_run.results["losses"]["role"]
+    start = tuned["start"]
+    assert start["val_map"] == pytest.approx(linear_role["val_map"], abs=0.1)
+    assert start["test_map"] == pytest.approx(linear_role["test_map"], abs=0.1)
+    first = cli_run.metrics[0]
+    assert first["train_loss"] is None and [first["val_map"], first["test_map"]] == [start["val_map"], start["test_map"]]
+    assert (f"seed 0 epoch 0/2 (the starting model, before any step): val mAP {start['val_map']:.2f}, test mAP"
+            f" {start['test_map']:.2f}") in cli_run.stdout
+    assert tuned["below_start"] == (tuned["test_map"] < start["test_map"])
+    assert ("below its start" in cli_run.stdout) == tuned["below_start"]
 
 
 def sklearn_map(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -193,7 +210,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(world, cli_run, monkey
 
     def killed_after_first_epoch(run_dir, rows):
         appended(run_dir, rows)
-        raise KeyboardInterrupt
+        if any(row["epoch"] >= 1 for row in rows):  # not at epoch 0's line, written before any step
+            raise KeyboardInterrupt
 
     monkeypatch.setattr(runs, "append_metrics", killed_after_first_epoch)
     out = world.base / "resumed"
@@ -221,7 +239,7 @@ def assert_same_run(run_dir: Path, reference, tolerance: float = 1e-6) -> None:
         (m["epoch"], m["lr"], m["batch_size"]) for m in reference.metrics]
     for got, want in zip(metrics, reference.metrics):
         for key in ("train_loss", "val_map", "test_map"):
-            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=tolerance), key
+            assert got[key] == (None if want[key] is None else pytest.approx(want[key], rel=1e-4, abs=tolerance)), key
     got = torch.load(run_dir / "best.pt", weights_only=True)["role"]
     want = torch.load(reference.run_dir / "best.pt", weights_only=True)["role"]
     assert got["epoch"] == want["epoch"]
@@ -410,7 +428,7 @@ def test_non_finite_scores_are_named_as_divergence_never_a_result(world, tmp_pat
     def nan_on_test_from_the_second_epoch(model, setup, split, *kept):
         logits = real(model, setup, split, *kept)
         scored.append(split)
-        if split == "test" and scored.count("test") >= 2:
+        if split == "test" and scored.count("test") >= 3:  # epoch 0 (the start), 1, then 2
             logits[0, 0] = float("nan")
         return logits
 
@@ -453,3 +471,51 @@ def test_a_text_side_loss_is_refused_in_one_line_with_or_without_a_clip_cache(wo
     with pytest.raises(SpmlError, match=r"clip:ViT-B-16/openai is a CLIP image tower, which spml-cache does not"
                                         r" fine-tune end to end"):
         finetune.finetune(init="imagenet", loss="vlpl", cache_path=clip, **common(world, out=tmp_path, epochs=1))
+
+
+def test_a_start_on_a_cache_without_checksum_notes_that_it_cannot_verify(world, tmp_path):
+    """A cache written before checksums existed (no content_hash attr) cannot be verified: said in a note (issue
+    36, item 6), where a sealed cache is verified in silence."""
+    import h5py
+
+    unsealed = tmp_path / "voc.h5"
+    shutil.copy(world.cache, unsealed)
+    with h5py.File(unsealed, "r+") as file:
+        del file.attrs["content_hash"]
+    classes = len(world.features.classes)
+    head = {"weight": torch.zeros(classes, 2048), "bias": torch.zeros(classes)}
+    older = write_linear_run(tmp_path / "runs" / "voc" / "linear-role-20240101-000000", unsealed, {"role": head})
+    processes = parallel.Processes(0, 1, torch.device("cpu"))
+    for run, noted in ((older, True), (world.linear, False)):
+        options = FinetuneOptions(from_run=run, loss="role", weights=str(world.weights))
+        setup = resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0, processes=processes)
+        cache_path = unsealed if noted else world.cache
+        expected = [f"note: cannot verify {cache_path}: it has no content checksum (written before checksums existed),"
+                    " so a changed or swapped cache would go unnoticed; extract it again to give it one"]
+        assert [note for note in setup.notes if "cannot verify" in note] == (expected if noted else [])
+
+
+def test_a_random_trunk_says_batchnorm_training_moves_its_features(world, tmp_path):
+    def notes(weights):
+        options = FinetuneOptions(from_run=world.linear, loss="role", weights=weights)
+        return resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0,
+                       processes=parallel.Processes(0, 1, torch.device("cpu"))).notes
+
+    with pytest.warns(RandomWeightsWarning):
+        random_trunk = notes("none")
+    assert any("--weights none" in note and "BatchNorm statistics" in note for note in random_trunk)
+    assert not any("BatchNorm" in note for note in notes(str(world.weights)))
+
+
+def test_the_summary_line_marks_a_result_that_ended_below_its_start():
+    from spml_cache.cli.text import finetune_summary
+
+    entry = {"selected": {"lr": 1e-5, "batch_size": 8}, "val_map": 9.5, "val_map_std": 0.0, "test_map": 10.07,
+             "test_map_std": 0.0, "best_epoch": [1], "start": {"val_map": 40.0, "test_map": 38.40}}
+    for below in (True, False):
+        console = Console(file=io.StringIO(), width=300)
+        for line in finetune_summary({"run_dir": "runs/x[/]y", "losses": {"an_ls": {**entry, "below_start": below}}}):
+            console.print(line)
+        text = console.file.getvalue()
+        assert ("below its start (epoch 0: test mAP 38.40) -> runs/x[/]y" in text) == below
+        assert text.startswith("an_ls lr 1e-05, batch 8: val mAP 9.50") and "-> runs/x[/]y" in text

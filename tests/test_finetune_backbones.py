@@ -16,8 +16,7 @@ from rich.console import Console
 
 from spml_cache import cache, extract, finetune, linear
 from spml_cache.demo import data as demo_data
-from spml_cache.finetune import images as data
-from spml_cache.finetune import parallel
+from spml_cache.finetune import images as data, parallel
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.runtime.errors import SpmlError
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from spml_cache import cache, extract, finetune
+from spml_cache import cache, extract, finetune, metrics
+from spml_cache import labels as label_matrices
 from spml_cache.demo import data as demo_data
 from spml_cache.finetune import labels as finetune_labels
 from spml_cache.labels import SparseLabels
@@ -84,7 +85,7 @@ def assert_close(first, second, where="") -> None:
 def test_sparse_and_dense_labels_fine_tune_alike(world, one_thread, loss, masked):
     dense, stored = (fine_tuned(world, loss, labels, masked) for labels in ("dense", "sparse"))
     assert isinstance(cache.load(world.caches[("sparse", masked)]).train.observed, SparseLabels)
-    assert dense["entry"]["selected"] is not None and len(dense["metrics"]) == 2
+    assert dense["entry"]["selected"] is not None and len(dense["metrics"]) == 3  # epochs 0 (the start), 1, 2
     assert_close(dense["entry"], stored["entry"], loss)
     assert_close(dense["metrics"], stored["metrics"], "metrics")
     for split, values in dense["scores"].items():
@@ -93,17 +94,23 @@ def test_sparse_and_dense_labels_fine_tune_alike(world, one_thread, loss, masked
     assert (dense["run_dir"] / "labels.npz").is_file() and not (stored["run_dir"] / "labels.npz").exists()
 
 
-def test_a_sparse_split_is_scored_in_blocks_of_classes(monkeypatch):
+def test_a_split_is_scored_in_blocks_of_classes_as_if_at_once(monkeypatch):
+    """labels.average_precision scores a block of classes at a time, dense or sparse: the same AP and mAP as
+    metrics.py over the whole matrix at once."""
     rng = np.random.default_rng(0)
     labels = (rng.random((30, 7)) < 0.3).astype(np.uint8)
     mask = (rng.random((30, 7)) < 0.7).astype(np.uint8)
     scores = torch.from_numpy(rng.random((30, 7)).astype(np.float32))
-    monkeypatch.setattr(finetune_labels, "SCORED_BLOCK_ENTRIES", 30 * 3)  # blocks of 3, 3 and 1 classes
+    monkeypatch.setattr(label_matrices, "SCORED_BLOCK_ENTRIES", 30 * 3)  # blocks of 3, 3 and 1 classes
     for given_mask in (None, mask):
-        dense_ap, dense_map = finetune_labels.split_ap(scores, labels, given_mask)
+        whole_mask = None if given_mask is None else torch.from_numpy(given_mask)
+        whole_ap = metrics.average_precision(scores, torch.from_numpy(labels), whole_mask)
+        scored = None if given_mask is None else metrics.scored_classes(torch.from_numpy(labels), whole_mask)
+        whole_map = float(metrics.mean_over_classes(whole_ap, scored))
         sparse_mask = None if given_mask is None else SparseLabels.from_dense(given_mask)
-        sparse_ap, sparse_map = finetune_labels.split_ap(scores, SparseLabels.from_dense(labels), sparse_mask)
-        assert torch.equal(dense_ap, sparse_ap) and dense_map == sparse_map
+        for matrix, matrix_mask in ((labels, given_mask), (SparseLabels.from_dense(labels), sparse_mask)):
+            ap, mean = label_matrices.average_precision(scores, matrix, matrix_mask)
+            assert torch.equal(ap, whole_ap) and mean == whole_map
 
 
 def test_a_sparse_batch_is_built_from_its_rows():
@@ -117,7 +124,7 @@ def test_a_sparse_batch_is_built_from_its_rows():
         (dense_observed, dense_full), (sparse_observed, sparse_full) = (
             labels.batch(index, index.to(device), oracle) for labels in (dense, stored))
         assert torch.equal(dense_observed, sparse_observed) and sparse_observed.dtype == torch.int8
-        assert torch.equal(dense_full, sparse_full) if oracle else sparse_full is None
+        assert torch.equal(dense_full, sparse_full) if oracle else dense_full is None and sparse_full is None
     assert finetune_labels.loss_observed("an", SparseLabels.from_dense(observed)) is None
     assert torch.equal(finetune_labels.loss_observed("an", observed), torch.from_numpy(observed))
     assert torch.equal(finetune_labels.loss_observed("role", SparseLabels.from_dense(observed)),

@@ -9,8 +9,7 @@ import torch
 
 from cli_support import run_cli
 from linear_support import write_synthetic_cache
-from spml_cache import losses
-from spml_cache import cli
+from spml_cache import cli, losses
 from spml_cache.linear import run_linear
 from spml_cache.runtime.errors import SpmlError
 
@@ -40,6 +39,15 @@ def test_loss_all_runs_every_registered_loss(tmp_path, tiny_cache):
     assert len(lines) == len(trainable) * 4 * 2  # losses x (2 lrs x 2 batch sizes) x epochs
     assert sorted(p.stem for p in (run_dir / "scores").iterdir()) == sorted(trainable)
     assert "test mAP" in done.stdout and "role" in done.stdout
+
+
+def test_a_bracketed_out_folder_is_a_path_not_rich_markup(tmp_path, tiny_cache):
+    done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", "1e-2", "--batch-size", "8",
+                   "--epochs", "1", "--out", "x[/]y", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "x[" / "]y" / "voc").iterdir()
+    assert json.loads((run_dir / "results.json").read_text())["complete"] is True
+    assert f"run directory: x[/]y/voc/{run_dir.name}" in done.stdout
 
 
 def test_dataset_finds_its_cache_in_spml_cache(tmp_path, tiny_cache):

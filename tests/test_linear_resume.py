@@ -57,7 +57,7 @@ def test_resume_gives_the_uninterrupted_run(tmp_path, tiny_cache, monkeypatch):
     assert not (run_dir / "results.json").exists() and len(list((run_dir / "jobs").glob("*.pt"))) == 3
 
     # Another process layout on resume (two worker processes): the parts are independent, so nothing changes.
-    resumed = run_linear(resume=run_dir, workers=2, console=quiet(), losses="ignored on resume", lrs=[])
+    resumed = run_linear(resume=run_dir, workers=2, console=quiet())
     assert resumed.run_dir == run_dir and not (run_dir / "jobs").exists()
     assert without_seconds(resumed.results) == without_seconds(whole.results)
     first, second = (torch.load(r.run_dir / "best.pt", weights_only=True) for r in (whole, resumed))
@@ -123,3 +123,69 @@ def test_resume_refuses_a_cache_whose_contents_changed(tmp_path, tiny_cache, mon
         run_linear(resume=run_dir, console=quiet())
     shutil.copy(tiny_cache, cache_path)  # the original back: the run goes on
     assert run_linear(resume=run_dir, console=quiet()).results["complete"]
+
+
+# Each flag beside --resume with a value the run was not started with (the run: an,role, lrs 1e-2,1e-3, batch
+# sizes 4,8, 2 epochs, 2 seeds, single, clean, exact, 200KB), and the setting the refusal names.
+CONTRADICTING = [
+    (["--loss", "an"], "--loss an", "an,role"), (["--lr", "1e-3"], "--lr 0.001", "0.01,0.001"),
+    (["--batch-size", "4,8,16"], "--batch-size 4,8,16", "4,8"), (["--epochs", "3"], "--epochs 3", "2"),
+    (["--seeds", "1"], "--seeds 1", "2"), (["--observe", "entry:0.5"], "--observe entry:0.5", "single"),
+    (["--val-labels", "observed"], "--val-labels observed", "clean"),
+    (["--fidelity", "authors"], "--fidelity authors", "exact"),
+    (["--hp", "role.lr_mult=5"], "--hp role.lr_mult=5", "10"),
+    (["--memory-budget", "1GB"], "--memory-budget 1GB", "200KB"),
+    (["--chunk-rows", "16"], "--chunk-rows 16", "40"),  # 200KB: the train rows stream, one chunk of all 40
+    (["--wd", "0,1e-4"], "--wd 0,0.0001", "0"),  # a run without the weight decay axis: 0 alone
+]
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, tiny_cache):
+    """A run of GRID under a 200KB budget, stopped after its first part (in its own module-scoped folder)."""
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        return interrupted_run(tmp_path_factory.mktemp("stopped"), tiny_cache, monkeypatch, 1, memory_budget="200KB",
+                               **GRID)
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("flags, given, theirs", CONTRADICTING)
+def test_resume_refuses_a_flag_that_contradicts_the_run_in_one_line(tmp_path, stopped_run, monkeypatch, capsys,
+                                                                     flags, given, theirs):
+    from cli_support import run_main
+
+    code, err = run_main("linear", "--resume", str(stopped_run), *flags, cwd=tmp_path, monkeypatch=monkeypatch,
+                         capsys=capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1, err
+    assert f"{given} contradicts the run's {theirs}" in lines[0] and f"leave out {flags[0]}" in lines[0], lines[0]
+    assert str(stopped_run) in lines[0]
+    assert len(KeptParts(stopped_run).read()) == 1  # nothing trained, nothing written
+
+
+def test_resume_refuses_another_cache(tmp_path, stopped_run, monkeypatch, capsys):
+    from cli_support import run_main
+
+    other = write_synthetic_cache(tmp_path / "other.h5", train=40, val=16, test=20, seed=1)
+    code, err = run_main("linear", "--resume", str(stopped_run), "--cache", str(other), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "--cache" in err and "leave out --cache" in err, err
+
+
+def test_resume_takes_the_stored_budget_and_accepts_flags_that_agree(tmp_path, tiny_cache, monkeypatch):
+    """The budget is kept in config.json and a resume plans with it, not with the memory free now; flags that
+    repeat the run's own settings are accepted."""
+    from spml_cache.linear import run as linear_run
+
+    whole = run_linear(cache=tiny_cache, out=tmp_path / "whole", console=quiet(), memory_budget="200KB", **GRID)
+    run_dir = interrupted_run(tmp_path / "cut", tiny_cache, monkeypatch, 3, memory_budget="200KB", **GRID)
+    assert json.loads((run_dir / "config.json").read_text())["memory_budget"] == 200 * 2**10
+    budgets, load_within = [], linear_run.load_within
+    monkeypatch.setattr(linear_run, "load_within", lambda path, budget, *rest: budgets.append(budget)
+                        or load_within(path, budget, *rest))
+    agreeing = dict(losses=["an", "role"], lrs=[0.01, 0.001], epochs=2, seeds=2, memory_budget="200KB", wds=[0])
+    resumed = run_linear(resume=run_dir, console=quiet(), **agreeing)
+    assert budgets == [200 * 2**10]
+    assert without_seconds(resumed.results) == without_seconds(whole.results)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -163,19 +164,33 @@ def test_a_val_split_that_cannot_select_is_refused(tmp_path, val, positives):
     assert not (tmp_path / "voc").exists()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
-def test_linear_under_torchrun_shares_the_parts_and_gives_the_one_process_results(tmp_path):
-    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20)
-    grid = dict(losses=["an", "role"], lrs=[1e-2, 1e-3], batch_sizes=[4, 8], epochs=2, seeds=2)
+def torchrun(*args: str) -> list[str]:
+    """`torchrun --standalone --nproc-per-node 2 -m spml_cache ARGS`, as a command line."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+            "spml_cache", *args]
+
+
+def torchrun_env() -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
     env.update(PYTHONPATH=str(REPO), COLUMNS="400")
+    return env
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
+@pytest.mark.parametrize("budget", [None, "200KB"], ids=["in-memory", "lr-groups"])
+def test_linear_under_torchrun_shares_the_parts_and_gives_the_one_process_results(tmp_path, budget):
+    """Two gloo processes share the parts; under a budget the heads do not fit (200KB), each part's lr groups train
+    in turn on the process that has the part (they used to be trained by both, and rank 0 ended with KeyError)."""
+    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20)
+    grid = dict(losses=["an", "role"], lrs=[1e-2, 1e-3], batch_sizes=[4, 8], epochs=2, seeds=2, memory_budget=budget)
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "spml_cache",
-         "linear", "--cache", str(cache_path), "--loss", "an,role", "--lr", "1e-2,1e-3", "--batch-size", "4,8",
-         "--epochs", "2", "--seeds", "2", "--device", "cpu", "--out", str(tmp_path / "two")],
-        env=env, capture_output=True, text=True, timeout=300)
+        torchrun("linear", "--cache", str(cache_path), "--loss", "an,role", "--lr", "1e-2,1e-3", "--batch-size",
+                 "4,8", "--epochs", "2", "--seeds", "2", "--device", "cpu", "--out", str(tmp_path / "two"),
+                 *(["--memory-budget", budget] if budget else [])),
+        env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("run directory:") == 1  # rank 0 reports for both
+    assert ("lr of one batch size at a time" in done.stdout + done.stderr) == (budget is not None)
     (run_dir,) = (tmp_path / "two" / "voc").iterdir()
     whole = run_linear(cache=cache_path, out=tmp_path / "one", console=quiet(), **grid)
     shared = json.loads((run_dir / "results.json").read_text())
@@ -183,3 +198,89 @@ def test_linear_under_torchrun_shares_the_parts_and_gives_the_one_process_result
     assert strip(shared) == strip(whole.results)
     lines = lambda path: sorted((path / "metrics.jsonl").read_text().splitlines())
     assert lines(run_dir) == lines(whole.run_dir)
+
+
+
+def torchrun_training(tmp_path) -> subprocess.Popen:
+    """A long `linear` under torchrun with 2 CPU processes, in its own process group; returns once rank 0 trains
+    (the run directory's labels are written right before the first step)."""
+    import time
+
+    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=600, val=40, test=40, dim=32)
+    process = subprocess.Popen(
+        torchrun("linear", "--cache", str(cache_path), "--loss", "an", "--lr", "1e-2,1e-3", "--batch-size", "4,8",
+                 "--epochs", "300", "--device", "cpu", "--out", "runs"),
+        cwd=tmp_path, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "runs").glob("voc/*/labels.npz")):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    return process
+
+
+def tools_line(tmp_path, output: str) -> str:
+    """Rank 0's one line: what was kept and the command that goes on."""
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    ours = [line for line in output.splitlines() if line.startswith("interrupted: ")]
+    assert len(ours) == 1 and f"go on with: spml-cache linear --resume runs/voc/{run_dir.name}" in ours[0], output
+    return ours[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
+def test_ctrl_c_under_torchrun_ends_with_the_tools_line(tmp_path):
+    """A Ctrl-C reaches torchrun and its processes, and torchrun passes it on again: rank 0 takes both as one stop
+    and says what was kept and how to go on (it used to end at once on the copy, silently, leaving torchrun's
+    traceback alone on the screen); torchrun then adds its own words (README.md, torchrun)."""
+    import signal
+
+    process = torchrun_training(tmp_path)
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+    tools_line(tmp_path, process.communicate(timeout=60)[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
+def test_a_killed_process_under_torchrun_leaves_the_tools_line_in_torchruns_report(tmp_path):
+    """torchrun stops the others when one process dies; rank 0 says what was kept, and torchrun's failure report
+    shows that line as rank 0's message (it showed a link to torchrun's docs)."""
+    import signal
+
+    process = torchrun_training(tmp_path)
+    workers = [int(child) for task in Path(f"/proc/{process.pid}/task").glob("*")
+               for child in (task / "children").read_text().split()]
+    ranks = {int(dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                      if "=" in line)["RANK"]): pid for pid in workers}
+    os.kill(ranks[1], signal.SIGKILL)
+    output = process.communicate(timeout=60)[0]
+    line = tools_line(tmp_path, output)
+    assert f"traceback : {line}" in output, output
+
+
+def test_a_process_lost_while_rank_0_gathers_is_a_stop_with_the_tools_line(tmp_path, monkeypatch):
+    """gloo's error when another process ended mid-exchange ("Connection closed by peer") becomes `PeerLost`, and
+    rank 0 says what was kept and how to go on, as for a stop (it was `error: RuntimeError: ...`)."""
+    import torch.distributed as dist
+
+    from spml_cache.linear import run as linear_run
+    from spml_cache.runtime import ranks as ranks_module
+    from spml_cache.runtime.errors import Interrupted
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+
+    class RankZeroOfTwo(ranks_module.Ranks):
+        def broadcast(self, value):  # every process plans the same parts: nothing to exchange with itself
+            return value
+
+    monkeypatch.setattr(dist, "gather_object", closed)
+    monkeypatch.setattr(linear_run, "current_ranks", lambda: RankZeroOfTwo(0, 2, 0))
+    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20)
+    with pytest.raises(Interrupted) as stopped:
+        run_linear(cache=cache_path, out=tmp_path / "runs", console=quiet(), losses=["an"], lrs=[1e-2],
+                   batch_sizes=[4, 8], epochs=1)
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert stopped.value.kept == ("another process of this torchrun command ended ([gloo/transport/tcp/pair.cc:534]"
+                                  f" Connection closed by peer [127.0.0.1]:29500): 1 of 2 (loss, seed, batch size)"
+                                  f" parts are kept in {run_dir}")
+    assert stopped.value.command == f"spml-cache linear --resume {run_dir}"

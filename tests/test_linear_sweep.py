@@ -11,8 +11,7 @@ from linear_support import quiet, write_synthetic_cache
 from spml_cache import cache
 from spml_cache.linear import run_linear
 from spml_cache.linear.engine import LinearData, SeedRun
-from spml_cache.runs import newest_run
-from spml_cache.runs import read_linear_head
+from spml_cache.runs import newest_run, read_linear_head
 from spml_cache.runtime.errors import SpmlError
 
 GRID = dict(lrs=[1e-1, 1e-2], batch_sizes=[4, 8], epochs=3)

@@ -91,8 +91,9 @@ CROPS = np.array([  # 3 images x 4 crops (a 2 x 2 grid) x 5 classes
 ])
 
 
-def aevlp_labels(temperature, eta, threshold, top_k, negatives, crops=None):
-    """AEVLP's pseudo-labelling restated per image: 1, -1 or 0 for each class."""
+def aevlp_labels(temperature, eta, threshold, top_k, negatives, crops=None, negative_label=-1):
+    """AEVLP's pseudo-labelling restated per image: 1, -1 or 0 for each class (the negatives, written after the
+    positives, as `negative_label`: -1 in the paper, 0 in the authors' code)."""
     out = []
     for n in range(3):
         g = softmax_row(SIMILARITY[n], temperature)
@@ -112,7 +113,7 @@ def aevlp_labels(temperature, eta, threshold, top_k, negatives, crops=None):
         for c in sorted(range(5), key=lambda c: -final[c])[:top_k]:
             labels[c] = 1 if final[c] >= threshold else 0
         for c in sorted(range(5), key=lambda c: negative[c])[:negatives]:
-            labels[c] = -1
+            labels[c] = negative_label
         out.append([0 if OBSERVED[n, c] != 0 else labels[c] for c in range(5)])
     return out
 
@@ -189,6 +190,17 @@ def test_gpr_authors_fidelity_writes_negatives_as_zero():
     assert (paper.pseudo_label == -1).any()
     assert not (authors.pseudo_label == -1).any()
     assert torch.equal(authors.pseudo_label == 1, paper.pseudo_label == 1)
+
+
+def test_gpr_authors_fidelity_clears_a_pseudo_positive_among_the_negatives():
+    # every class reaches the threshold, so the two lowest negative scores fall on pseudo-positives
+    options = dict(temperature=0.05, eta=0.3, threshold=0.0, top_k=5, negative_ratio=0.4)
+    loss = build("gpr", dataset="coco", train_crop_similarity=torch.tensor(CROPS), fidelity="authors", **options)
+    expected = aevlp_labels(0.05, 0.3, 0.0, 5, 2, crops=CROPS, negative_label=0)
+    assert loss.pseudo_label[0].tolist() == expected
+    positives = aevlp_labels(0.05, 0.3, 0.0, 5, 0, crops=CROPS)  # the positives alone, before the negatives
+    cleared = [(n, c) for n in range(3) for c in range(5) if positives[n][c] == 1 and expected[n][c] == 0]
+    assert cleared  # the case in question occurs: a pseudo-positive the negatives' 0 took away
 
 
 def test_gpr_refuses_lambda2_above_lambda1():

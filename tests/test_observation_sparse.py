@@ -15,7 +15,7 @@ from spml_cache.runtime.errors import SpmlError
 
 ROWS, CLASSES = 60, 1200
 RULES = ["single", "uniform:pos=2,neg=3", "uniform:pos=all,neg=all", "entry:0.05", "keep-pos:0.3", "per-class:2",
-         "per-class:0", "uniform:pos=1,neg=5,seed=7"]
+         "per-class:1", "uniform:pos=1,neg=5,seed=7"]
 
 
 def full_labels(seed=0, rows=ROWS, classes=CLASSES):

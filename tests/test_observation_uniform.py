@@ -74,7 +74,9 @@ def test_rule_texts_are_canonical_and_the_list_splits_on_rules_not_parameters():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("singel", "unknown rule 'singel'; use one of single, uniform:pos=K,neg=M, entry:P"),
+    ("singel", "unknown rule 'singel' (did you mean single?); use one of single, uniform:pos=K,neg=M, entry:P"),
+    ("entri:0.1", "unknown rule 'entri' (did you mean entry?); use one of single"),
+    ("zzz", "unknown rule 'zzz'; use one of single"),  # nothing close: no suggestion
     ("uniform:pos=-2", "pos must be a whole number >= 0, or all (-1), got -2"),
     ("uniform:pos=1.5", "pos must be a whole number >= 0, or all (-1), got 1.5"),
     ("uniform:pos=1,nag=2", "'nag=2' is not a parameter of uniform"),

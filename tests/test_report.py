@@ -197,6 +197,23 @@ def test_finetune_from_imagenet_is_its_own_column(tmp_path):
     assert table.notes == []  # two experiments, not a newer run of the same one
 
 
+def test_a_fine_tuned_row_that_ends_below_its_start_is_marked(tmp_path):
+    run = make_run(tmp_path, "voc", "finetune", {"an_ls": [10.07], "role": [60.0]}, stamp="20240101-000000",
+                   init="best")
+    results = json.loads((run / "results.json").read_text())
+    starts = {"an_ls": 38.40, "role": 55.0}  # an_ls fell from its start (the demo's case), role rose above its own
+    for loss, start in starts.items():
+        results["losses"][loss]["start"] = {"val_map": 40.0, "test_map": start}
+    (run / "results.json").write_text(json.dumps(results))
+    console = Console(file=io.StringIO(), width=200)
+    report.print_report([tmp_path], console=console)
+    text = console.file.getvalue()
+    below = [loss for loss, start in starts.items() if results["losses"][loss]["test_map"] < start]
+    assert below == ["an_ls"] and "10.07 ↓" in text and "60.00 ↓" not in text
+    assert "↓ an_ls, VOC fine-tuned: fine-tuning ended below its start (test mAP 38.40 before any step" in text
+    assert "↓ role" not in text
+
+
 def read_png_size(path):
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
@@ -419,3 +436,26 @@ def test_runs_with_the_authors_numerics_get_their_own_column(tmp_path):
     exact, theirs = (cells_by_loss(table, c.label)["an"] for c in table.columns)
     assert (exact.mean, theirs.mean) == (84.0, 80.0) and exact.paper == theirs.paper == 84.2
     assert table.notes == []  # not "the newest of two runs": two modes, two columns
+
+
+def test_a_run_whose_test_split_scored_no_class_is_n_a_and_never_ranked(tmp_path):
+    """A run trained before `linear` refused a test split without an annotated positive (issue 36): every test
+    mAP 0.00, which the table must not star as the best loss nor the figures rank."""
+    root = tmp_path / "runs"
+    make_run(root, "voc", "linear", {"role": [30.0]}, stamp="20240101-120000")
+    unscored = make_run(root, "voc", "linear", {"an": [0.0], "bce": [0.0]}, stamp="20240102-120000")
+    results = json.loads((unscored / "results.json").read_text())
+    results["partial_test_labels"] = {"annotated_fraction": 0.0, "classes_scored": 0, "classes_left_out": 5}
+    (unscored / "results.json").write_text(json.dumps(results))
+    voc = cells_by_loss(table_of([root]), "VOC linear")
+    assert {loss: report.cell_text(cell) for loss, cell in voc.items()} == {"bce": "n/a", "an": "n/a",
+                                                                              "role": "30.00"}
+    assert [loss for loss, cell in voc.items() if cell.best] == ["role"]  # scored, even below the 0.00s' rank
+    console = Console(file=io.StringIO(), width=200)
+    report.print_report([root], console=console)
+    assert "n/a *" not in console.file.getvalue() and "30.00 *" in console.file.getvalue()
+    alone = table_of([unscored])  # a column of n/a only: nothing is best
+    assert [cell.best for _, cells in alone.rows for cell in cells.values()] == [False, False]
+    # the figures leave it out too: no second scored single-positive loss, so no per-class AP comparison
+    written = plots.write_plots([root], tmp_path / "figures")
+    assert written and not [path for path in written if path.name.endswith("per_class_ap.png")]

@@ -91,3 +91,21 @@ def test_the_report_names_the_selected_weight_decay(tmp_path):
     table = report.build_table(collect.collect_runs([tmp_path]))
     (_, cells), = table.rows
     assert report.tables.cell_text(cells["VOC linear"]) == "80.00 (wd=0.0001)"
+
+
+@pytest.mark.parametrize("width", ["80", "120", "220"])
+def test_the_terminal_table_names_each_backbone_at_any_width(tmp_path, width):
+    # brackets in a column label are text, not rich markup: README's `VOC linear [clip:ViT-B-16/openai]`
+    for stamp, backbone in (("20250101-000000", "clip:ViT-B-32"), ("20250102-000000", "timm:resnet10t")):
+        run = make_run(tmp_path / "runs", "voc", "linear", {"an": [80.0]}, stamp=stamp, cache_id=f"cafe{stamp[-4:]}1")
+        with_backbone(run, backbone)
+    done = run_cli("report", cwd=tmp_path, env={"COLUMNS": width})
+    assert done.returncode == 0, done.stderr
+    assert "VOC linear [clip:ViT-B-32]" in done.stdout and "VOC linear [timm:resnet10t]" in done.stdout
+
+
+def test_a_bracketed_out_path_is_written_and_named(tmp_path):
+    make_run(tmp_path / "runs", "voc", "linear", {"an": [80.0], "role": [82.0]}, stamp="20250101-000000")
+    done = run_cli("report", "--out", "x[/]y/table.md", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "x[" / "]y" / "table.md").is_file() and "wrote x[/]y/table.md (2 losses" in done.stdout

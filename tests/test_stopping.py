@@ -50,20 +50,27 @@ def long_cache(tmp_path_factory):
                                  test=40, dim=32)
 
 
-def start_long_run(tmp_path: Path, cache_path: Path) -> tuple[subprocess.Popen, set[int]]:
-    """`spml-cache linear` of 3 losses x 40 epochs with 2 worker processes, in its own process group (as a
-    terminal starts it); returns once both workers are training."""
+def start_linear(tmp_path: Path, cache_path: Path, flags: list[str], ready) -> subprocess.Popen:
+    """`spml-cache linear --cache CACHE FLAGS` in its own process group (as a terminal starts it), its stderr in
+    err.txt; returns once `ready(process)`."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
     env.update(PYTHONPATH=str(REPO), COLUMNS="400")
     err = open(tmp_path / "err.txt", "w")
-    process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", "--cache", str(cache_path), *LONG],
+    process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", "--cache", str(cache_path), *flags],
                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     err.close()
     deadline = time.monotonic() + 120
-    while len(children(process.pid)) < 2:
+    while not ready(process):
         assert process.poll() is None, (tmp_path / "err.txt").read_text()
-        assert time.monotonic() < deadline, "the workers never started"
+        assert time.monotonic() < deadline, "training never started"
         time.sleep(0.02)
+    return process
+
+
+def start_long_run(tmp_path: Path, cache_path: Path) -> tuple[subprocess.Popen, set[int]]:
+    """`spml-cache linear` of 3 losses x 40 epochs with 2 worker processes; returns once both workers are
+    training."""
+    process = start_linear(tmp_path, cache_path, LONG, lambda process: len(children(process.pid)) >= 2)
     return process, children(process.pid)
 
 
@@ -192,3 +199,133 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_until_it_ignores_it(held):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert child.exitcode == (0 if held else 1)
+
+
+# --- a signal is a request the training loop takes at its next step -------------------------------------------
+
+OUT_OF_CORE = ["--loss", "an", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epochs", "300", "--workers", "1",
+               "--memory-budget", "200KB"]  # the features stream from the cache: h5py reads at every chunk
+IN_MEMORY = ["--loss", "an", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epochs", "300", "--workers", "1"]
+
+
+def start_training(tmp_path: Path, cache_path: Path, flags: list[str]) -> subprocess.Popen:
+    """`spml-cache linear FLAGS`; returns once its run directory holds the labels (written under the run's lock,
+    right before the first step)."""
+    return start_linear(tmp_path, cache_path, flags,
+                        lambda process: list((tmp_path / "runs").glob("voc/*/labels.npz")))
+
+
+@pytest.mark.parametrize("flags, signum, code, delay", [
+    (OUT_OF_CORE, signal.SIGINT, 130, 0.0), (OUT_OF_CORE, signal.SIGINT, 130, 0.6),
+    (OUT_OF_CORE, signal.SIGTERM, 143, 1.5), (OUT_OF_CORE, signal.SIGINT, 130, 3.0),
+    (IN_MEMORY, signal.SIGINT, 130, 0.3), (IN_MEMORY, signal.SIGTERM, 143, 2.0),
+], ids=["ooc-int-0s", "ooc-int-0.6s", "ooc-term-1.5s", "ooc-int-3s", "mem-int-0.3s", "mem-term-2s"])
+def test_a_signal_during_training_ends_the_run_with_the_one_line(tmp_path, long_cache, flags, signum, code, delay):
+    process = start_training(tmp_path, long_cache, flags)
+    time.sleep(delay)
+    os.killpg(process.pid, signum) if signum == signal.SIGINT else process.send_signal(signum)
+    took = ended_within(process, STOPS_WITHIN)
+    stderr = (tmp_path / "err.txt").read_text()
+    assert process.returncode == code, stderr
+    assert took < STOPS_WITHIN, f"took {took:.1f} s to stop"
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    last = [line for line in stderr.splitlines() if line.strip()][-1]
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    going_on = f"go on with: spml-cache linear --resume runs/voc/{run_dir.name}"
+    assert last.startswith("interrupted: ") and going_on in last, stderr
+    assert last.endswith("--memory-budget 200KB") == (flags is OUT_OF_CORE), last  # the budget that shaped it
+    assert not (run_dir / "results.json").exists()
+
+
+def test_a_signal_landing_in_a_library_callback_still_stops_the_run(tmp_path, tiny_cache, monkeypatch):
+    """Python runs a signal's handler wherever the main thread is, a weakref callback of h5py's included, where a
+    KeyboardInterrupt is printed ("Exception ignored in ...") and lost: the run trained on to the end, exit 0. The
+    stop is a request that the loop takes at its next step."""
+    import weakref
+
+    from spml_cache.cli.stopping import stopping_on_signals
+    from spml_cache.linear.engine import HeadStack
+    from spml_cache.runtime.errors import Interrupted
+
+    steps, train_step = [], HeadStack.train_step
+
+    class Held:  # an object whose last reference goes, as h5py's do at every read
+        pass
+
+    def step_with_a_signal_in_a_callback(self, *args):
+        steps.append(1)
+        if len(steps) == 3:
+            held = Held()
+            weakref.finalize(held, signal.getsignal(signal.SIGINT), signal.SIGINT, None)
+            del held  # the handler runs inside the finalizer's callback
+        return train_step(self, *args)
+
+    monkeypatch.setattr(HeadStack, "train_step", step_with_a_signal_in_a_callback)
+    with stopping_on_signals(), pytest.raises(Interrupted) as stopped:
+        run_linear(cache=tiny_cache, out=tmp_path, console=quiet(), memory_budget="200KB", **GRID)
+    assert len(steps) == 3  # the next step's check took it
+    assert stopped.value.command.endswith("--memory-budget 200KB")
+
+
+def test_a_signal_before_the_stage_runs_is_one_line_and_its_exit_code(tmp_path, tiny_cache, monkeypatch, capsys):
+    """A signal while the command is still starting (importing torch) reached typer as a KeyboardInterrupt, which it
+    turned into a silent exit 130, even for SIGTERM."""
+    from cli_support import run_main
+
+    from spml_cache.runtime import memory
+
+    def signalled(text, flag=memory.FLAG):
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+    monkeypatch.setattr(memory, "parse_size", signalled)
+    code, err = run_main("linear", "--cache", str(tiny_cache), "--loss", "an", cwd=tmp_path, monkeypatch=monkeypatch,
+                         capsys=capsys)
+    assert code == 143 and [line for line in err.splitlines() if line.strip()] == ["interrupted"], err
+
+
+# --- under torchrun ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", [True, False])
+def test_a_second_signal_stops_at_once_unless_it_is_torchruns_copy_of_the_first(monkeypatch, launcher):
+    """torchrun passes a Ctrl-C it receives on to every process, which the terminal has signalled already: that copy
+    is the same stop (it used to end rank 0 at once, before it could say what was kept). A second signal from a
+    user, or outside torchrun, still stops at once."""
+    from spml_cache.cli import stopping
+    from spml_cache.runtime.errors import stop_requested, stops_deferred
+
+    class ExitedAtOnce(Exception):
+        pass
+
+    def exit_at_once(code):
+        raise ExitedAtOnce(code)
+
+    monkeypatch.setattr(os, "_exit", exit_at_once)
+    if launcher:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with stopping.stopping_on_signals(), stops_deferred():
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)  # the terminal's
+        assert stop_requested() == signal.SIGINT
+        if launcher:
+            handler(signal.SIGINT, None)  # the launcher's copy, a moment later
+            monkeypatch.setattr(stopping, "LAUNCHER_ECHO_S", 0.0)  # much later: a user's second Ctrl-C
+        with pytest.raises(ExitedAtOnce, match="130"):
+            handler(signal.SIGINT, None)
+
+
+def test_under_torchrun_the_line_is_also_the_error_file_torchrun_reports(tmp_path, monkeypatch, capsys):
+    """torchrun's failure report shows a failed process's error file as its message (else a link to its docs)."""
+    import json
+
+    from cli_support import run_main
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    code, err = run_main("linear", "--cache", str(tmp_path / "x.h5"), "--loss", "an", "--memory-budget", "huge",
+                         cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    (line,) = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and json.loads(error_file.read_text())["message"] == line

@@ -6,6 +6,7 @@ A name picks a family:
   other torchvision classification model (also as `tv:NAME`)        -> torchvision_models.py
   timm:NAME (a timm model, its pretrained tag in the name: timm:convnext_base.fb_in22k)     -> timm_models.py
   clip:ARCH/TAG (an open_clip model and its pretrained tag: clip:ViT-B-16/openai)          -> clip_models.py
+  module:callable, or a name from the entry-point group spml_cache.backbones (the user's own) -> plugins.py
 Each family says, before any weights are loaded (`describe`), what the cache will record: the canonical name,
 the weights' provenance, its own preprocessing and its feature width; then builds the trunk (`build`), an
 `nn.Module` mapping a normalised `[B, 3, R, R]` batch to `[B, row_width]`. For CLIP the row is the features
@@ -27,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:  # the registry's names and defaults stay importable without torch (the report reads them)
     from torch import nn
@@ -68,6 +69,7 @@ class Description:
     grid: int = 0  # CLIP with crops: G, for G x G crops' embeddings per image
     features: str = DEFAULT_FEATURES  # pooled or last4 (layers.py)
     extra: dict = field(default_factory=dict, compare=False)  # the family's own build details
+    origin: str = ""  # a plugin's: JSON of where its code came from (file and sha256, or distribution and version)
 
     @property
     def slug(self) -> str:
@@ -107,6 +109,8 @@ class Description:
             attrs["clip_features"] = self.clip_features
         if self.features != DEFAULT_FEATURES:  # a pooled cache's attrs are what they were before the choice
             attrs["features"] = self.features
+        if self.origin:
+            attrs["backbone_origin"] = self.origin
         return attrs
 
 
@@ -121,14 +125,32 @@ def slug(name: str) -> str:
 
 
 def family_of(name: str) -> tuple[str, str]:
-    """(family prefix, the name within the family): `timm:x` -> (timm, x), `tv:x` and `x` -> (tv, x)."""
+    """(family prefix, the name within the family): `timm:x` -> (timm, x), `tv:x` and `x` -> (tv, x), an
+    importable `module:callable` -> (plugin, module:callable). A plain name may still be an entry point
+    (`describe` looks)."""
     prefix, colon, rest = name.partition(":")
     if not colon:
         return "tv", name
     if prefix not in FAMILIES:
-        raise SpmlError(f"--backbone {name}: unknown family {prefix!r}; use a torchvision name (resnet50,"
-                        " vit_b_16, ...), timm:NAME or clip:ARCH/TAG")
+        if _plugins().is_spec(name):
+            return "plugin", name
+        raise SpmlError(f"--backbone {name}: {unknown_name('backbone family', prefix, ('timm', 'clip', 'tv'))}, nor"
+                        " a module found on the path; use a torchvision name (resnet50, vit_b_16, ...), timm:NAME,"
+                        " clip:ARCH/TAG or module:callable (docs/your-own-backbone.md)")
     return prefix, rest
+
+
+def origin_text(origin: str) -> str:
+    """A plugin's recorded origin (the `backbone_origin` JSON) in words: its file and hash, or its distribution."""
+    found = json.loads(origin)
+    if found.get("kind") == "entry_point":
+        return f"{found.get('value')} from {found.get('distribution')} {found.get('version')}"
+    return f"{found.get('file')} with sha256 {str(found.get('sha256'))[:12]}"
+
+
+def _plugins():
+    """plugins.py, imported when first needed (like the families' modules: it imports torch, and this module)."""
+    return importlib.import_module("spml_cache.backbones.plugins")
 
 
 def _module(prefix: str):
@@ -154,6 +176,8 @@ def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | 
     if clip_features not in CLIP_FEATURES:
         raise SpmlError(f"--clip-features {clip_features}: use post (after the projection) or pre (before it)")
     prefix, rest = family_of(name)
+    if prefix == "tv" and ":" not in name and _plugin_named(name):
+        prefix = "plugin"
     if prefix != "clip" and crops:
         raise SpmlError(f"--crops {crops}: crop embeddings are for clip:ARCH/TAG backbones only")
     if crops and crops < 2:
@@ -162,11 +186,33 @@ def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | 
         raise SpmlError(f"--clip-features {clip_features}: only for clip:ARCH/TAG backbones")
     if prefix == "clip":
         return _module(prefix).describe(rest, weights, resolution, clip_features, crops, features)
+    if prefix == "plugin":
+        if features != DEFAULT_FEATURES:  # the user's callable gives its own vector; its blocks are unknown here
+            raise SpmlError(f"--features {features}: {name} is a plugin backbone (its callable gives one"
+                            " vector); use --features pooled with it")
+        return _plugins().describe(rest, weights, resolution)
     return _module(prefix).describe(rest, weights, resolution, features)
+
+
+def _plugin_named(name: str) -> bool:
+    """Whether the plain name `name` is an installed entry point of spml_cache.backbones; one that is also a
+    torchvision model is refused (`tv:NAME` names torchvision's)."""
+    plugins = _plugins()
+    point = plugins.entry_point(name)
+    if point is None:
+        return False
+    import torchvision
+
+    if name in torchvision.models.list_models():
+        raise SpmlError(f"--backbone {name}: both torchvision's model and the entry point {point.value} of"
+                        f" {plugins.GROUP} have this name; pass tv:{name} for torchvision's, or {point.value}")
+    return True
 
 
 def build(description: Description) -> nn.Module:
     """The trunk, in train mode with gradients on (extraction freezes it); `RandomWeightsWarning` for none."""
+    if description.family == "plugin":
+        return _plugins().build(description)
     return _module(description.family).build(description)
 
 

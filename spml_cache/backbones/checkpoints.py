@@ -16,6 +16,8 @@ import torch
 from spml_cache.runtime.errors import SpmlError
 
 DOWNLOAD_TIMEOUT_S = 20.0
+# The last way out of every "weights not here" error: features from a random trunk still run the whole pipeline.
+WEIGHTS_NONE = "or --weights none (random features, to try the pipeline)"
 
 
 class RandomWeightsWarning(UserWarning):
@@ -47,7 +49,7 @@ def fetch_checkpoint(url: str, what: str, other_way: str) -> Path:
         f"{what} are not cached (expected {path}; the cache folder is TORCH_HOME="
         f"{os.environ.get('TORCH_HOME', '~/.cache/torch')})"
     )
-    fix = f"copy {path.name} there, {other_way}"
+    fix = f"copy {path.name} there, {other_way}, {WEIGHTS_NONE}"
     if os.environ.get("SPML_OFFLINE"):
         raise SpmlError(f"{way_out} and SPML_OFFLINE is set: {fix}")
     previous = socket.getdefaulttimeout()

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from spml_cache.backbones import DEFAULT_FEATURES, Description
+from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance
 from spml_cache.backbones.layers import LAST, no_blocks, token_features
-from spml_cache.backbones.checkpoints import RandomWeightsWarning, file_provenance
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -41,7 +41,8 @@ def _split(rest: str) -> tuple[str, str]:
     arch, _, tag = rest.partition("/")
     if arch not in open_clip.list_models():
         close = [m for m in open_clip.list_models() if m.lower().startswith(arch[:5].lower())][:5]
-        raise SpmlError(f"--backbone clip:{rest}: open_clip has no model {arch!r}"
+        raise SpmlError(f"--backbone clip:{rest}: {unknown_name('backbone', arch, open_clip.list_models())}: open_clip"
+                        " has no such model"
                         + (f" (e.g. {', '.join(close)})" if close else "") + "; open_clip.list_models() lists them")
     return arch, tag
 
@@ -189,5 +190,6 @@ def build(description: Description) -> nn.Module:
         hub = (open_clip.get_pretrained_cfg(arch, weights) or {}).get("hf_hub") or "its hub repository"
         raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights ({hub.rstrip('/')}) are not in the hub cache"
                         f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there is a"
-                        " network (HF_HOME says where they go), or pass --weights PATH to a local checkpoint") from None
+                        " network (HF_HOME says where they go), pass --weights PATH to a local checkpoint,"
+                        f" {WEIGHTS_NONE}") from None
     return ClipTrunk(model, arch, pre, description.grid, description.features != DEFAULT_FEATURES)

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from spml_cache.backbones import DEFAULT_FEATURES, Description
+from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance, read_state_dict
 from spml_cache.backbones.layers import LAST, no_blocks, pooled_stages, token_features
-from spml_cache.backbones.checkpoints import RandomWeightsWarning, file_provenance, read_state_dict
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 PRETRAINED = "pretrained"
 STRIPPED_PREFIXES = ("module.", "model.", "trunk.", "backbone.")
@@ -44,7 +44,8 @@ def describe(name: str, weights: str | None, resolution: int | None,
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('.')[0][:6]}*")[:5]
         hint = f" (e.g. {', '.join(close)})" if close else ""
-        raise SpmlError(f"--backbone timm:{name}: timm has no such model{hint}; timm.list_models() lists them")
+        raise SpmlError(f"--backbone timm:{name}: {unknown_name('backbone', name, timm.list_models())}: timm has no"
+                        f" such model{hint}; timm.list_models() lists them")
     weights = weights or PRETRAINED
     source = _tagged(name, weights) or name  # `--weights TAG`: that tag's weights (and its preprocessing)
     with torch.device("meta"):
@@ -156,7 +157,8 @@ def _pooled_trunk(description: Description) -> nn.Module:
             raise SpmlError(
                 f"timm:{name}: its pretrained weights ({description.extra.get('hub')}) are not in the hub cache"
                 f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there"
-                " is a network (HF_HOME says where they go), or pass --weights PATH to a local .pth"
+                " is a network (HF_HOME says where they go), pass --weights PATH to a local .pth,"
+                f" {WEIGHTS_NONE}"
             ) from None
     model = _create(name, extra)
     _load_file(model, Path(weights).expanduser(), name)

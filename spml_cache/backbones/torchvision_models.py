@@ -20,12 +20,11 @@ import torch
 import torchvision
 from torch import nn
 
-from spml_cache.backbones import resnet50
-from spml_cache.backbones import DEFAULT_FEATURES, Description
-from spml_cache.backbones.layers import LAST, StageTaps, no_blocks, token_features
+from spml_cache.backbones import DEFAULT_FEATURES, Description, resnet50
 from spml_cache.backbones.checkpoints import RandomWeightsWarning, fetch_checkpoint, file_provenance, read_state_dict
+from spml_cache.backbones.layers import LAST, StageTaps, no_blocks, token_features
 from spml_cache.backbones.preprocess import Preprocess
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 RESNET50 = "resnet50"
 RESNET50_RESOLUTION = 448  # the papers' 448 x 448 squash
@@ -36,8 +35,8 @@ def _check_name(name: str) -> None:
     known = torchvision.models.list_models(module=torchvision.models)
     if name not in known:
         close = [k for k in known if k.startswith(name[:4])][:6] or ["resnet50", "resnet101", "vit_b_16"]
-        raise SpmlError(f"--backbone {name}: not a torchvision classification model (e.g. {', '.join(close)});"
-                        " for timm or CLIP use timm:NAME or clip:ARCH/TAG")
+        raise SpmlError(f"--backbone {name}: {unknown_name('backbone', name, known)}, not a torchvision classification"
+                        f" model (e.g. {', '.join(close)}); for timm or CLIP use timm:NAME or clip:ARCH/TAG")
 
 
 def _enum(name: str):

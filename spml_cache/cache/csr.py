@@ -11,12 +11,18 @@ from __future__ import annotations
 import h5py
 import numpy as np
 
-from spml_cache.labels import SparseLabels, dense, is_sparse
+from spml_cache.cache.schema import plain
+from spml_cache.labels import SparseLabels, dense, is_sparse, unordered_row
 from spml_cache.runtime.errors import SpmlError
 
 SPARSE_MIN_CLASSES = 1000  # `extract --labels auto` stores label matrices of this many classes or more as CSR
 LABEL_FORMATS = ("auto", "dense", "sparse")
 DEFAULT_FORMAT = "auto"
+
+
+def format_of(matrix) -> str:
+    """How a label matrix read from a cache was stored there: "dense" or "sparse" (the words of `--labels`)."""
+    return "sparse" if is_sparse(matrix) else "dense"
 
 
 def resolve_format(choice: str, num_classes: int) -> str:
@@ -42,7 +48,15 @@ def store(group: h5py.Group, name: str, matrix, sparse: bool, dtype) -> None:
 
 
 def stored_sparse(node) -> bool:
-    return isinstance(node, h5py.Group) and node.attrs.get("format") in ("csr", b"csr")
+    """Whether a stored label matrix is the CSR group (else a dense dataset); a group of another format is refused
+    in one line (no reader could index it)."""
+    if not isinstance(node, h5py.Group):
+        return False
+    found = node.attrs.get("format")
+    if found not in ("csr", b"csr"):
+        raise SpmlError(f"{node.file.filename}: {node.name} is a group with format {plain(found)!r}, not a CSR"
+                        " matrix (format \"csr\") nor a dataset: rebuild the cache (extract --force)")
+    return True
 
 
 def stored_shape(node) -> tuple[int, ...]:
@@ -63,4 +77,8 @@ def read(node, dtype):
             or (nnz and (matrix.indices.min() < 0 or matrix.indices.max() >= columns))):
         raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix of shape {[rows, columns]};"
                         " rebuild the cache (extract --force)")
+    row = unordered_row(matrix)
+    if row is not None:
+        raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix: row {row} holds a class"
+                        " twice or out of ascending order; rebuild the cache (extract --force)")
     return matrix

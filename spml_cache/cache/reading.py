@@ -323,12 +323,13 @@ def feature_shapes(path: Path | str) -> tuple[dict[str, tuple[int, int]], int, i
     return shapes, labels, num_classes
 
 
-def verify(features: FeatureSet) -> None:
+def verify(features: FeatureSet) -> str | None:
     """The cache's arrays are still those it was sealed with (its content checksum), else one line. Caches
-    written before the checksum existed have none to compare."""
+    written before the checksum existed have none to compare: the note that says so is returned (else None)."""
     stored = features.attrs.get(CONTENT_ATTR)
     if stored is None:
-        return
+        return (f"note: cannot verify {features.path}: it has no content checksum (written before checksums"
+                " existed), so a changed or swapped cache would go unnoticed; extract it again to give it one")
     now = content_hash({name: (split.features, split.labels, split.observed, split.ids, split.label_mask,
                                {"image_embeddings": split.image_embeddings, "crop_embeddings": split.crop_embeddings})
                         for name, split in ((name, getattr(features, name)) for name in SPLITS)},
@@ -336,3 +337,4 @@ def verify(features: FeatureSet) -> None:
     if now != stored:
         raise SpmlError(f"{features.path} was changed after it was written (its contents no longer match its"
                         " checksum): extract it again, or put the original back")
+    return None

@@ -16,7 +16,7 @@ from spml_cache.cache.schema import (
     partial_path, plain,
 )
 from spml_cache.cache import columns
-from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP, RowShapes, row_shapes
+from spml_cache.cache.columns import ROW_DATASETS, RowShapes, TEXT_GROUP, row_shapes
 from spml_cache.cache.csr import DEFAULT_FORMAT, read, resolve_format, store, stored_sparse
 from spml_cache.cache.rule_masks import RuleMasks, write_rules
 from spml_cache.labels import is_sparse, take

@@ -16,12 +16,15 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's API, tested as cli.parse_*)
     ERR_CONSOLE as err_console,
     default_data_root,
     extract_report,
+    finetune_summary,
+    last_line,
     no_type_for_flags,
     one_line_warning,
     parse_hparams,
@@ -30,8 +33,9 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     require_root,
 )
 from spml_cache import backbones
+from spml_cache.cli.check_loss import check_loss_command
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
-from spml_cache.runtime.errors import Interrupted, SpmlError
+from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
 
 app = typer.Typer(
     name="spml-cache",
@@ -94,8 +98,10 @@ def make_demo_data_command(
     from spml_cache.demo.data import make_demo_data
 
     root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
-    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {root}")
-    console.print(f"[dim]next: spml-cache extract voc --root {root} --weights none --resolution {size}[/dim]")
+    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {escape(str(root))}")
+    next_command = shlex.join(["spml-cache", "extract", "voc", "--root", str(root), "--weights", "none",
+                               "--resolution", str(size)])
+    console.print(f"[dim]next: {escape(next_command)}[/dim]")
 
 
 # --- extract, import-features (extract helper) ---
@@ -106,7 +112,7 @@ def extract_command(
     dataset: str = typer.Argument(..., help="voc, coco, nus, cub or csv."),
     root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the backbone's - : / as _)."),
-    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG (docs/internals.md)."),
+    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG; your own module:callable or spml_cache.backbones entry point (docs/your-own-backbone.md)."),
     weights: Optional[str] = typer.Option(None, "--weights", help="resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default DEFAULT); timm: pretrained (default) or a tag; clip: a tag (default: the name's); any: a local .pth, or none (random)."),
     resolution: Optional[int] = typer.Option(None, "--resolution", help="The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and centre-cropped)."),
     clip_features: str = typer.Option(backbones.DEFAULT_CLIP_FEATURES, "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
@@ -132,8 +138,8 @@ def extract_command(
     torchrun --nproc-per-node N -m spml_cache extract ..., each process extracts every N-th row and rank 0 joins
     them into the one cache.
 
-    Example: spml-cache extract voc --root ~/data --batch-size 128 --observe entry:0.1,largest
-    Example: spml-cache extract voc --root ~/data --backbone timm:vit_base_patch14_dinov2.lvd142m --features last4
+    Example: spml-cache extract voc --root ~/data --observe entry:0.1,largest
+    Example: spml-cache extract voc --root ~/data --features last4
     """
     from spml_cache.observation import parse_rules
 
@@ -152,25 +158,46 @@ def extract_command(
 
 @app.command("import-features")
 def import_features_command(
-    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy."),
-    dataset: str = typer.Option(..., "--dataset", help="voc, coco, nus, cub or csv (decides the image-id prefix)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5)."),
+    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy, metadata/metadata_{i}.parquet)."),
+    dataset: str = typer.Option(..., "--dataset", help="voc, coco, nus, cub or csv (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root)."),
+    root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say)."),
     classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing cache at --out."),
 ) -> None:
-    """Turn the authors' published features (their `val` = the official test split) into a project cache.
+    """Turn features computed elsewhere into a project cache: the authors' published features (their `val` = the
+    official test split), or embeddings in the clip-retrieval layout matched to a dataset's images.
 
-    Our val split is drawn from their train rows with the protocol's seed; their observed labels are kept.
+    Authors' files: our val split is drawn from their train rows, their observed labels kept. clip-retrieval
+    layout: splits and single positives drawn from the dataset under --root, as extract draws them.
 
     Example: spml-cache import-features data/pascal --dataset voc
     """
     from spml_cache.extract import import_features
 
-    report = import_features(folder, dataset=dataset, out=out, classes_file=classes, force=force)
+    report = import_features(folder, dataset=dataset, root=root or default_data_root(), out=out,
+                             classes_file=classes, force=force)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
-    console.print(f"wrote {report.path} ({counts})")
+    console.print(f"wrote {escape(str(report.path))} ({counts})")
     for note in report.notes:
-        console.print(f"[dim]{note}[/dim]")
+        console.print(f"[dim]{escape(note)}[/dim]")
+
+
+@app.command("export")
+def export_command(
+    cache_file: Path = typer.Argument(..., help="The cache to export (an .h5 file)."),
+    out: Path = typer.Option(..., "--out", help="A new (or empty) folder to write the clip-retrieval layout into."),
+) -> None:
+    """Write a cache's features in the clip-retrieval layout for other tools: img_emb/img_emb_{0,1,2}.npy (train,
+    val, test) beside metadata/metadata_{i}.parquet (id, image_path, split, labels, observed), spml_cache.json.
+
+    Example: spml-cache export cache/voc-resnet50-448.h5 --out voc-embeddings
+    """
+    from spml_cache.cache.embeddings import export
+
+    report = export(cache_file, out)
+    counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
+    console.print(f"wrote {escape(str(report.folder))} ({counts} rows)")
 
 
 # --- losses (losses helper) ---
@@ -178,23 +205,29 @@ def import_features_command(
 
 @app.command("losses")
 def losses_command(
+    specs: Optional[List[str]] = typer.Argument(None, help="Plugin losses to list too: path/to/file.py:Class or package.module:Class."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array (one object per loss) instead of a table."),
 ) -> None:
-    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags.
+    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags; then
+    the installed plugins (entry-point group spml_cache.losses) and the plugins named, with their origin.
 
-    Override any default in training with --hp name=value.
+    Override any default in training with --hp name=value. Your own loss: docs/your-own-loss.md.
 
     Example: spml-cache losses --json
+    Example: spml-cache losses examples/masked_focal.py:MaskedFocal
     """
     import json
 
     from spml_cache import losses
 
-    rows = losses.describe()
+    rows = losses.describe(tuple(specs or ()))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     console.print(losses.describe_table(rows))
+
+
+app.command("check-loss")(check_loss_command)
 
 
 # --- linear, demo (linear helper) ---
@@ -216,20 +249,22 @@ def linear_command(
     val_labels: Optional[str] = typer.Option(None, "--val-labels", help="Select on clean (full) val labels, the default, or on the observed ones."),
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept (its settings are used)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Go on with the interrupted linear run RUN: train only what it has not kept, with its own settings (a flag beside it that contradicts them is refused)."),
     fidelity: Optional[str] = typer.Option(None, "--fidelity", help="exact (default): the papers' math, computed stably; authors: their code's numerics, dropped last batches and early stopping (docs/fidelity.md)."),
     hp_grid: Optional[str] = typer.Option(None, "--hp-grid", help="paper: sweep each loss's own search space where its paper states one (spml-cache losses lists them); --hp values win."),
     no_graphs: bool = typer.Option(False, "--no-graphs", help="On a GPU, train the stacks one by one, eagerly, instead of all at once as replayed CUDA graphs (for debugging; same results up to float rounding)."),
     observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules, a comma list (default single): every loss trains under each; rules the cache lacks are drawn from its full labels (docs/protocol.md)."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Memory stage two may use, e.g. 1GB (default: 80% of the device's free memory); features beyond it stream from the cache in a seeded chunk order (docs/protocol.md)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Memory stage two may use, e.g. 1GB (default: 80% of the device's free memory); features beyond it stream from the cache in a seeded chunk order planned from the budget and the cache's shapes (docs/protocol.md)."),
+    chunk_rows: Optional[int] = typer.Option(None, "--chunk-rows", help="Stream the train features in chunks of N rows whatever the budget: the same chunk order, and results, on any machine (docs/protocol.md)."),
 ) -> None:
     """Stage two: linear heads on cached features, every (lr, batch size) config at once; best val epoch, test mAP there.
 
     Every finished (loss, seed, batch size) is kept as it finishes: after Ctrl-C, --resume RUN goes on. A
     hyperparameter given as a comma list is swept, every value beside every lr and batch size.
 
-    Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3 --hp ll_r.delta=0.001,0.002,0.003
-    Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1,entry:0.5
+    Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3
+    Example: spml-cache linear --dataset voc --loss ll_r --hp delta=0.001,0.002
+    Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1
     Example: spml-cache linear --dataset voc --loss all --wd 0,1e-4,1e-3
     """
     from spml_cache.observation import parse_rules
@@ -241,20 +276,19 @@ def linear_command(
 
     if loss is None and resume is None:
         raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN)", param_hint="--loss")
-    grid = {"lrs": None if lr is None else parse_list(lr, "--lr", float), "epochs": epochs, "seeds": seeds,
-            "wds": None if wd is None else parse_list(wd, "--wd", float),
-            "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int),
-            "val_labels": val_labels}
-    run = run_linear(
-        cache=cache, dataset=dataset, losses=parse_names(loss or ""), hparams=parse_hparams(hp or []), device=device,
-        out=out, workers=workers, from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid,
-        graphs=not no_graphs, observe=rules, memory_budget=budget,
-        **{key: value for key, value in grid.items() if value is not None},  # run_linear's defaults where not given
+    run = run_linear(  # what is not given is None: run_linear's defaults, or a resumed run's own settings
+        cache=cache, dataset=dataset, losses=None if loss is None else parse_names(loss),
+        lrs=None if lr is None else parse_list(lr, "--lr", float), epochs=epochs, seeds=seeds,
+        wds=None if wd is None else parse_list(wd, "--wd", float),
+        batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int),
+        val_labels=val_labels, hparams=parse_hparams(hp) if hp else None, device=device, out=out, workers=workers,
+        from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid, graphs=not no_graphs, observe=rules,
+        memory_budget=budget, chunk_rows=chunk_rows,
     )
     if run is None:  # under torchrun, rank 0 reports for every process
         return
     console.print(summary_table(run.results))
-    console.print(f"run directory: {run.run_dir}")
+    console.print(f"run directory: {escape(str(run.run_dir))}")
 
 
 @app.command("demo")
@@ -269,7 +303,7 @@ def demo_command(
     lr: Optional[str] = typer.Option(None, "--lr", hidden=True),
     batch_size: Optional[str] = typer.Option(None, "--batch-size", hidden=True),
 ) -> None:
-    """The whole pipeline on a generated VOC-style dataset, in about a minute on two CPU cores.
+    """The whole pipeline on a generated VOC-style dataset, in one to two minutes on two CPU cores.
 
     Generates images, extracts ResNet-50 features, trains every loss, fine-tunes the best head for one epoch,
     prints the table and writes the figures.
@@ -282,10 +316,7 @@ def demo_command(
     sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution, "epochs": epochs,
              "lrs": None if lr is None else parse_list(lr, "--lr", float),
              "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int)}
-    result = run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
-    console.print(f"run directory: {result.run_dir}")
-    if result.plots:
-        console.print(f"plots: {result.plots[0].parent}")
+    run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
 
 
 # --- finetune (finetune helper) ---
@@ -319,7 +350,7 @@ def finetune_command(
     Images, splits and observed labels are the cache's rows. For data parallel, launch it with
     torchrun --nproc-per-node N -m spml_cache finetune ... (the global batch is shared by the processes).
 
-    Example: spml-cache finetune --init best --dataset voc --loss role --root ~/data --lr 1e-5 --batch-size 8
+    Example: spml-cache finetune --dataset voc --loss role --root ~/data --lr 1e-5
     """
     from spml_cache.finetune import finetune
     from spml_cache.protocol import GRID_LRS
@@ -333,17 +364,8 @@ def finetune_command(
         head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, device=device, out=out, resume=resume,
         workers=workers, fidelity=fidelity, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
     )
-    for name, summary in results.get("losses", {}).items():  # other torchrun processes return nothing
-        selected = summary["selected"]
-        if selected is None:
-            console.print(f"[bold]{name}[/bold]: {summary['error']} -> {results['run_dir']}", soft_wrap=True)
-            continue
-        console.print(
-            f"[bold]{name}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP {summary['val_map']:.2f}"
-            f" ± {summary['val_map_std']:.2f}, test mAP {summary['test_map']:.2f} ± {summary['test_map_std']:.2f}"
-            f" (best epoch {summary['best_epoch']}) -> {results['run_dir']}",
-            soft_wrap=True,
-        )
+    for line in finetune_summary(results):  # other torchrun processes return nothing
+        console.print(line, soft_wrap=True)
 
 
 # --- report (report helper) ---
@@ -392,19 +414,20 @@ def main() -> None:
                 app()
         except Interrupted as stop:
             command = stop.command or shlex.join(["spml-cache", *sys.argv[1:]])
-            err_console.print(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"))
-            sys.exit(exit_code())
+            last_line(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"), exit_code())
         except KeyboardInterrupt:
-            err_console.print(Text("interrupted", style="yellow"))
-            sys.exit(exit_code())
+            last_line(Text("interrupted", style="yellow"), exit_code())
+        except SystemExit as done:  # typer turns a KeyboardInterrupt it sees (one during an import) into exit 130
+            if stop_requested() is None or not isinstance(done.__context__, typer.Exit):
+                raise
+            last_line(Text("interrupted", style="yellow"), exit_code())
         except SpmlError as err:
             if _debug["on"]:
                 raise
-            err_console.print(Text("error: ", style="bold red") + Text(str(err), style="red"))
-            sys.exit(1)
+            last_line(Text("error: ", style="bold red") + Text(str(err), style="red"), 1)
         except Exception as err:  # a bug or an environment failure: still one line unless --debug
             if _debug["on"]:
                 raise
             message = f"{type(err).__name__}: {err} (run with --debug for the traceback)"
-            err_console.print(Text("error: ", style="bold red") + Text(message, style="red"))
-            sys.exit(1)
+            last_line(Text("error: ", style="bold red") + Text(message, style="red"), 1)
+

@@ -1,5 +1,11 @@
 """Ctrl-C and SIGTERM (a scheduler, `timeout`, systemd) stop a command the same way: the first as an interruption
-that each stage turns into what it kept and how to go on, exit 130 or 143; a second, during that, at once."""
+that each stage turns into what it kept and how to go on, exit 130 or 143; a second, during that, at once.
+
+The first signal only asks for a stop (`errors.request_stop`): where the running code checks the request at its
+own safe points (`errors.stops_deferred`: stage two's loops) the handler returns and the loop ends at its next
+check; elsewhere it raises KeyboardInterrupt, as Python's own handler does. Under torchrun the launcher passes a
+Ctrl-C it receives on to every process, which a terminal has already signalled: that copy is the same stop.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +13,39 @@ import os
 import signal
 from contextlib import contextmanager
 
-_stopped: dict = {"by": None}  # the signal that is stopping this command, if one is
+from spml_cache.runtime.errors import clear_stop, request_stop, seconds_since_stop, stop_exit_code, stop_requested
+
+# Seconds after a first signal within which, under torchrun, a second is the launcher's copy of it, not a user's
+# second Ctrl-C (the launcher forwards at once; a person presses again later).
+LAUNCHER_ECHO_S = 2.0
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (torch's elastic launcher) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _stop_on_signal(signum, frame) -> None:
-    if _stopped["by"] is not None:
-        os._exit(128 + _stopped["by"])  # the children die with this process (children.py)
-    _stopped["by"] = signum
-    raise KeyboardInterrupt
+    first = stop_requested()
+    if first is not None:
+        if under_torchrun() and seconds_since_stop() < LAUNCHER_ECHO_S:
+            return
+        os._exit(128 + first)  # the children die with this process (children.py)
+    if not request_stop(signum):
+        raise KeyboardInterrupt
 
 
-def exit_code() -> int:
-    """128 + the signal that stopped the command (SIGINT when Ctrl-C reached Python some other way)."""
-    return 128 + (_stopped["by"] or signal.SIGINT)
+exit_code = stop_exit_code  # 128 + the signal that stopped the command (130: Ctrl-C, or a stop from elsewhere)
 
 
 @contextmanager
 def stopping_on_signals():
-    """SIGINT and SIGTERM raise KeyboardInterrupt within the block; the handlers before are put back after it
-    (the command line may run inside another program: the tests)."""
+    """SIGINT and SIGTERM stop the command within the block; the handlers before are put back after it (the
+    command line may run inside another program: the tests)."""
     before = {signum: signal.signal(signum, _stop_on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
-        _stopped["by"] = None
+        clear_stop()

@@ -3,13 +3,18 @@ is not its own (Python's warnings, typer's help columns), and the extraction rep
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
+from spml_cache.cli.stopping import under_torchrun
 from spml_cache.runtime.errors import SpmlError
 
 ERR_CONSOLE = Console(stderr=True, soft_wrap=True)  # one red (or yellow) line per error or warning
@@ -82,11 +87,30 @@ def no_type_for_flags() -> None:
         TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else shown(self, ctx)
 
 
+def finetune_summary(results: dict) -> list[str]:
+    """What `spml-cache finetune` prints per loss (rich markup; names and paths escaped): the selected config,
+    its val and test mAP, and a result that ended below its start (epoch 0)."""
+    lines, run_dir = [], escape(str(results.get("run_dir")))
+    for name, summary in results.get("losses", {}).items():
+        selected = summary["selected"]
+        if selected is None:
+            lines.append(f"[bold]{escape(name)}[/bold]: {escape(summary['error'])} -> {run_dir}")
+            continue
+        below = (f", below its start (epoch 0: test mAP {summary['start']['test_map']:.2f})"
+                 if summary.get("below_start") else "")
+        lines.append(
+            f"[bold]{escape(name)}[/bold] lr {selected['lr']:g}, batch {selected['batch_size']}: val mAP"
+            f" {summary['val_map']:.2f} ± {summary['val_map_std']:.2f}, test mAP {summary['test_map']:.2f} ±"
+            f" {summary['test_map_std']:.2f} (best epoch {summary['best_epoch']}){below} -> {run_dir}"
+        )
+    return lines
+
+
 def extract_report(report, console: Console) -> None:
     """What `spml-cache extract` prints about the cache it made (or would make)."""
     from rich.table import Table
 
-    console.print(f"[bold]{report.status}[/bold]: {report.path}")
+    console.print(f"[bold]{report.status}[/bold]: {escape(str(report.path))}")
     table = Table(show_header=True)
     for column in ("split", "images"):
         table.add_column(column)
@@ -94,7 +118,7 @@ def extract_report(report, console: Console) -> None:
         table.add_row(split, str(count))
     console.print(table)
     size = f"{report.size_bytes / 2**20:.1f} MiB" + (" (estimated)" if report.status == "dry run" else "")
-    console.print(f"size {size}; device {report.device}")
+    console.print(f"size {size}; device {escape(str(report.device))}")
     if report.status == "written":
         # in fp16/bf16, always how many rows the finite check sent back to fp32 (0 is the expected count)
         reduced = report.precision in ("fp16", "bf16")
@@ -106,10 +130,23 @@ def extract_report(report, console: Console) -> None:
             + (f"; {report.resumed} were already done (resumed)" if report.resumed else "")
         )
     if report.missing:
-        shown = ", ".join(report.missing[:5]) + (" ..." if len(report.missing) > 5 else "")
+        shown = escape(", ".join(report.missing[:5])) + (" ..." if len(report.missing) > 5 else "")
         console.print(f"[yellow]{len(report.missing)} image files missing: {shown}[/yellow]")
     for split, ids in report.skipped.items():
         if ids:
-            console.print(f"[yellow]{split}: {len(ids)} undecodable images left out: {', '.join(ids[:5])}[/yellow]")
+            console.print(f"[yellow]{split}: {len(ids)} undecodable images left out: {escape(', '.join(ids[:5]))}[/yellow]")
     for note in report.notes:
-        console.print(f"[dim]{note}[/dim]")
+        console.print(f"[dim]{escape(note)}[/dim]")
+
+
+def last_line(line: Text, code: int) -> None:
+    """The command's last word, and its exit. Under torchrun the line is also the process's error file, which the
+    launcher's failure report shows as this process's message instead of a link to its docs (README, torchrun)."""
+    ERR_CONSOLE.print(line)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
+    if error_file:
+        try:  # torchrun's format: {"message": text, "timestamp": seconds}
+            Path(error_file).write_text(json.dumps({"message": line.plain, "timestamp": int(time.time())}))
+        except OSError:  # the report then links to torchrun's docs, as without it
+            pass
+    sys.exit(code)

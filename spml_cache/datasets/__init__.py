@@ -11,10 +11,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from spml_cache.datasets import coco, cub, nus, openimages, voc
-from spml_cache.datasets import csv as csv_reader
+from spml_cache.datasets import coco, csv as csv_reader, cub, nus, openimages, voc
 from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -34,7 +33,7 @@ def names() -> list[str]:
 def reader(name: str) -> ModuleType:
     """The module that reads `name` (with NAME, TITLE, MARKER, LAYOUT, ABOUT and read())."""
     if name not in READERS:
-        raise SpmlError(f"unknown dataset {name!r}; choose one of {', '.join(READERS)}")
+        raise SpmlError(f"{unknown_name('dataset', name, READERS)}; choose one of {', '.join(READERS)}")
     return READERS[name]
 
 
@@ -127,7 +126,7 @@ def survey_table(root: Path | None) -> Table:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"datasets under {root}" if root else "datasets", show_lines=True)
+    table = Table(title=Text(f"datasets under {root}") if root else "datasets", show_lines=True)
     table.add_column("dataset", ratio=2)
     table.add_column("layout expected under the root", ratio=3, overflow="fold")
     if root is not None:

@@ -120,6 +120,9 @@ def read_rows(path: Path) -> tuple[list[tuple[int, str, list[str], str | None]],
         for name in ("path",) if wide else ("path", "labels"):
             if name not in header:
                 raise SpmlError(f"{path}, line 1: no '{name}' column; the header must be 'path,labels[,split]'")
+        if "" in wide:  # a class without a name: nothing could name it in a result, a loss or a prompt
+            raise SpmlError(f"{path}, line 1: column {header.index('') + 1} has an empty name; name every class column"
+                            " (or delete the empty one, a trailing comma included)")
         if len(set(header)) != len(header):
             raise SpmlError(f"{path}, line 1: a column is named twice; the header must be 'path,labels[,split]'")
         column = {name: index for index, name in enumerate(header)}

@@ -1,4 +1,4 @@
-"""`spml-cache demo`: the whole pipeline on a generated dataset, in about a minute on two CPU cores.
+"""`spml-cache demo`: the whole pipeline on a generated dataset, in one to two minutes on two CPU cores.
 
 Writes, under the output folder: `data/` (a synthetic dataset in the PASCAL VOC 2012 layout), `cache/` (its
 ResNet-50 features), `runs/` (stage two with every loss, and one epoch of stage three from the best
@@ -9,12 +9,14 @@ classes) and a warning says so. Nothing is downloaded.
 
 from __future__ import annotations
 
+import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from spml_cache import report
 from spml_cache.backbones.checkpoints import RandomWeightsWarning
@@ -80,7 +82,7 @@ def run_demo(
     if weights == "none":
         console.print("[yellow]warning: no ImageNet ResNet-50 weights in the torch cache; the demo uses a randomly "
                       "initialised trunk (its numbers are not the papers')[/yellow]")
-    console.print(f"[bold]1/5[/bold] generating {num_train} + {num_test} demo images in {data_root}")
+    console.print(f"[bold]1/5[/bold] generating {num_train} + {num_test} demo images in {escape(str(data_root))}")
     make_demo_data(data_root, num_train=num_train, num_test=num_test, size=size, overwrite=True)
     console.print(f"[bold]2/5[/bold] extracting features (ResNet-50, weights {weights}, {resolution} px)")
     cache_path = default_path("voc", resolution, folder=out / "cache")
@@ -89,21 +91,45 @@ def run_demo(
         torch.manual_seed(TRUNK_SEED)
         extracted = extract("voc", data_root, out=cache_path, weights=weights, resolution=resolution,
                             device=device, force=True)
-    console.print(f"[bold]3/5[/bold] training linear heads with every loss ({extracted.path})")
+    console.print(f"[bold]3/5[/bold] training linear heads with every loss ({escape(str(extracted.path))})")
     run = run_linear(cache=extracted.path, losses="all", lrs=lrs, batch_sizes=batch_sizes, epochs=epochs,
                      device=device, out=out / "runs", console=console)
     best = best_loss(run.results["losses"])
     if best is None:
         raise SpmlError("every single-positive loss diverged in the demo's linear stage: nothing to fine-tune")
-    console.print(f"[bold]4/5[/bold] fine-tuning end to end from the best single-positive head ({best}), "
+    console.print(f"[bold]4/5[/bold] fine-tuning end to end from the best single-positive head ({escape(best)}), "
                   f"{FINETUNE['epochs']} epoch")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RandomWeightsWarning)
         tuned = finetune(init="best", from_run=run.run_dir, loss=best, root=data_root, weights=weights,
-                         device=device, out=out / "runs", workers=0, **FINETUNE)
-    console.print(f"[bold]5/5[/bold] report and plots ({out / 'runs'})")
+                         device=device, out=out / "runs", workers=0,
+                         log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+                         **FINETUNE)
+    console.print(f"[bold]5/5[/bold] report and plots ({escape(str(out / 'runs'))})")
     plots = _report([run.run_dir, Path(tuned["run_dir"])], out / "plots", console)
-    return DemoResult(out, weights, extracted.path, run.run_dir, plots, run.results)
+    result = DemoResult(out, weights, extracted.path, run.run_dir, plots, run.results)
+    for line in next_steps(result, best):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return result
+
+
+def next_steps(result: DemoResult, loss: str) -> list[str]:
+    """The demo's last lines: where its cache, runs and figures are, and commands that go on from them when
+    pasted in the folder the demo ran in (its own data has no `cache/` or `runs/` there: each names its folder)."""
+    runs_dir = result.out / "runs"
+    commands = [
+        ["spml-cache", "linear", "--cache", str(result.cache), "--loss", loss, "--out", str(runs_dir)],
+        ["spml-cache", "finetune", "--from", str(result.run_dir), "--loss", loss, "--root", str(result.out / "data"),
+         "--out", str(runs_dir), "--epochs", str(FINETUNE["epochs"]), "--lr", ",".join(f"{lr:g}" for lr in FINETUNE["lrs"]),
+         "--batch-size", ",".join(str(size) for size in FINETUNE["batch_sizes"])],
+        ["spml-cache", "report", "--runs", str(runs_dir), "--plots", str(result.out / "plots")],
+    ]
+    return [
+        f"cache: {result.cache}; runs: {runs_dir}" + (f"; plots: {result.plots[0].parent}" if result.plots else ""),
+        "next, from this folder (or export SPML_CACHE=" + shlex.quote(str(result.cache.parent))
+        + " and use --dataset voc in place of --cache):",
+        *("  " + shlex.join(command) for command in commands),
+    ]
 
 
 def _report(run_dirs: list[Path], plots_dir: Path, console: Console) -> list[Path]:

@@ -15,7 +15,8 @@ import numpy as np
 
 from spml_cache import cache
 from spml_cache.backbones import Description, templates_attr
-from spml_cache.labels import is_sparse, same, take
+from spml_cache.cache.csr import format_of
+from spml_cache.labels import head, nonzero_count, same, take
 from spml_cache.runtime.errors import SpmlError
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
@@ -24,6 +25,7 @@ SETTINGS = (
     "precision", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
     "clip_features", "templates", "grid",  # CLIP caches only: absent from the others' settings and files
     "features",  # last4 caches only (a pooled cache's attrs are as they were)
+    "backbone_origin",  # a plugin backbone's only: its file's hash or its distribution's version
 )  # fmt: skip
 
 
@@ -34,18 +36,9 @@ def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
     for name in cache.SPLITS:
         split = getattr(protocol_splits, name)
         count = len(split.ids) if limit == 0 else min(limit, len(split.ids))
-        rows[name] = cache.SplitRows(list(split.ids)[:count], _first(split.labels, count, np.uint8),
-                                     _first(split.observed, count, np.int8), _first(split.mask, count, np.uint8))
+        rows[name] = cache.SplitRows(list(split.ids)[:count], head(split.labels, count, np.uint8),
+                                     head(split.observed, count, np.int8), head(split.mask, count, np.uint8))
     return rows
-
-
-def _first(matrix, count: int, dtype):
-    """The first `count` rows of a dense or sparse label matrix (None stays None)."""
-    if matrix is None:
-        return None
-    if is_sparse(matrix):
-        return matrix if count == len(matrix) else matrix.take(np.arange(count))
-    return np.asarray(matrix, dtype=dtype)[:count]
 
 
 def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
@@ -73,11 +66,24 @@ def _same(a, b) -> bool:
     return json.dumps(cache.plain(a), sort_keys=True) == json.dumps(cache.plain(b), sort_keys=True)
 
 
+NEVER_REPLACED = "pick another --out (a cache is never written over a file that is not one, not even with --force)"
+
+
 def refuse_foreign_file(path: Path) -> None:
-    """Extraction replaces a cache (with --force), never a file of something else that happens to sit there."""
-    if path.exists() and not (path.is_file() and h5py.is_hdf5(path)):
-        raise SpmlError(f"{path} exists and is not an HDF5 cache: pick another --out (extract never replaces a file"
-                        " that is not a cache, not even with --force)")
+    """Extraction replaces a cache (with --force), never a file of something else that happens to sit there: not
+    an HDF5 file, nor an HDF5 file without the `schema_version` every cache carries from its creation."""
+    if not path.exists():
+        return
+    if not (path.is_file() and h5py.is_hdf5(path)):
+        raise SpmlError(f"{path} exists and is not an HDF5 cache: {NEVER_REPLACED}")
+    try:
+        with h5py.File(path, "r") as file:
+            foreign = "schema_version" not in file.attrs
+    except OSError:  # locked by its writer, or damaged: a cache's own checks say which
+        foreign = False
+    if foreign:
+        raise SpmlError(f"{path} is an HDF5 file but not an spml-cache cache (no schema_version attribute):"
+                        f" {NEVER_REPLACED}")
 
 
 def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.SplitRows], was: str, fix: str,
@@ -97,7 +103,7 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     for key in SETTINGS:
         if not _same(attrs.get(key), settings.get(key)):
             return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
-    stored = "sparse" if is_sparse(found["train"].labels) else "dense"
+    stored = format_of(found["train"].labels)
     if label_format is not None and stored != label_format:
         return f"--labels: {stored} in the file, {label_format} now"
     dropped = json.loads(attrs.get("skipped_images") or "{}")
@@ -122,15 +128,13 @@ def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width
     for name, split in rows.items():
         matrices = [m for m in (split.labels, split.observed, split.label_mask) if m is not None]
         if labels == "sparse":
-            total += sum(8 * (len(split) + 1) + 5 * _nonzero(m) for m in matrices)
+            total += sum(8 * (len(split) + 1) + 5 * nonzero_count(m) for m in matrices)
         else:
             total += len(split) * num_classes * len(matrices)
         total += len(split) * (row_width * 4 + 2) + sum(len(i.encode()) + 16 for i in split.ids)
     return total
 
 
-def _nonzero(matrix) -> int:
-    return matrix.nnz if is_sparse(matrix) else int(np.count_nonzero(matrix))
 
 
 def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:

@@ -24,8 +24,9 @@ import torch
 from spml_cache import cache, protocol
 from spml_cache.datasets import voc
 from spml_cache.extract.pipeline import run_attrs
+from spml_cache.extract.plan import refuse_foreign_file
 from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 FILES = {
     "images": "formatted_{split}_images.npy",
@@ -112,16 +113,18 @@ def _classes(dataset: str, num_classes: int, classes_file: Path | None) -> tuple
     return [f"class_{i}" for i in range(num_classes)], [note]
 
 
-def import_features(
+def import_published(
     folder: Path, *, dataset: str, out: Path | None = None, classes_file: Path | None = None, force: bool = False
 ) -> ImportReport:
     """Write the cache of `dataset` from the authors' files in `folder`; refuses to replace a cache unless `force`."""
     folder = Path(folder).expanduser()
     if dataset not in ID_PREFIX:
-        raise SpmlError(f"--dataset {dataset}: choose one of {', '.join(ID_PREFIX)}")
+        raise SpmlError(f"--dataset {dataset}: {unknown_name('dataset', dataset, ID_PREFIX)}; choose one of"
+                        f" {', '.join(ID_PREFIX)}")
     if not folder.is_dir():
         raise SpmlError(f"{folder} is not a folder; pass the folder that holds the authors' formatted_*.npy files")
     path = cache.default_path(dataset, RESOLUTION) if out is None else Path(out).expanduser()
+    refuse_foreign_file(path)
     if path.exists() and not force:
         raise SpmlError(f"{path} already exists: pass --force to replace it, or pick another --out")
     train = _read_split(folder, "train", with_observed=True)

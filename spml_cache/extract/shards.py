@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,10 @@ import torch
 
 from spml_cache import cache
 from spml_cache.cache.csr import DEFAULT_FORMAT
-from spml_cache.labels import is_sparse
+from spml_cache.labels import take
+from spml_cache.runtime import locks
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.runtime.ranks import Ranks
-from spml_cache.runtime.ranks import current as current_ranks
+from spml_cache.runtime.ranks import Ranks, current as current_ranks
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,7 @@ class Shard:
     def rows(self, rows: dict[str, cache.SplitRows]) -> dict[str, cache.SplitRows]:
         """This rank's rows of each split; sparse label matrices stay sparse (`take`)."""
         def mine(matrix, count: int):
-            if matrix is None:
-                return None
-            if is_sparse(matrix):
-                return matrix.take(np.arange(self.rank, count, self.world))
-            return matrix[self.rank :: self.world]
+            return take(matrix, np.arange(self.rank, count, self.world))
 
         return {name: cache.SplitRows(split.ids[self.rank :: self.world], mine(split.labels, len(split)),
                                       mine(split.observed, len(split)), mine(split.label_mask, len(split)))
@@ -84,8 +81,13 @@ def refuse_other_layouts(final: Path, shard: Shard | None, force: bool) -> None:
         return
     if force:
         if shard is None or shard.main:
-            for path in others:
-                path.unlink(missing_ok=True)
+            with ExitStack() as held:  # every lock first: a running extraction's files are never removed
+                held.enter_context(locks.held(final, f"the cache {final}"))  # rank 0 holds it while it joins
+                for path in others:
+                    writer = path.with_name(path.name.removesuffix(".partial"))  # the name its rank locks
+                    held.enter_context(locks.held(writer, f"the cache shard {writer}"))
+                for path in others:
+                    path.unlink(missing_ok=True)
         return
     world = others[0].name.rsplit("-of-", 1)[1].split(".")[0]
     now = f"{shard.world} processes" if shard else "one process"

@@ -27,12 +27,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from spml_cache import losses, runs
-from spml_cache.finetune import checkpoints, parallel
-from spml_cache.finetune import images as data
-from spml_cache.finetune.labels import TrainLabels, loss_observed, split_ap
-from spml_cache.finetune.settings import FinetuneOptions, FineTuneModel, Resumed, Setup, resolve
+from spml_cache.finetune import checkpoints, images as data, parallel
+from spml_cache.finetune.labels import TrainLabels, loss_observed
+from spml_cache.finetune.settings import FineTuneModel, FinetuneOptions, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
-from spml_cache.labels import is_sparse, take
+from spml_cache.labels import average_precision, take
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.protocol import initial_head
@@ -113,6 +112,7 @@ def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
 
 def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     settings, records, began = setup.settings, [], time.perf_counter()
+    starts: dict = {}  # the starting models' scores, shared by the configs that start alike
     if setup.processes.main:
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         if resumed:
@@ -121,7 +121,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         for batch_size in settings.batch_sizes:
             for seed in settings.seeds:
                 record = HeadRecord(settings.loss, lr, batch_size, seed, rule=settings.rule)
-                records.append(_train_config(setup, run_dir, record, say))
+                records.append(_train_config(setup, run_dir, record, starts, say))
     if setup.processes.world > 1:
         dist.barrier()  # rank 0 has written every best model
     selection = select_config(records)
@@ -131,7 +131,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         state = runs.load_checkpoint(checkpoints.checkpoint(run_dir, record, best=True))
         model.load_state_dict(state["model"])
         train = torch.sigmoid(_score(model, setup, "train"))
-        train_maps.append(split_ap(train, _labels(setup, "train"))[1])
+        train_maps.append(average_precision(train, _labels(setup, "train"))[1])
         if record is selection.representative:
             saved = {"model": state["model"], "loss_state": state["loss_state"], "lr": record.lr,
                      "batch_size": record.batch_size, "seed": record.seed, "epoch": record.best_epoch,
@@ -143,10 +143,11 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     if scores:
         runs.write_scores(run_dir, settings.key, **scores)
     features, rows = setup.features, setup.rows
-    if not is_sparse(features.train.labels):  # as stage two: report's label figures read dense matrices only
-        runs.write_labels(run_dir, train_labels=features.train.labels[rows["train"]],
-                          train_observed=features.train.observed[rows["train"]],
-                          val_labels=features.val.labels[rows["val"]], test_labels=features.test.labels[rows["test"]])
+    runs.write_labels(run_dir, train_labels=take(features.train.labels, rows["train"]),
+                      train_observed=take(features.train.observed, rows["train"]),
+                      val_labels=take(features.val.labels, rows["val"]), test_labels=take(features.test.labels, rows["test"]))
+    if selection and all(record.start for record in selection.records):  # a run begun before epoch 0 had none
+        entry.update(start_summary(selection.records, entry["test_map"]))
     if settings.rule != DEFAULT_RULE:
         entry = {"loss": settings.loss, "rule": settings.rule, **entry}
     results = runs.finish_run(run_dir, stage="finetune", features=features, losses={settings.key: entry},
@@ -156,7 +157,18 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     return {**results, "run_dir": str(run_dir)}
 
 
-def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadRecord:
+def start_summary(chosen: list[HeadRecord], test_map: float) -> dict:
+    """results.json's `start`: the selected config's model before any step (epoch 0), mean over its seeds, and
+    `below_start` when fine-tuning ended below it in test mAP."""
+    start = {key: float(np.mean([record.start[key] for record in chosen])) for key in ("val_map", "test_map")}
+    return {"start": start, "below_start": test_map < start["test_map"]}
+
+
+def _label(record: HeadRecord, epoch: int, epochs: int) -> str:
+    return f"lr {record.lr:g} batch {record.batch_size} seed {record.seed} epoch {epoch}/{epochs}"
+
+
+def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, starts: dict, say) -> HeadRecord:
     """Train one (lr, batch size, seed) for its epochs, from its checkpoint when it has one; returns its record."""
     processes, settings, features = setup.processes, setup.settings, setup.features
     device, path = processes.device, checkpoints.checkpoint(run_dir, record)
@@ -170,6 +182,8 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
         if checkpoint["done"]:
             return record
     model, loss_fn, optimizer = _config_model(setup, record, checkpoint)
+    if checkpoint is None:
+        _score_start(setup, run_dir, record, model, loss_fn, starts, say)
     trainer = model if processes.world == 1 else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
     batches = data.EpochBatches(setup.rows["train"], len(features.train), record.batch_size, record.seed,
@@ -184,7 +198,7 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, say) -> HeadR
             train_logits[0, torch.as_tensor(setup.rows["train"], device=device)] = _score(model, setup, "train")
         loss_fn.start_epoch(epoch, settings.epochs, train_logits)
         batches.set_epoch(epoch)
-        label = f"lr {record.lr:g} batch {record.batch_size} seed {record.seed} epoch {epoch}/{settings.epochs}"
+        label = _label(record, epoch, settings.epochs)
         train_loss = _train_epoch(trainer, model, loss_fn, optimizer, train_loader, batches, train_labels, setup,
                                   label)
         _evaluate(setup, run_dir, record, epoch, train_loss, model, loss_fn, label, say)
@@ -218,6 +232,24 @@ def _config_model(setup: Setup, record: HeadRecord, checkpoint: dict | None):
         if checkpoint["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
     return model, loss_fn, optimizer
+
+
+def _score_start(setup: Setup, run_dir: Path, record: HeadRecord, model: FineTuneModel, loss_fn: losses.Loss,
+                 starts: dict, say) -> None:
+    """Epoch 0: val and test mAP of the model the config starts from, before any step. With LinearInit that is
+    the linear run's head on the trunk that made the cache: the linear run's numbers again, on the same device."""
+    kept = record.batch_size if loss_fn.drops_last else None  # as every epoch's evaluation
+    key = (None if setup.start is not None else record.seed, kept)  # a fresh head is its seed's own
+    if key not in starts:
+        starts[key] = {f"{split}_map": _scored_split(model, setup, split, kept)[1] for split in ("val", "test")}
+    label, scores = f"{_label(record, 0, setup.settings.epochs)} (the starting model, before any step)", starts[key]
+    if not all(math.isfinite(value) for value in scores.values()):  # never a NaN in the run's files
+        say(f"{label}: its scores are not finite (val mAP {scores['val_map']}, test mAP {scores['test_map']})")
+        return
+    record.start = dict(scores)
+    if setup.processes.main:
+        runs.append_metrics(run_dir, record.metric_lines())
+    say(f"{label}: val mAP {scores['val_map']:.2f}, test mAP {scores['test_map']:.2f}")
 
 
 def _evaluate(setup: Setup, run_dir: Path, record: HeadRecord, epoch: int, train_loss: float, model: FineTuneModel,
@@ -335,7 +367,7 @@ def _rows(setup: Setup, split: str, batch_size: int | None) -> np.ndarray:
 
 def _scored_split(model, setup: Setup, split: str, batch_size: int | None = None) -> tuple[torch.Tensor, float]:
     """The split's per-class AP and its mAP (partial labels: over annotated entries, classes with a positive)."""
-    return split_ap(torch.sigmoid(_score(model, setup, split, batch_size)), _labels(setup, split, batch_size),
+    return average_precision(torch.sigmoid(_score(model, setup, split, batch_size)), _labels(setup, split, batch_size),
                     _label_mask(setup, split, batch_size))
 
 

@@ -7,6 +7,7 @@ is resumed. `Setup` adds what the run needs besides (the cache, the image rows, 
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -69,6 +70,9 @@ class FinetuneOptions:
             if isinstance(value, (list, tuple)):
                 raise SpmlError(f"--hp {key}={','.join(f'{v:g}' for v in value)}: fine-tuning takes one value; sweep"
                                 " on the linear probe (spml-cache linear --hp ...), then fine-tune from its best head")
+        if self.loss is not None:  # a plugin spec (`file.py:Class@rule`) is known by its class's name from here on
+            loss, rule = split_key(self.loss)
+            object.__setattr__(self, "loss", result_key(losses.canonical(loss), rule))
         if self.init is not None and self.init not in INITS:
             raise SpmlError(f"--init {self.init}: use best (LinearInit) or imagenet (a fresh head)")
         object.__setattr__(self, "fidelity", None if self.fidelity is None else Fidelity.check(self.fidelity))
@@ -207,13 +211,13 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
                             " there): resume with its settings, or start a new run")
         options, root = FinetuneOptions.of(resumed.settings), root if root is not None else resumed.root
     features, start = _starting_point(options, out, cache_dir)
-    if resumed is not None or start is not None:
-        cache.verify(features)  # what goes on, or starts from a linear head, must read the very same arrays
+    # what goes on, or starts from a linear head, must read the very same arrays
+    unverified = cache.verify(features) if resumed is not None or start is not None else None
     if resumed is not None and cache.cache_id(features.attrs) != resumed.cache_id:
         raise SpmlError(f"--resume {resumed.run_dir}: {features.path} was rebuilt since that run began;"
                         " start a new run")
     settings = _settings(options, features, start, processes)
-    notes = [describe_start(start, settings)]
+    notes = [describe_start(start, settings)] + ([unverified] if unverified else [])
     if root is None:
         raise SpmlError("no image root: pass --root DIR (where the cache was extracted from) or set SPML_DATA")
     ids = {split: getattr(features, split).ids for split in cache.SPLITS}
@@ -230,21 +234,37 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     if start is not None:
         head.weight.data.copy_(start.weight)
         head.bias.data.copy_(start.bias)
+    if settings.weights == "none":
+        notes.append("note: the trunk is random (--weights none): training moves its BatchNorm statistics, and with"
+                     " them the random features the head was fitted to, so mAP can fall below epoch 0's whatever the"
+                     " loss does")
     model = FineTuneModel(trunk, head)
     return Setup(settings, features, image_root, rows, start, model, processes, workers, notes, described.preprocess)
+
+
+def _misspelt(name: str) -> bool:
+    """A name that is no built-in loss but close to one (a plugin's name is known only once a run recorded it)."""
+    return name not in losses.names() and bool(difflib.get_close_matches(name, losses.names(), n=1, cutoff=0.6))
 
 
 def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
     """The cache fine-tuning reads and, for LinearInit, the linear head it starts from (checked to fit)."""
     best = options.init in (None, "best")
+    if options.loss is not None and not best:
+        losses.get(split_key(options.loss)[0])  # a misspelt name fails here, with a suggestion
     if not best and options.from_run is not None:
         raise SpmlError("--from RUN names a linear run to start from: it goes with --init best, not --init imagenet")
     features = cache.load(options.cache) if options.cache is not None else None
     start = None
     if best:
         dataset = features.dataset if features is not None else options.dataset
-        start = linear_init.choose_head(options.from_run, options.loss, dataset,
-                                        cache.cache_id(features.attrs) if features is not None else None, out)
+        try:
+            start = linear_init.choose_head(options.from_run, options.loss, dataset,
+                                            cache.cache_id(features.attrs) if features is not None else None, out)
+        except SpmlError:
+            if options.loss is not None and _misspelt(split_key(options.loss)[0]):
+                losses.get(split_key(options.loss)[0])  # said as a misspelling, with its suggestion, not as "no run"
+            raise
     elif options.loss is None:
         raise SpmlError("--loss NAME is needed with --init imagenet (spml-cache losses lists the names)")
     if features is None:

@@ -43,7 +43,13 @@ def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> b
         raise SpmlError(f"finetune: the cache holds {features} features, which a head fine-tuned end to end does not"
                         f" read (it reads the pooled vector): fine-tune from a cache of {name} extracted with"
                         " --features pooled (the default)")
-    return backbones.describe(name, weights, resolution)
+    described = backbones.describe(name, weights, resolution)
+    stored = cache_attrs.get("backbone_origin")
+    if stored and described.origin != stored:
+        raise SpmlError(f"finetune: the backbone {name} is not the code that made the cache (then"
+                        f" {backbones.origin_text(stored)}, now {backbones.origin_text(described.origin)}); restore"
+                        " that code, or extract the cache again with this one")
+    return described
 
 
 def choose_head(from_run: Path | None, loss: str | None, dataset: str | None, cache_id: str | None,

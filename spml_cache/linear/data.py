@@ -15,11 +15,16 @@ import numpy as np
 import torch
 
 from spml_cache.cache import FeatureSet, StoredFeatures
-from spml_cache.labels import SparseLabels, columns, for_loss, is_sparse
-from spml_cache.linear.out_of_core import Batch, MemoryPlan, RowSource, label_rows
-from spml_cache.metrics import scored_classes
-
-SCORED_BLOCK = 512  # classes at a time when finding the scored classes of sparse labels
+from spml_cache.labels import (
+    SparseLabels,
+    block,
+    nonzero_count,
+    observed_for_loss,
+    on_device,
+    positives,
+    scored_classes,
+)
+from spml_cache.linear.out_of_core import Batch, MemoryPlan, RowSource
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,8 @@ class LinearData:
             plan=plan,
             val_mask=None if val_mask is None else on_device(val_mask),
             test_mask=None if test_mask is None else on_device(test_mask),
-            val_scored=_scored(val_targets, val_mask),
-            test_scored=_scored(features.test.labels, test_mask),
+            val_scored=scored_classes(val_targets, val_mask),
+            test_scored=scored_classes(features.test.labels, test_mask),
             **text,
         )
 
@@ -95,7 +100,7 @@ class LinearData:
         if self.test_mask is None:
             return None
         mask = self.test_mask
-        annotated = len(mask.values) / float(np.prod(mask.shape)) if is_sparse(mask) else float(mask.float().mean())
+        annotated = nonzero_count(mask) / float(np.prod(mask.shape))
         return {"annotated_fraction": annotated, "classes_scored": int(self.test_scored.sum()),
                 "classes_left_out": int((~self.test_scored).sum()),
                 "map": "per class over annotated test entries only; the mean over classes with an annotated positive"}
@@ -141,42 +146,15 @@ class LinearData:
         blocks, gathered from tensors or built from CSR."""
         if features is None:
             features = self.train_features.index_select(0, rows)
-        labels = label_rows(self.train_labels, rows, np.uint8) if oracle else None
-        return Batch(features, label_rows(self.train_observed, rows, np.int8), labels)
+        labels = block(self.train_labels, rows, np.uint8) if oracle else None
+        return Batch(features, block(self.train_observed, rows, np.int8), labels)
 
 
 def _on_device(array, device: torch.device):
     """A dense array as a tensor on `device`; a sparse matrix or features left in the file as they are."""
-    if is_sparse(array) or isinstance(array, StoredFeatures):
-        return array
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-
-def observed_for_loss(observed, whole: bool) -> torch.Tensor | None:
-    """`LinearData.observed_for_loss` of a numpy, torch or sparse matrix."""
-    if isinstance(observed, torch.Tensor):
-        return observed.cpu()
-    found = for_loss(observed, whole)
-    return None if found is None else torch.from_numpy(found)
-
-
-def _scored(labels, mask) -> np.ndarray | None:
-    """bool [C]: the classes with an annotated positive (`metrics.scored_classes`), a block of classes at a time
-    for sparse labels; None without a mask."""
-    if mask is None:
-        return None
-    if not (is_sparse(labels) or is_sparse(mask)):
-        return scored_classes(labels, mask).numpy()
-    num_classes = labels.shape[1]
-    return np.concatenate([
-        ((columns(labels, low, min(low + SCORED_BLOCK, num_classes)) > 0)
-         & (columns(mask, low, min(low + SCORED_BLOCK, num_classes)) > 0)).any(axis=0)
-        for low in range(0, num_classes, SCORED_BLOCK)])
-
+    return array if isinstance(array, StoredFeatures) else on_device(array, device)
 
 
 def _val_targets(labels, observed, val_labels: str):
     """Val's targets: its full labels, or its observed positives (`--val-labels observed`)."""
-    if val_labels == "clean":
-        return labels
-    return observed.equal(1) if is_sparse(observed) else (observed == 1).astype(np.uint8)
+    return labels if val_labels == "clean" else positives(observed)

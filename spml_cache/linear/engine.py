@@ -21,6 +21,7 @@ from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.head_matrix import HeadMatrix
 from spml_cache.runtime.devices import to_host
+from spml_cache.runtime.errors import check_stop
 from spml_cache.linear.out_of_core import (
     Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets,
 )
@@ -303,6 +304,7 @@ class SeedRun:
                     reader = ChunkReader(data.train_features, data.plan.chunk_rows, data.device) \
                         if data.streams_train else None
                     for start in range(0, end, stack.batch_size):
+                        check_stop()  # a safe point: a signal's stop is taken here (errors.stops_deferred)
                         rows = order[start : start + stack.batch_size]
                         if reader is None:
                             stack.train_step(rows, data)

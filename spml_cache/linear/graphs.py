@@ -34,7 +34,7 @@ import torch
 
 from spml_cache.linear.adam_kernel import fused_adam_available
 from spml_cache.linear.engine import HeadStack, SeedRun
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, check_stop
 
 UNROLL = 8  # full steps per graph: one launch where eight would each cost a Python round trip
 
@@ -199,6 +199,7 @@ class Lockstep:
         # One graph launch of each stack in turn, so that every stream has work queued while Python launches more.
         feeds = [captured.epoch_steps() for captured in self.stacks if bool(captured.stack.active.any())]
         while feeds:
+            check_stop()  # a safe point between graph launches (errors.stops_deferred)
             feeds = [feed for feed in feeds if next(feed, False) is None]
         for captured in self.stacks:
             captured.end_epoch()

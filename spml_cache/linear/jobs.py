@@ -24,8 +24,9 @@ from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
+from spml_cache.losses import plugins
 from spml_cache.runtime.children import die_with_parent, ignore_interrupts, interrupts_held_back
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, check_stop
 from spml_cache.runtime.memory import give_back_freed
 from spml_cache.selection import best_so_far
 
@@ -99,13 +100,15 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
     sys.stdout.flush()  # a forked worker flushes what it inherited when it exits
     sys.stderr.flush()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(source, str(device), settings.val_labels, progress, os.getpid()))
+                               initargs=(source, str(device), settings.val_labels, progress, os.getpid(),
+                                         plugins.loaded()))
     try:
         with interrupts_held_back():  # the first submit starts the workers
             pending = {pool.submit(_run_job, job, settings, used[job.loss], starts.get(job.loss)): job
                        for job in jobs}
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            check_stop()  # the workers ignore signals: this process stops them
             while not progress.empty():
                 yield progress.get()
             for future in done:
@@ -136,6 +139,7 @@ def _stop_workers(pool: ProcessPoolExecutor, progress) -> None:
     """End every worker now and reap it. The handles are taken first: `shutdown` forgets them (Python 3.11-3.13
     set `_processes` to None), after which nothing could stop a worker still training its queued jobs."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # forgotten by `shutdown` too
     for process in processes:
         process.terminate()
     pool.shutdown(wait=False, cancel_futures=True)
@@ -144,6 +148,11 @@ def _stop_workers(pool: ProcessPoolExecutor, progress) -> None:
         if process.is_alive():  # SIGTERM is handled only between bytecodes: a long native call may hold it off
             process.kill()
             process.join()
+    if manager is not None:
+        # The pool's manager thread closes its wake-up pipe as it ends; if the interpreter exits while it is still
+        # alive, concurrent.futures' exit hook writes to that closed pipe ("Exception ignored ... Bad file
+        # descriptor" after the stop line, Python 3.11). Its workers are gone, so it ends at once.
+        manager.join(timeout=2.0)
     progress.cancel_join_thread()  # what a worker left in the queue is not worth waiting for
     progress.close()
 
@@ -151,10 +160,11 @@ def _stop_workers(pool: ProcessPoolExecutor, progress) -> None:
 _worker: dict = {}  # in a worker process: the training data of each rule and the progress queue
 
 
-def _start_worker(source, device: str, val_labels: str, progress, parent_pid: int) -> None:
+def _start_worker(source, device: str, val_labels: str, progress, parent_pid: int, loaded: dict) -> None:
     """The training data of each rule: inherited (fork), or read from the cache file and given each rule's
-    observed rows (spawn)."""
+    observed rows (spawn); the plugin losses the parent loaded (`loaded`: their origins), loaded again."""
     die_with_parent(parent_pid)
+    plugins.load_recorded(loaded, run_dir="(a worker)", strict=False)  # a spawned worker starts without them
     ignore_interrupts()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler (a SIGTERM to the group) is not a worker's
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool

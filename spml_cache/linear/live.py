@@ -6,6 +6,7 @@ import time
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -33,14 +34,16 @@ def summary_table(results: dict, title: str = "linear heads: best config per los
     swept = any((result.get("selected") or {}).get("swept") for result in results["losses"].values())
     columns = ("loss", "val mAP", "test mAP", "lr", "batch") + (("swept values",) if swept else ()) + ("best epoch", "time")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("loss", "swept values") else "right", overflow="fold")
+        # a loss's name (loss@rule) and the short values whole on their line: mAP ± std and lists wrap first
+        table.add_column(column, justify="left" if column in ("loss", "swept values") else "right", overflow="fold",
+                         no_wrap=column in ("loss", "lr", "batch", "time"))
     for name, result in results["losses"].items():
         selected = result.get("selected")
         if selected is None:
-            table.add_row(name, "-", "-", "-", "-", *(["-"] if swept else []), "diverged", f"{result['seconds']:.1f} s")
+            table.add_row(escape(name), "-", "-", "-", "-", *(["-"] if swept else []), "diverged", f"{result['seconds']:.1f} s")
             continue
         table.add_row(
-            name, _mean_std(result, "val_map"), _mean_std(result, "test_map"), lr_text(selected),
+            escape(name), _mean_std(result, "val_map"), _mean_std(result, "test_map"), lr_text(selected),
             str(selected["batch_size"]), *([hparams_text(selected.get("swept", {}))] if swept else []),
             ",".join(str(e) for e in result["best_epoch"]), f"{result['seconds']:.1f} s",
         )
@@ -66,9 +69,10 @@ class LiveTable:
     def _table(self) -> Table:
         table = Table(title="training linear heads")
         for column in ("loss", "progress", "best val mAP", "its test mAP", "config"):
-            table.add_column(column, justify="left" if column in ("loss", "progress", "config") else "right")
+            table.add_column(column, justify="left" if column in ("loss", "progress", "config") else "right",
+                             no_wrap=column == "loss")
         for name, row in self.rows.items():
-            table.add_row(name, *row)
+            table.add_row(escape(name), *(escape(cell) for cell in row))
         return table
 
     def epoch(self, loss: str, seed_index: int, epoch: int, best: dict | None) -> None:
@@ -103,4 +107,4 @@ class LiveTable:
         now = time.perf_counter()
         if force or now - self.last_line >= self.every_s:
             self.last_line = now
-            self.console.print(line, highlight=False, soft_wrap=True)
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)

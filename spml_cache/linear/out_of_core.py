@@ -19,6 +19,7 @@ import torch
 from spml_cache import cache
 from spml_cache.metrics import average_precision
 from spml_cache.runtime import memory
+from spml_cache.runtime.errors import check_stop
 
 FLOAT_BYTES = 4
 # Bytes per (head, row, class) element while scoring: the scores and `metrics.average_precision`'s buffers
@@ -28,6 +29,12 @@ SCORING_BYTES = 40
 # temporary) and the logits' share; measured on the 500k x 5,000 benchmark (docs/benchmarks.md).
 HEAD_COPIES = 7
 MARGIN = 0.1  # of the budget, kept for what the plan does not count: ids, Python objects, transient copies
+# What the process itself holds before stage two's arrays (Python, torch, h5py: ~540 MB resident measured on the
+# CPU with torch 2.14; on a GPU the budget is the device's memory, none of it in use yet). A constant, not a
+# measurement: the plan, and with it the chunk order and the results, is a function of the command alone (the
+# budget, the cache's shapes, the grid), the same in every run of it (a measurement differed by a few MB from run
+# to run, and the chunks by a row).
+PROCESS_BYTES = {"cpu": 512 * 2**20, "cuda": 0}
 # A group of heads fits when the features left for it still come in chunks of this many rows (or all of them):
 # smaller chunks would spend an epoch on reads.
 MIN_CHUNK_ROWS = 1024
@@ -110,13 +117,6 @@ class Batch:
     features: torch.Tensor
     observed: torch.Tensor
     labels: torch.Tensor | None
-
-
-def label_rows(matrix, rows: torch.Tensor, dtype) -> torch.Tensor:
-    """The dense label block of `rows` from a device tensor (a gather) or a `SparseLabels` (built now)."""
-    if isinstance(matrix, torch.Tensor):
-        return matrix.index_select(0, rows)
-    return torch.from_numpy(matrix.rows(rows.cpu().numpy(), dtype)).to(rows.device)
 
 
 class ChunkReader:
@@ -211,6 +211,7 @@ def blocked_average_precision(heads: list, source, start: int, stop: int, target
     device = heads[0].scaled_bias.device
     out = []
     for low in range(0, num_classes, class_block):
+        check_stop()  # a safe point: a block may read every row from the cache again
         high = min(low + class_block, num_classes)
         if isinstance(source, torch.Tensor):
             chunks = [source[i : min(i + 16384, stop)] for i in range(start, stop, 16384)]
@@ -239,11 +240,13 @@ def dense_targets(targets, rows: int, device: torch.device) -> torch.Tensor | No
 def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows: int | None = None,
                 per_group: int | None = None):
     """The cache at `path` loaded for `budget` bytes of `device` (`plan`), `heads` heads trained at once:
-    `(FeatureSet, MemoryPlan, groups)`, the features that do not fit left in the file. `chunk_rows`: a resumed
-    run's chunk size. When the heads alone exceed the budget and come in groups of `per_group` (an lr's heads of
-    one batch size), `groups` is how many groups to train at once (the most that fit, at least one); else None."""
+    `(FeatureSet, MemoryPlan, groups)`, the features that do not fit left in the file. `chunk_rows`: the chunk size
+    given (`--chunk-rows`, or a resumed run's), the train features streamed in chunks of it whatever the budget.
+    When the heads alone exceed the budget and come in groups of `per_group` (an lr's heads of one batch size),
+    `groups` is how many groups to train at once (the most that fit, at least one); else None. Nothing measured
+    at run time enters the plan (`PROCESS_BYTES`)."""
     shapes, label_bytes, num_classes = cache.feature_shapes(path)
-    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else memory.resident()
+    baseline = PROCESS_BYTES["cuda" if device.type == "cuda" else "cpu"]
     chosen, groups = plan(budget, shapes, num_classes, heads, label_bytes, baseline), None
     if chosen.short and per_group:
         def fits(n: int) -> bool:  # n groups at once
@@ -252,7 +255,7 @@ def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows:
 
         groups = next((n for n in range(heads // per_group, 0, -1) if fits(n)), 1)
         chosen = plan(budget, shapes, num_classes, groups * per_group, label_bytes, baseline)
-    if chunk_rows:  # a resumed out-of-core run goes on in its own chunk order
+    if chunk_rows:  # the chunk order asked for, or a resumed out-of-core run's own
         chosen = replace(chosen, train_in_memory=False, chunk_rows=chunk_rows)
     if not chosen.streams:
         return cache.load(path), chosen, groups

@@ -18,26 +18,25 @@ from typing import Sequence
 import torch
 from rich.console import Console
 
-from spml_cache import losses as loss_registry
-from spml_cache import observation, runs
+from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import cache_id, find_cache, verify
-from spml_cache.labels import is_sparse
+
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job
 from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
 from spml_cache.linear.live import LiveTable
 from spml_cache.linear.out_of_core import dense_targets, load_within, train_map
 from spml_cache.linear.parts import KeptParts, Part
-from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_settings
-from spml_cache.metrics import mean_average_precision
-from spml_cache.observation import Rule
-from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS, check_val_split
 from spml_cache.runtime import locks, memory
 from spml_cache.runtime.devices import resolve_device
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
+from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
+                                       stored_settings)
+from spml_cache.metrics import mean_average_precision
+from spml_cache.observation import Rule
+from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS, check_train_test, check_val_split
 from spml_cache.runtime.progress import console as progress_console
-from spml_cache.runtime.ranks import Ranks
-from spml_cache.runtime.ranks import current as current_ranks
+from spml_cache.runtime.ranks import PeerLost, Ranks, current as current_ranks
 from spml_cache.selection import HeadRecord, loss_results, select_config
 
 # --- the run ---------------------------------------------------------------------------------------------
@@ -51,20 +50,23 @@ class LinearRun:
 
 def run_linear(
     *, cache: Path | str | None = None, dataset: str | None = None, cache_dir: Path | str | None = None,
-    losses: str | Sequence[str] = "all", lrs: Sequence[float] = GRID_LRS, batch_sizes: Sequence[int] = GRID_BATCH_SIZES,
-    epochs: int = LINEAR_EPOCHS, seeds: int = 1, hparams: dict[str, float] | None = None, device: str = "auto",
-    out: Path | str = "runs", val_labels: str = "clean", workers: int = 0, from_run: Path | str | None = None,
+    losses: str | Sequence[str] | None = None, lrs: Sequence[float] | None = None,
+    batch_sizes: Sequence[int] | None = None, epochs: int | None = None, seeds: int | None = None,
+    hparams: dict[str, float] | None = None, device: str = "auto", out: Path | str = "runs",
+    val_labels: str | None = None, workers: int = 0, from_run: Path | str | None = None,
     resume: Path | str | None = None, fidelity: str | None = None, hp_grid: str | None = None, graphs: bool = True,
-    observe: Sequence[Rule] | None = None, memory_budget: str | int | None = None, console: Console | None = None,
-    wds: Sequence[float] | None = None,
+    observe: Sequence[Rule] | None = None, memory_budget: str | int | None = None, chunk_rows: int | None = None,
+    console: Console | None = None, wds: Sequence[float] | None = None,
 ) -> LinearRun | None:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
     A job trains every lr of one (loss, seed) and its batch sizes; with `workers` > 1 each batch size is its
-    own job, so that even one loss's grid spreads over the cores (same results either way). `from_run`: every
-    head starts from that linear run's head (`start_heads`) instead of its seed's initialisation. `resume`: an
-    interrupted run directory, whose settings are used (the grid arguments are then ignored). `fidelity`:
-    exact (the papers' math, stably; the default) or authors (their code's numerics and rules, docs/fidelity.md).
+    own job, so that even one loss's grid spreads over the cores (same results either way). `losses`: "all" (the
+    default) or names; the grid's defaults are the protocol's (`GRID_LRS`, `GRID_BATCH_SIZES`, `LINEAR_EPOCHS`,
+    one seed, clean val labels). `from_run`: every head starts from that linear run's head (`start_heads`)
+    instead of its seed's initialisation. `resume`: an interrupted run directory, whose settings are used: a
+    setting given beside it that differs is refused (`refuse_contradictions`). `fidelity`: exact (the papers'
+    math, stably; the default) or authors (their code's numerics and rules, docs/fidelity.md).
     A hyperparameter given as a list is swept: every combination of the values is trained beside every (lr,
     batch size), heads that differ only in a hyperparameter the loss takes per head in the same stack, and
     selection runs over the whole grid; `hp_grid="paper"` sweeps each loss's own search space where its paper
@@ -75,96 +77,94 @@ def run_linear(
     `single`). Under torchrun the (loss, rule, seed, batch size) parts are shared between the processes, each
     training whole parts; rank 0 writes the run directory, gathers the others' parts, selects and returns the run
     (the others return None). `memory_budget` (bytes, or "1GB"; None: most of the device's free memory): train
-    and val/test features that do not fit it stream from the cache (out_of_core.py; a resumed run keeps its
-    chunk order). `wds`: the probe's L2 weight decays (None: 0 alone, the papers' grid), a grid axis beside the lrs:
-    one head per (lr, weight decay) in the same stacks, selected on val like the rest.
+    and val/test features that do not fit it stream from the cache (out_of_core.py), in chunks of `chunk_rows`
+    rows when given (the train features then always stream), else of a size planned from the budget and the
+    cache's shapes alone; the budget and the chunk size are kept in config.json, and a resumed run keeps both.
+    A signal (the command line's Ctrl-C or SIGTERM) stops the training at its next step (`errors.check_stop`).
+    `wds`: the probe's L2 weight decays (None: 0 alone, the papers' grid), a grid axis beside the lrs: one head
+    per (lr, weight decay) in the same stacks, selected on val like the rest.
     """
+    given = dict(cache=cache, dataset=dataset, losses=losses, lrs=lrs, batch_sizes=batch_sizes, epochs=epochs,
+                 seeds=seeds, hparams=hparams, val_labels=val_labels, from_run=from_run, fidelity=fidelity,
+                 hp_grid=hp_grid, observe=observe, memory_budget=memory_budget, chunk_rows=chunk_rows, wds=wds)
+    with stops_deferred():
+        return _run(given, cache_dir, device, out, workers, resume, graphs, console)
+
+
+def _given_settings(given: dict, resume: Path | str | None, cache_dir):
+    """The run's settings, `(config or None, settings, from_run, cache path, budget or None, chunk_rows or None)`:
+    a resumed run's own (a flag that contradicts them refused), else those given (the protocol's defaults where
+    not given)."""
     if resume is not None:
         config, settings, from_run = stored_settings(Path(resume))
-        cache, dataset = config["cache"], None
-    else:
-        settings = LinearSettings.check(losses, lrs, batch_sizes, epochs, seeds, hparams or {}, val_labels, fidelity,
-                                        hp_grid, observe, wds)
+        refuse_contradictions(Path(resume), config, settings, given)
+        if given["cache"] is not None or given["dataset"] is not None:
+            named = find_cache(given["cache"], given["dataset"], cache_dir).resolve()
+            if named != Path(config["cache"]).resolve():
+                flag = "--cache" if given["cache"] is not None else "--dataset"
+                raise SpmlError(f"--resume {resume}: {flag} names {named}, but the run trains on {config['cache']}:"
+                                f" leave out {flag}, or start a new run with it")
+        budget = config.get("memory_budget", memory.parse_size(given["memory_budget"]))
+        return config, settings, from_run, config["cache"], budget, (config.get("out_of_core") or {}).get("chunk_rows")
+    defaults = dict(losses="all", lrs=GRID_LRS, batch_sizes=GRID_BATCH_SIZES, epochs=LINEAR_EPOCHS, seeds=1,
+                    hparams={}, val_labels="clean")
+    grid = {key: default if given[key] is None else given[key] for key, default in defaults.items()}
+    settings = LinearSettings.check(grid["losses"], grid["lrs"], grid["batch_sizes"], grid["epochs"], grid["seeds"],
+                                    grid["hparams"], grid["val_labels"], given["fidelity"], given["hp_grid"],
+                                    given["observe"], given["wds"])
+    chunk_rows = given["chunk_rows"]
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or int(chunk_rows) != chunk_rows or chunk_rows < 1):
+        raise SpmlError(f"--chunk-rows {chunk_rows}: give a whole number of rows, at least 1")
+    path = find_cache(given["cache"], given["dataset"], cache_dir)
+    return None, settings, given["from_run"], path, memory.parse_size(given["memory_budget"]), chunk_rows
+
+
+def _run(given: dict, cache_dir, device: str, out, workers: int, resume, graphs: bool, console) -> LinearRun | None:
+    """`run_linear` once its arguments are gathered: plan, load, check, then train under the run's lock."""
+    config, settings, from_run, cache_path, budget, chunk_rows = _given_settings(given, resume, cache_dir)
     ranks = current_ranks()  # under torchrun: this process's share of the parts
     target = ranks.device(resolve_device(device)) if ranks else resolve_device(device)
-    budget = memory.budget(memory_budget, target)
-    chunk_rows = (config.get("out_of_core") or {}).get("chunk_rows") if resume is not None else None
-    features, plan, lrs_at_once = load_within(find_cache(cache, dataset, cache_dir), budget, settings.heads_at_once(),
-                                              target, chunk_rows, settings.heads_per_lr())
+    budget = memory.budget(budget, target)
+    features, plan, lrs_at_once = load_within(cache_path, budget, settings.heads_at_once(), target, chunk_rows,
+                                              settings.heads_per_lr())
+    check_stop()
     lrs_at_once = lrs_at_once and min(lrs_at_once, len(settings.lrs))
     if plan.streams or lrs_at_once:  # the budget binds: transient buffers must not stay with the allocator
         memory.keep_within()
     if not plan.train_in_memory or lrs_at_once:
         workers = _streaming(settings, workers) if not plan.train_in_memory else 1
+    check_train_test(len(features.train), features.test.labels, features.test.label_mask, str(features.path))
     check_val_split(features.val.labels, str(features.path))
-    if resume is not None or from_run is not None:
-        verify(features)  # what goes on, or starts from a head and its state, must read the very same arrays
+    # what goes on, or starts from a head and its state, must read the very same arrays
+    unverified = verify(features) if resume is not None or from_run is not None else None
     settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
+    observation.refuse_unobserved(observed, features.path)
     units, notes = settings.units(observed, features.train.labels)
-    notes = text_notes + notes
     used = resolved_hparams(settings, features)
     starts = start_heads(from_run, settings.losses, features)
     if resume is not None and config["cache_id"] != cache_id(features.attrs):
         raise SpmlError(f"--resume {resume}: {features.path} was rebuilt since that run began; start a new run")
-    grouped = lrs_at_once and (
-        f"memory budget: the grid's heads do not fit at once; trained {lrs_at_once} lr{'s' * (lrs_at_once > 1)} of"
-        " one batch size at a time (the same heads, in turn)")
-    for note in [observation.drawn_note(observed, features.path), *notes, plan.streams and plan.describe(), grouped]:
-        if note and (ranks is None or ranks.main):
-            (console or progress_console).print(note, markup=False, highlight=False, soft_wrap=True)
+    if ranks is None or ranks.main:
+        _print_notes(console, [unverified, observation.drawn_note(observed, features.path), *text_notes, *notes,
+                               plan.streams and plan.describe(), lrs_at_once and _grouped_note(lrs_at_once)])
     whole = LinearData.from_features(features, target, settings.val_labels, plan)
     data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
-    several = [rule.text for rule in settings.rules] != [observation.DEFAULT_RULE]
+    trained = (settings, units, used, starts, features, data, target, workers, graphs, observed, lrs_at_once)
     if ranks and not ranks.main:
-        try:
-            jobs, workers = _jobs(settings, units, ranks.broadcast(None), len(features.train), target, workers, ranks,
-                                  lrs_at_once)
-            ranks.gather([JobEvent(event.job, lines=event.lines, done=event.done) for event in
-                          train_jobs(jobs, used, settings, data, features, workers, starts, graphs, observed)
-                          if event.lines or event.done])
-        except KeyboardInterrupt:
-            raise SystemExit(130) from None  # rank 0 says what was kept
-        ranks.leave()
-        return None
-    if resume is None:
-        label = "all" if settings.every_loss else "+".join(settings.losses)
-        grid = runs.Grid(settings.losses, settings.lrs, settings.batch_sizes, settings.epochs, settings.seeds,
-                         {name: loss_registry.merged(combos) for name, combos in used.items()}, settings.val_labels,
-                         settings.fidelity)
-        run_dir = runs.start_run(
-            out, stage="linear", label=label, features=features, device=target, grid=grid, workers=workers,
-            num_train=whole.num_train, num_val=whole.num_val, num_test=len(features.test),
-            feature_dim=whole.train_features.shape[1],
-            **{"from": {name: s.source for name, s in starts.items()} or None},
-            **({"observe": [rule.text for rule in settings.rules]} if several else {}),
-            **({"wds": settings.wd_axis} if settings.wd_axis else {}),
-            **({"out_of_core": {"chunk_rows": plan.chunk_rows}} if not plan.train_in_memory else {}),
-        )
-    else:
-        run_dir = Path(resume)
-    rules = {text: found.summary(features.train.labels) for text, found in observed.items()} if several else None
-    going_on = f"spml-cache linear --resume {shlex.quote(str(run_dir))}"
+        return _train_other_rank(ranks, *trained)
+    run_dir = Path(resume) if resume is not None else _start_run_dir(
+        out, settings, used, starts, features, whole, target, workers, budget, plan)
+    binding = [memory.FLAG, memory.flag_text(budget)] if plan.streams or lrs_at_once else []  # it shaped the run
+    going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
     with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
         try:
-            # first: report's figures need it, whatever happens next (dense label matrices only)
-            if not (run_dir / "labels.npz").exists() and not is_sparse(features.train.labels):
-                runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
-                                  val_labels=features.val.labels, test_labels=features.test.labels,
-                                  rules={rule: found.train for rule, found in observed.items() if several})
-            kept = KeptParts(run_dir).read() if resume is not None else {}
-            if ranks:
-                ranks.broadcast(set(kept))  # every process plans the same missing parts
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rebuilt: the kept parts' lines, then the new ones
-            runs.append_metrics(run_dir, [line for part in kept.values() for r in part.records
-                                          for line in r.metric_lines()])
-            results = _train_and_select(run_dir, settings, units, used, starts, features, data, target, workers,
-                                        kept, console, graphs, observed, rules, ranks, zero_shot(features),
-                                        lrs_at_once)
-        except KeyboardInterrupt:
+            results = _train_in(run_dir, resume is not None, ranks, console, *trained)
+        except (KeyboardInterrupt, PeerLost) as stop:
             parts = len(units) * len(settings.seeds) * len(settings.batch_sizes)
-            what = "(loss, rule, seed, batch size)" if several else "(loss, seed, batch size)"
-            raise Interrupted(f"{len(KeptParts(run_dir).read())} of {parts} {what} parts are kept in {run_dir}",
+            what = "(loss, rule, seed, batch size)" if _several(settings) else "(loss, seed, batch size)"
+            lost = f"another process of this torchrun command ended ({stop}): " if isinstance(stop, PeerLost) else ""
+            raise Interrupted(f"{lost}{len(KeptParts(run_dir).read())} of {parts} {what} parts are kept in {run_dir}",
                               going_on) from None
         except DiskFull as full:  # what was kept before is kept
             raise full.going_on(f"go on with: {going_on}") from None
@@ -172,6 +172,78 @@ def run_linear(
     if ranks:
         ranks.leave()
     return LinearRun(run_dir, results)
+
+
+def _several(settings: LinearSettings) -> bool:
+    """Whether the run trains under other observation rules than `single` alone."""
+    return [rule.text for rule in settings.rules] != [observation.DEFAULT_RULE]
+
+
+def _grouped_note(lrs_at_once: int) -> str:
+    return (f"memory budget: the grid's heads do not fit at once; trained {lrs_at_once} lr{'s' * (lrs_at_once > 1)}"
+            " of one batch size at a time (the same heads, in turn)")
+
+
+def _print_notes(console, notes: list) -> None:
+    for note in notes:
+        if note:
+            (console or progress_console).print(note, markup=False, highlight=False, soft_wrap=True)
+
+
+def _start_run_dir(out, settings: LinearSettings, used, starts, features, whole: LinearData, target, workers: int,
+                   budget: int, plan) -> Path:
+    """A new run's directory and config.json: the grid, and the memory budget and chunk plan it trains under
+    (what `--resume` reads back)."""
+    plugins = [name for name in settings.losses if name not in loss_registry.names()]
+    label = "+".join(["all", *plugins] if settings.every_loss else settings.losses)
+    grid = runs.Grid(settings.losses, settings.lrs, settings.batch_sizes, settings.epochs, settings.seeds,
+                     {name: loss_registry.merged(combos) for name, combos in used.items()}, settings.val_labels,
+                     settings.fidelity)
+    return runs.start_run(
+        out, stage="linear", label=label, features=features, device=target, grid=grid, workers=workers,
+        num_train=whole.num_train, num_val=whole.num_val, num_test=len(features.test),
+        feature_dim=whole.train_features.shape[1],
+        **{"from": {name: s.source for name, s in starts.items()} or None},
+        **({"observe": [rule.text for rule in settings.rules]} if _several(settings) else {}),
+        **({"wds": settings.wd_axis} if settings.wd_axis else {}),
+        memory_budget=budget,
+        **({"out_of_core": {"chunk_rows": plan.chunk_rows}} if not plan.train_in_memory else {}),
+    )
+
+
+def _train_other_rank(ranks: Ranks, settings, units, used, starts, features, data, target, workers, graphs,
+                      observed, lrs_at_once) -> None:
+    """Under torchrun, a process other than rank 0: its share of the parts, handed to rank 0 at the end. Stopped,
+    it leaves the word to rank 0, which says what was kept."""
+    try:
+        jobs, workers = _jobs(settings, units, ranks.broadcast(None), len(features.train), target, workers, ranks,
+                              lrs_at_once)
+        ranks.gather([JobEvent(event.job, lines=event.lines, done=event.done) for event in
+                      train_jobs(jobs, used, settings, data, features, workers, starts, graphs, observed)
+                      if event.lines or event.done])
+    except (KeyboardInterrupt, PeerLost):
+        raise SystemExit(stop_exit_code()) from None
+    ranks.leave()
+    return None
+
+
+def _train_in(run_dir: Path, resuming: bool, ranks, console, settings, units, used, starts, features, data, target,
+              workers, graphs, observed, lrs_at_once) -> dict:
+    """Train what `run_dir` has not kept, select, and write its results."""
+    several = _several(settings)
+    # first: report's figures need it, whatever happens next (dense label matrices only)
+    if not (run_dir / "labels.npz").exists():
+        runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
+                          val_labels=features.val.labels, test_labels=features.test.labels,
+                          rules={rule: found.train for rule, found in observed.items() if several})
+    kept = KeptParts(run_dir).read() if resuming else {}
+    if ranks:
+        ranks.broadcast(set(kept))  # every process plans the same missing parts
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rebuilt: the kept parts' lines, then the new ones
+    runs.append_metrics(run_dir, [line for part in kept.values() for r in part.records for line in r.metric_lines()])
+    rules = {text: found.summary(features.train.labels) for text, found in observed.items()} if several else None
+    return _train_and_select(run_dir, settings, units, used, starts, features, data, target, workers, kept, console,
+                             graphs, observed, rules, ranks, zero_shot(features), lrs_at_once)
 
 
 def _streaming(settings: LinearSettings, workers: int) -> int:
@@ -195,11 +267,11 @@ def _jobs(settings: LinearSettings, units: dict[str, tuple[str, str]], kept, num
              for key, (name, rule) in units.items() for index, seed in enumerate(settings.seeds)]
     whole = [job for job in whole if job.batch_sizes]
     split = [replace(job, batch_sizes=(size,)) for job in whole for size in job.batch_sizes]
+    if ranks:  # every lr group of a part on the same process
+        split = ranks.share(split)
     if lrs_at_once:
         groups = [tuple(settings.lrs[i : i + lrs_at_once]) for i in range(0, len(settings.lrs), lrs_at_once)]
         return [replace(job, lrs=group) for job in split for group in groups], 1
-    if ranks:
-        split = ranks.share(split)
     workers = resolve_workers(workers, target, len(split), num_train * settings.epochs * len(whole))
     return (split if workers > 1 or ranks else whole), workers
 

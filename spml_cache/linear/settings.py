@@ -11,15 +11,14 @@ from typing import Mapping, Sequence
 
 import torch
 
-from spml_cache import losses as loss_registry
-from spml_cache import observation
-from spml_cache import runs
+from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
-from spml_cache.linear.data import observed_for_loss
+from spml_cache.labels import observed_for_loss
 from spml_cache.losses import Overrides
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
 from spml_cache.protocol import GRID_WDS, check_grid, check_wds
+from spml_cache.runtime import memory
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -80,8 +79,8 @@ class LinearSettings:
 
     @property
     def every_loss(self) -> bool:
-        """`--loss all` (on a cache without a text side: every loss that does not read one)."""
-        return self.losses in (loss_registry.names(), loss_registry.names(similarity=False))
+        """`--loss all` (on a cache without a text side: every loss that does not read one), plugins beside."""
+        return set(loss_registry.names(similarity=False)) <= set(self.losses)
 
     def for_cache(self, features: FeatureSet) -> tuple["LinearSettings", list[str]]:
         """These settings on `features`, and notes: on a cache without a text side, the losses that read one are
@@ -137,17 +136,18 @@ class StartHead:
 
 
 def resolve_losses(names: str | Sequence[str]) -> list[str]:
-    """"all", or loss names, each checked against the registry."""
+    """"all" (every built-in loss), loss names and plugin specs (`file.py:Class`, `module:Class`, loaded and
+    known by their class's name from then on), each checked against the registry; "all" may stand beside
+    plugins (`all,examples/masked_focal.py:MaskedFocal`)."""
     if isinstance(names, str):
         names = [names]
     names = [name for name in names if name]
-    if names == ["all"]:
-        return loss_registry.names()
     if not names:
         raise SpmlError(f"--loss is empty: give a loss name, a comma list, or all ({', '.join(loss_registry.names())})")
+    resolved = []
     for name in names:
-        loss_registry.get(name)  # raises with the valid names
-    return list(dict.fromkeys(names))
+        resolved += loss_registry.names() if name == "all" else [loss_registry.get(name).name]  # raises if unknown
+    return list(dict.fromkeys(resolved))
 
 
 def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[dict]]:
@@ -213,3 +213,64 @@ def stored_settings(run_dir: Path) -> tuple[dict, LinearSettings, Path | None]:
     starts = config.get("from") or {}
     from_run = next((Path(start["run"]) for start in starts.values() if start), None)
     return config, settings, from_run
+
+
+
+def refuse_contradictions(run_dir: Path, config: dict, settings: LinearSettings, given: Mapping) -> None:
+    """`--resume RUN` trains with RUN's settings: a flag given beside it that says otherwise (`given`: the values
+    given, None where a flag was left out) is refused in one line naming it; one that agrees is accepted."""
+    for flag, shown, ours, theirs in _resume_flags(config, settings, given):
+        if shown is not None and ours != theirs:
+            raise SpmlError(f"--resume {run_dir}: {flag} {shown} contradicts the run's {_text(theirs)} (a resumed run"
+                            f" keeps its own settings): leave out {flag}, or start a new run with it")
+
+
+def _text(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(f"{one:g}" if isinstance(one, float) else str(one) for one in value) or "none"
+    return "none" if value is None else str(value)
+
+
+def _resume_flags(config: dict, settings: LinearSettings, given: Mapping):
+    """(flag, the value given as text or None when it was left out, it as the run would store it, what the run
+    stores) for every setting a flag can give."""
+    get = given.get
+    names = get("losses") and resolve_losses(get("losses"))
+    if names and names == loss_registry.names() and settings.every_loss:
+        names = settings.losses  # `all`: on a cache without a text side, what the run kept of it
+    starts = [Path(start["run"]).resolve() for start in (config.get("from") or {}).values() if start]
+    budget = get("memory_budget") and memory.flag_text(memory.parse_size(get("memory_budget")))
+    stored_budget = config.get("memory_budget")
+    rules = get("observe") and [rule.text for rule in get("observe")]
+    listed = {key: get(key) and [kind(v) for v in get(key)]
+              for key, kind in (("lrs", float), ("batch_sizes", int), ("wds", float))}
+    yield from [
+        ("--loss", names and _text(get("losses")), names, settings.losses),
+        ("--lr", listed["lrs"] and _text(listed["lrs"]), listed["lrs"], settings.lrs),
+        ("--batch-size", listed["batch_sizes"] and _text(listed["batch_sizes"]), listed["batch_sizes"],
+         settings.batch_sizes),
+        ("--wd", listed["wds"] and _text(listed["wds"]), listed["wds"] and check_wds(listed["wds"]), settings.wds),
+        ("--epochs", get("epochs"), get("epochs"), settings.epochs),
+        ("--seeds", get("seeds"), get("seeds"), len(settings.seeds)),
+        ("--val-labels", get("val_labels"), get("val_labels"), settings.val_labels),
+        ("--fidelity", get("fidelity"), get("fidelity") and Fidelity.check(get("fidelity")), settings.fidelity),
+        ("--observe", rules and _text(rules), rules, [rule.text for rule in settings.rules]),
+        ("--from", get("from_run"), get("from_run") and Path(get("from_run")).resolve(), starts[0] if starts else None),
+        ("--chunk-rows", get("chunk_rows"), get("chunk_rows"), (config.get("out_of_core") or {}).get("chunk_rows")),
+        # a run from before the budget was stored takes the one given
+        ("--memory-budget", budget, budget, budget if stored_budget is None else memory.flag_text(stored_budget)),
+        *_hparam_flags(settings, get("hparams"), get("hp_grid")),
+    ]
+
+
+def _hparam_flags(settings: LinearSettings, hparams: Mapping | None, hp_grid: str | None):
+    """`--hp key=value` and `--hp-grid paper` beside `--resume`: each value given against the run's own."""
+    floats = lambda value: [float(v) for v in value] if isinstance(value, (list, tuple)) else value
+    for loss, values in (Overrides.given(settings.losses, hparams).per_loss.items() if hparams else ()):
+        for key, value in values.items():
+            yield "--hp", f"{loss}.{key}={_text(floats(value) if isinstance(value, list) else [float(value)])}", \
+                floats(value), floats(settings.overrides[loss].get(key))
+    if hp_grid is not None:
+        for loss, values in Overrides.given(settings.losses, {}).with_paper_grids().per_loss.items():
+            for key, value in values.items():
+                yield "--hp-grid", hp_grid, floats(value), floats(settings.overrides[loss].get(key))

@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from spml_cache.losses import plugins
 from spml_cache.losses.base import _REGISTRY, Loss, register
 from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -29,9 +30,11 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
 )
 
 __all__ = [
-    "Loss", "Overrides", "build", "combinations", "describe", "describe_table", "get", "merged", "names", "register",
-    "resolve_hparams", "varying_keys",
+    "Loss", "Overrides", "build", "canonical", "combinations", "describe", "describe_table", "get", "merged", "names",
+    "register", "resolve_hparams", "varying_keys",
 ]
+
+canonical = plugins.canonical  # the name a loss is known by (a plugin spec's class's `name`)
 
 # The flags of a `describe()` row, as the table words them.
 _FLAG_TEXTS = {
@@ -49,11 +52,15 @@ def names(similarity: bool = True) -> list[str]:
 
 
 def get(name: str) -> type[Loss]:
-    """The loss class registered as `name`; a clear error listing the valid names otherwise."""
+    """The loss class registered as `name`, or the plugin it names (`file.py:Class`, `module:Class`, a loaded
+    plugin's or an entry point's name: plugins.py); a clear error listing the valid names otherwise."""
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise SpmlError(f"unknown loss '{name}'; valid: {', '.join(names())}") from None
+        found = plugins.find(name)
+        if found is not None:
+            return found
+        raise SpmlError(f"{unknown_name('loss', name, names())}; valid: {', '.join(names())}") from None
 
 
 def reads_whole_observed(name: str) -> bool:
@@ -84,16 +91,19 @@ def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: st
     return dict(loss.hparams)
 
 
-def describe() -> list[dict]:
-    """One row per registered loss, what `spml-cache losses` prints: name, description, reference, defaults
-    (a default derived at build time shows how, e.g. "1/(C-1)"), per-dataset defaults, state and flags."""
+def describe(specs: tuple[str, ...] = ()) -> list[dict]:
+    """One row per registered loss, then per installed plugin (entry points) and per plugin spec in `specs`, what
+    `spml-cache losses` prints: name, description, reference, defaults (a default derived at build time shows
+    how, e.g. "1/(C-1)"), per-dataset defaults, state, flags and, for a plugin, its origin."""
     rows = []
-    for name, cls in _REGISTRY.items():
+    found = {**_REGISTRY, **{cls.name: cls for cls in map(get, [*plugins.installed(), *specs])}}
+    for name, cls in found.items():
         rows.append(
             {
                 "name": name,
-                "description": cls.description,
-                "reference": cls.reference,
+                "origin": plugins.origin(name),
+                "description": getattr(cls, "description", ""),  # a plugin may leave them out
+                "reference": getattr(cls, "reference", ""),
                 "defaults": {
                     key: cls.derived.get(key, "derived at build time") if value is None else value
                     for key, value in cls.defaults.items()
@@ -113,6 +123,14 @@ def describe() -> list[dict]:
             }
         )
     return rows
+
+
+def _origin_text(origin: dict) -> str:
+    """Where a plugin came from, in a few words: its file and hash, its distribution and version."""
+    parts = [origin["spec"] if origin["kind"] != "entry point" else f"entry point {origin['value']}"]
+    parts += [f"{origin['distribution']} {origin['version']}"] if origin.get("distribution") else []
+    parts += [f"sha256 {origin['sha256'][:12]}"] if origin.get("sha256") else []
+    return ", ".join(parts)
 
 
 def _format_hparams(values: dict) -> str:
@@ -153,5 +171,7 @@ def describe_table(rows: list[dict] | None = None) -> Table:
                              for key, values in row["paper_grid"]["values"].items())
             flags.append(f"--hp-grid paper: {grid} ({row['paper_grid']['source']})")
         what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
+        if row["origin"]:
+            what += Text("\nplugin: " + _origin_text(row["origin"]), style="cyan")
         table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
     return table

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from spml_cache.losses.base import _REGISTRY
+from spml_cache.losses import plugins
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -32,6 +32,7 @@ class Overrides:
                                 " number")
             value = list(dict.fromkeys(values)) if isinstance(value, (list, tuple)) else value
             loss, dot, name = key.rpartition(".")
+            loss = _loss_class(loss).name if ":" in loss else loss  # `--hp file.py:Class.key`: the plugin's name
             if dot:
                 if loss not in per_loss:
                     raise SpmlError(f"--hp {key}={value}: loss '{loss}' is not among --loss ({', '.join(losses)})")
@@ -39,7 +40,7 @@ class Overrides:
             elif len(losses) == 1:
                 targets = list(losses)
             else:
-                targets = [n for n in losses if name in _REGISTRY[n].defaults]
+                targets = [n for n in losses if name in _loss_class(n).defaults]
                 if not targets:
                     raise SpmlError(f"--hp {key}={value}: none of the selected losses has a hyperparameter '{name}'")
             for target in targets:
@@ -58,13 +59,21 @@ class Overrides:
 
     def with_paper_grids(self) -> "Overrides":
         """Every loss's own search space where its paper states one; the values given win."""
-        return Overrides({loss: {**given, **{key: list(values) for key, values in _REGISTRY[loss].paper_grid.items()
+        return Overrides({loss: {**given, **{key: list(values) for key, values in _loss_class(loss).paper_grid.items()
                                              if key not in given}}
                           for loss, given in self.per_loss.items()})
 
     def combinations(self, loss: str) -> list[dict]:
         """One `{key: value}` per combination of `loss`'s swept values (their product, in the order given)."""
         return combinations(self.per_loss[loss])
+
+
+def _loss_class(name: str):
+    """A built-in or plugin loss class by name (the names reach here checked: `losses.get`)."""
+    found = plugins.lookup(name)
+    if found is None:
+        raise SpmlError(f"unknown loss '{name}'")
+    return found
 
 
 def combinations(hparams: Mapping) -> list[dict]:

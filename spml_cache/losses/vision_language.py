@@ -114,7 +114,8 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
     `(1 - clip(v, 1 - lambda1, 1 - lambda2)) [rho nl(p) + (1 - rho) nl(1 - p)]` on pseudo-positives, `v nl(1 - p)`
     on pseudo-negatives, plus `reg` times EPR's `R_k`. Pseudo-labels: `aevlp_pseudo_labels`, from the crop grid
     where the cache stores one (`extract --crops G`), else from the whole image alone. `--fidelity authors`: their
-    code writes the negative pseudo-labels as 0, so those entries keep GR's term (no pseudo-negatives)."""
+    code writes the negative pseudo-labels as 0, so those entries keep GR's term (no pseudo-negatives), and a
+    pseudo-positive among them loses its label as well."""
 
     name = "gpr"
     observed_negative = "nl(1-p), never a pseudo-label"
@@ -149,12 +150,14 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
         if self.top_k != int(self.top_k):
             raise SpmlError(f"loss 'gpr': top_k={self.top_k} must be a whole number of classes: fix --hp top_k=")
         self.set_hparam("top_k", int(self.top_k))
-        authors = self.fidelity is Fidelity.AUTHORS
-        negatives = 0 if authors else int(self.negative_ratio * self.num_classes)
+        negatives = int(self.negative_ratio * self.num_classes)
         crops = None if self.train_crop_similarity is None else self.train_crop_similarity.cpu()
         observed = self.train_observed.cpu()  # built on the host, moved with .to()
         labels = aevlp_pseudo_labels(self.train_similarity.cpu(), crops, observed, temperature=self.temperature,
                                      eta=self.eta, threshold=self.threshold, top_k=self.top_k, negatives=negatives)
+        if self.fidelity is Fidelity.AUTHORS:
+            # their code writes the negatives as 0, after the positives: a positive among them is cleared too
+            labels[labels == -1] = 0
         labels[observed != 0] = 0  # an observed label wins
         self.register_buffer("pseudo_label", _for_heads(labels, self.num_heads), persistent=False)
 

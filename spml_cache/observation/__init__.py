@@ -13,13 +13,25 @@ from spml_cache.observation.rows import (
     drawn_note,
     for_cache,
     official_positions,
+    refuse_unobserved,
     with_rule,
     without_positive,
 )
-from spml_cache.observation.rules import RULES, SEED, Areas, ObservationRule, Param, Rule, parse_rule, parse_rules, register
+from spml_cache.observation.rules import (
+    MAX_SEED,
+    RULES,
+    SEED,
+    Areas,
+    ObservationRule,
+    Param,
+    Rule,
+    parse_rule,
+    parse_rules,
+    register,
+)
 
 __all__ = [
-    "DEFAULT_RULE", "FLAG", "RULES", "SEED", "Areas", "ObservationRule", "Observed", "Param", "Rule", "draw_splits",
-    "drawn_note", "for_cache", "official_positions", "parse_rule", "parse_rules", "register", "result_key",
+    "DEFAULT_RULE", "FLAG", "MAX_SEED", "RULES", "SEED", "Areas", "ObservationRule", "Observed", "Param", "Rule", "draw_splits",
+    "drawn_note", "for_cache", "official_positions", "parse_rule", "refuse_unobserved", "parse_rules", "register", "result_key",
     "split_key", "with_rule", "without_positive",
 ]

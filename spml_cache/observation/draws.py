@@ -21,6 +21,22 @@ def _fraction(name: str, letter: str) -> Param:
     return Param(name, float, lambda v: 0 < v <= 1, f"in (0, 1] (the fraction {letter})")
 
 
+class _Entries:
+    """Observed entries gathered piece by piece (rows, classes, values), then one CSR matrix."""
+
+    def __init__(self) -> None:
+        self.rows, self.classes, self.values = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int8)]
+
+    def add(self, rows: np.ndarray, classes: np.ndarray, values: np.ndarray) -> None:
+        self.rows.append(rows.astype(np.int64, copy=False))
+        self.classes.append(classes.astype(np.int64, copy=False))
+        self.values.append(values.astype(np.int8, copy=False))
+
+    def matrix(self, shape: tuple[int, int]) -> SparseLabels:
+        return SparseLabels.from_entries(np.concatenate(self.rows), np.concatenate(self.classes),
+                                         np.concatenate(self.values), shape)
+
+
 def _row_blocks(labels: SparseLabels):
     """(start, stop) of consecutive row blocks of about BLOCK_ENTRIES entries."""
     step = max(1, BLOCK_ENTRIES // max(labels.num_classes, 1))
@@ -50,6 +66,10 @@ class Uniform(ObservationRule):
     params = (Param("pos", int, lambda v: v >= -1, COUNT, 1, all_is=-1),
               Param("neg", int, lambda v: v >= -1, COUNT, 0, all_is=-1))
     example = "uniform:pos=K,neg=M"
+
+    @staticmethod
+    def observes_nothing(pos, neg) -> bool:
+        return pos == 0 and neg == 0
 
     @staticmethod
     def draw_dense(labels, areas, seed, pos, neg):
@@ -83,17 +103,14 @@ class Entry(ObservationRule):
         rng = np.random.RandomState(seed)
         num_classes = labels.num_classes
         positive_keys = labels.keys()
-        rows, classes, values = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int8)]
+        entries = _Entries()
         for start, stop in _row_blocks(labels):
             block_rows, block_classes = np.nonzero(rng.random_sample((stop - start, num_classes)) < p)
             block_rows = block_rows.astype(np.int64) + start
             keys = block_rows * num_classes + block_classes
             positive = contains(positive_keys[labels.indptr[start] : labels.indptr[stop]], keys)
-            rows.append(block_rows)
-            classes.append(block_classes.astype(np.int64))
-            values.append(np.where(positive, 1, -1).astype(np.int8))
-        return SparseLabels.from_entries(np.concatenate(rows), np.concatenate(classes), np.concatenate(values),
-                                         labels.shape)
+            entries.add(block_rows, block_classes, np.where(positive, 1, -1))
+        return entries.matrix(labels.shape)
 
 
 @register
@@ -143,6 +160,10 @@ class PerClass(ObservationRule):
     example = "per-class:N"
 
     @staticmethod
+    def observes_nothing(n) -> bool:
+        return n == 0
+
+    @staticmethod
     def draw_dense(labels, areas, seed, n):
         rng = np.random.RandomState(seed)
         observed = np.zeros(labels.shape, dtype=np.int8)
@@ -164,7 +185,7 @@ class PerClass(ObservationRule):
         starts = np.concatenate([[0], np.cumsum(np.bincount(labels.indices, minlength=labels.num_classes))])
         every_row = np.arange(len(labels), dtype=np.int64)
         is_positive = np.zeros(len(labels), dtype=bool)  # one class's positive rows, cleared after the class
-        rows, classes, values = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int8)]
+        entries = _Entries()
         for column in range(labels.num_classes):
             positive_rows = class_rows[starts[column] : starts[column + 1]].copy()
             is_positive[positive_rows] = True
@@ -172,11 +193,8 @@ class PerClass(ObservationRule):
             is_positive[positive_rows] = False
             for chosen, mark in ((positive_rows, 1), (negative_rows, -1)):
                 rng.shuffle(chosen)
-                rows.append(chosen[:n])
-                classes.append(np.full(len(chosen[:n]), column, np.int64))
-                values.append(np.full(len(chosen[:n]), mark, np.int8))
-        return SparseLabels.from_entries(np.concatenate(rows), np.concatenate(classes), np.concatenate(values),
-                                         labels.shape)
+                entries.add(chosen[:n], np.full(len(chosen[:n]), column), np.full(len(chosen[:n]), mark))
+        return entries.matrix(labels.shape)
 
 
 @register

@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from spml_cache.labels import is_sparse, rows_with, signed_annotations, stack
+from spml_cache.labels import hide_unannotated, nonzero_count, rows_with, signed_annotations, stack, take, value_count
 from spml_cache.observation.keys import DEFAULT_RULE, FLAG
 from spml_cache.observation.rules import Areas, Rule
-from spml_cache.protocol import hide_unannotated, split_train_val
+from spml_cache.protocol import split_train_val
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -37,10 +37,9 @@ def draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, at
     """The rule's observed matrices of a cache's train and val rows (see the module docstring for the order);
     with partial labels (`label_masks`, train and val, 1 where annotated) no unannotated entry is observed."""
     train_mask, val_mask = label_masks or (None, None)
-    if is_sparse(train_labels):
-        if rule.name == "given" and is_sparse(train_mask) and is_sparse(val_mask):  # the annotations
-            return signed_annotations(train_labels, train_mask), signed_annotations(val_labels, val_mask)
-        rule.check_sparse()
+    if rule.name == "given" and train_mask is not None and val_mask is not None:  # the annotations, entry by entry
+        return signed_annotations(train_labels, train_mask), signed_annotations(val_labels, val_mask)
+    rule.check_form(train_labels)
     train, val = _draw_splits(rule, train_labels, val_labels, attrs, areas)
     return hide_unannotated(train, train_mask), hide_unannotated(val, val_mask)
 
@@ -57,19 +56,15 @@ def _draw_splits(rule: Rule, train_labels: np.ndarray, val_labels: np.ndarray, a
     positions = official_positions(attrs, num_train, num_val)
     if positions is None:
         positions = np.arange(num_train), np.arange(num_train, num_train + num_val)
-    if is_sparse(train_labels):  # merged: row j of the official order is stacked row argsort(positions)[j]
-        merged = stack([train_labels, val_labels]).take(np.argsort(np.concatenate(positions)))
-        observed = rule.draw(merged)
-        return observed.take(positions[0]), observed.take(positions[1])
-    merged = np.zeros((num_train + num_val, train_labels.shape[1]), dtype=np.uint8)
-    merged[positions[0]], merged[positions[1]] = train_labels, val_labels
+    # merged: row j of the official order is stacked row argsort(positions)[j]
+    merged = take(stack([train_labels, val_labels]), np.argsort(np.concatenate(positions)))
     merged_areas = None
     if areas is not None:
         merged_areas = Areas(*(np.zeros(merged.shape) for _ in range(2)))
         for rows, part in zip(positions, areas):
             merged_areas.largest[rows], merged_areas.total[rows] = part.largest, part.total
     observed = rule.draw(merged, merged_areas)
-    return observed[positions[0]], observed[positions[1]]
+    return take(observed, positions[0]), take(observed, positions[1])
 
 
 @dataclass(frozen=True)
@@ -85,11 +80,10 @@ class Observed:
         """What results.json says of the rule: the fraction of training entries observed, observed positives
         and negatives per image, and the training images with a positive but none observed."""
         rows, entries = max(len(self.train), 1), self.train.shape[0] * self.train.shape[1]
-        values = self.train.values if is_sparse(self.train) else self.train  # the non-zero entries suffice
         return {
-            "fraction_observed": float(np.count_nonzero(values) / entries) if entries else 0.0,
-            "positives_per_image": float((values == 1).sum() / rows),
-            "negatives_per_image": float((values == -1).sum() / rows),
+            "fraction_observed": float(nonzero_count(self.train) / entries) if entries else 0.0,
+            "positives_per_image": float(value_count(self.train, 1) / rows),
+            "negatives_per_image": float(value_count(self.train, -1) / rows),
             "images_without_positive": int(without_positive(self.train, train_labels).sum()),
             "source": "cache" if self.stored else "drawn from the cache's labels",
         }
@@ -114,6 +108,17 @@ def for_cache(features, rules: list[Rule]) -> dict[str, Observed]:
                                      label_masks=(features.train.label_mask, features.val.label_mask))
             found[rule.text] = Observed(rule, train, val, False)
     return found
+
+
+def refuse_unobserved(observed: dict[str, Observed], source) -> None:
+    """A rule whose training rows show no label at all (an all-unknown observed matrix) trains every loss on
+    nothing, to results that look real: refused before training."""
+    for text, found in observed.items():
+        if nonzero_count(found.train) == 0:
+            fix = ("re-extract the cache (spml-cache extract --force)" if found.stored
+                   else f"choose an {FLAG} rule that observes labels")
+            raise SpmlError(f"{source}: no training label is observed under {text} (every entry unknown), so every"
+                            f" loss would train on nothing: {fix}")
 
 
 def drawn_note(observed: dict[str, Observed], cache_path) -> str | None:

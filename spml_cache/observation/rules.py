@@ -20,7 +20,7 @@ import numpy as np
 from spml_cache.labels import is_sparse
 from spml_cache.observation.keys import DEFAULT_RULE, FLAG
 from spml_cache.protocol import OBSERVE_SEED
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class Param:
     all_is: int | None = None  # the number that "all" stands for (uniform's -1)
 
 
-SEED = Param("seed", int, lambda v: v >= 0, "a whole number >= 0", OBSERVE_SEED)
+# numpy seeds are 32-bit, and a per-split rule draws val with seed + 1
+MAX_SEED = 2**32 - 2
+SEED = Param("seed", int, lambda v: 0 <= v <= MAX_SEED, f"a whole number from 0 to {MAX_SEED}", OBSERVE_SEED)
 
 
 class ObservationRule:
@@ -67,6 +69,12 @@ class ObservationRule:
     @classmethod
     def draw_sparse(cls, labels, seed: int, **values):
         raise SpmlError(cls.refusal_on_sparse())
+
+    @classmethod
+    def observes_nothing(cls, **values) -> bool:
+        """Whether these parameter values show no label at all (refused when parsed: every loss would train on
+        nothing)."""
+        return False
 
     @classmethod
     def has_sparse_draw(cls) -> bool:
@@ -121,16 +129,18 @@ class Rule:
     def param(self, key: str) -> float:
         return dict(self.values)[key]
 
-    def check_sparse(self) -> None:
-        """Refuse, in one line, to draw this rule on sparse labels when it has no sparse draw."""
+    def check_form(self, labels) -> bool:
+        """Whether `labels` are sparse; a rule with no sparse draw refuses them in one line."""
+        if not is_sparse(labels):
+            return False
         if not self.entry.has_sparse_draw():
             raise SpmlError(f"{FLAG} {self}: {self.entry.refusal_on_sparse()}")
+        return True
 
     def draw(self, labels: np.ndarray, areas: Areas | None = None, seed: int | None = None) -> np.ndarray:
         """The observed matrix (int8 [N, C]) of full labels `labels` (uint8 [N, C]; sparse: sparse), deterministic."""
         seed = self.seed if seed is None else seed
-        if is_sparse(labels):
-            self.check_sparse()
+        if self.check_form(labels):
             return self.entry.draw_sparse(labels, seed, **dict(self.values))
         labels = np.asarray(labels, dtype=np.uint8)
         if self.entry.needs_areas and areas is None:
@@ -144,8 +154,8 @@ def parse_rule(text: str, flag: str = FLAG) -> Rule:
     name = name.strip()
     if name not in RULES:
         known = ", ".join(entry.example for entry in RULES.values())
-        raise SpmlError(f"{flag} {text}: unknown rule '{name}'; use one of {known} (docs/protocol.md, \"Observation"
-                        " rules\")")
+        raise SpmlError(f"{flag} {text}: {unknown_name('rule', name, RULES)}; use one of {known} (docs/protocol.md,"
+                        " \"Observation rules\")")
     entry = RULES[name]
     params = {param.name: param for param in (*entry.params, SEED)}
     given: dict[str, str] = {}
@@ -165,6 +175,9 @@ def parse_rule(text: str, flag: str = FLAG) -> Rule:
             continue
         values[key] = _number(given[key], param, f"{flag} {text}: {key}")
     seed = int(values.pop("seed"))
+    if entry.observes_nothing(**values):
+        raise SpmlError(f"{flag} {text}: observes no label at all, so every loss would train on nothing; observe at"
+                        f" least one, e.g. {entry.example}")
     return Rule(name, tuple((param.name, values[param.name]) for param in entry.params), seed)
 
 

@@ -45,6 +45,13 @@ class Run:
         return {entry.get("loss", key): entry for key, entry in entries.items()
                 if entry.get("rule", DEFAULT_RULE) == self.rule}
 
+    @property
+    def test_unscored(self) -> bool:
+        """Its test split scored no class (every test positive unknown; `linear` refuses such a cache now, an older
+        run may have one): its test mAP of 0.00 means nothing, so `report` shows n/a and never ranks it."""
+        partial = (self.results or {}).get("partial_test_labels")
+        return isinstance(partial, dict) and partial.get("classes_scored") == 0
+
     def key(self, loss: str) -> str:
         """The result key of `loss` in this run's files (`loss@rule` under a rule other than single)."""
         return result_key(loss, self.rule)
@@ -69,8 +76,8 @@ def read_run(path: Path) -> Run:
     config = results = None
     problem = f"no {RESULTS}: interrupted or still running"
     try:
-        config = read_json(path / "config.json") if (path / "config.json").exists() else None
-        results = read_json(path / RESULTS) if is_complete(path) else None
+        config = read_json(path / "config.json", dict) if (path / "config.json").exists() else None
+        results = read_json(path / RESULTS, dict) if is_complete(path) else None
     except SpmlError as err:  # half-written by hand or by a crash: report it, do not stop the table
         problem = str(err)
     if results is not None and not (results.get("complete") and isinstance(results.get("losses"), dict)):

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.pivot import check_pivot, pivot_backbone, plot_backbones
@@ -49,14 +50,14 @@ def report_command(
         with _writing("--out", output):
             output.parent.mkdir(parents=True, exist_ok=True)
             replace_atomically(output, lambda file: file.write(render(table).encode("utf-8")))
-        console.print(f"wrote {output} ({len(table.rows)} losses x {len(table.columns)} columns)")
+        console.print(f"wrote {escape(str(output))} ({len(table.rows)} losses x {len(table.columns)} columns)")
         print_notes(table, console)
     if plots_dir is not None:
         with _writing("--plots", plots_dir):
             written = [plot_backbones(require_matplotlib(), table, plots_dir)] if pivot else \
                 plot_runs(runs, plots_dir, compare=pair, console=console)
         for path in written:
-            console.print(f"wrote {path}")
+            console.print(f"wrote {escape(str(path))}")
 
 
 @contextmanager

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from spml_cache.observation import parse_rule
 from spml_cache.report.collect import Column, Run
+from spml_cache.report.layout import wrapped
+from spml_cache.report.val_curves import repeats
 
 SHOWN = 10  # losses drawn, the best at the largest fraction first
 
@@ -34,19 +36,33 @@ def figures(Figure, per_column: list[tuple[Column, dict[str, Run]]], out_dir: Pa
     for (dataset, stage, cache_id), curves in sweep_points(per_column).items():
         title = next(c.label for c, _ in per_column if (c.dataset, c.stage, c.cache_id) == (dataset, stage, cache_id))
         title = re.sub(r" \(entry:[^)]*\)", "", title)
-        ranked = sorted(curves, key=lambda loss: -curves[loss][-1][1])[:SHOWN]
-        figure = Figure(figsize=(7.5, 4.8))
-        axes = figure.add_subplot()
-        for loss in ranked:
-            fractions, maps = zip(*curves[loss])
-            axes.plot(fractions, maps, marker="o", label=loss)
-        if max(p for c in curves.values() for p, _ in c) / min(p for c in curves.values() for p, _ in c) >= 20:
-            axes.set_xscale("log")
-        axes.set(xlabel="fraction of training labels observed (entry:P)", ylabel="test mAP",
-                 title=f"{title}: test mAP against the fraction of labels observed")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=7, ncol=2)
-        figure.tight_layout()
-        stem = re.sub(r"[^A-Za-z0-9]+", "_", title).strip("_").lower()
-        drawn.append((out_dir / f"{stem}-observed_fraction.png", figure))
+        drawn.append((out_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', title).strip('_').lower()}-observed_fraction.png",
+                      _figure(Figure, title, curves)))
     return drawn
+
+
+def _figure(Figure, title: str, curves: dict[str, list[tuple[float, float]]]):
+    """Test mAP against P, the best `SHOWN` losses at the largest fraction; the title says which were left out,
+    and a loss whose line is another's exactly is dotted over it and says whose."""
+    ranked = sorted(curves, key=lambda loss: -curves[loss][-1][1])
+    shown = ranked[:SHOWN]
+    same = repeats({loss: tuple(zip(*curves[loss])) for loss in shown})
+    figure = Figure(figsize=(7.5, 4.8))
+    axes = figure.add_subplot()
+    for loss in shown:
+        fractions, maps = zip(*curves[loss])
+        label = loss + (f" (same line as {same[loss]})" if loss in same else "")
+        axes.plot(fractions, maps, ":" if loss in same else "-", marker="o", label=label)
+    every = [p for points in curves.values() for p, _ in points]
+    if max(every) / min(every) >= 20:
+        axes.set_xscale("log")
+    largest = max(every)
+    which = (f"the best {len(shown)} of {len(ranked)} losses at P = {largest:g} (left out: {', '.join(ranked[SHOWN:])})"
+             if len(ranked) > SHOWN else f"all {len(ranked)} losses")
+    axes.set(xlabel="fraction of training labels observed (entry:P)", ylabel="test mAP")
+    heading = f"{title}: test mAP against the fraction of labels observed; {which}"
+    axes.set_title(wrapped(heading, figure, 10), fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    return figure

@@ -66,7 +66,7 @@ def plot_backbones(Figure, table: Table, out_dir: Path) -> Path:
     cells_of = dict(table.rows)
     for offset, column in zip(offsets, table.columns):
         found = [(y + offset, cells_of[loss][column.label]) for y, loss in zip(positions, losses)
-                 if column.label in cells_of[loss]]
+                 if column.label in cells_of[loss] and cells_of[loss][column.label].mean is not None]  # n/a: none
         if not found:
             continue
         ys, cells = zip(*found)

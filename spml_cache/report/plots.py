@@ -19,27 +19,29 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
+from numpy.lib.npyio import NpzFile
 from rich.console import Console
 from rich.text import Text
 
+from spml_cache import losses
 from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
+from spml_cache.report.layout import under_suptitle, wrapped
 from spml_cache.runs import replace_atomically, scores_path
 from spml_cache.runtime.errors import SpmlError
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
-WHY_SKIPPED = {
-    "val_curves": "no metrics.jsonl lines for the selected configs",
-    "per_class_ap": "needs two losses with per_class_ap in results.json",
-    "train_histograms": "no scores/<loss>.npz with labels.npz in the runs",
-    "label_recovery": "no train_map in results.json and no training scores",
-    "sweeps": "no swept hyperparameters (linear --hp key=v1,v2 or --hp-grid paper)",
-}
+# Why a figure a column cannot have is left out: said only of a figure asked for by name (`--compare` names the
+# per-class one), once; the others are simply not written where their data is missing.
+WHY_SKIPPED = {"per_class_ap": "needs both losses of --compare in one column, with per_class_ap in results.json"}
 
 
 def require_matplotlib():
@@ -53,7 +55,7 @@ def require_matplotlib():
 
 def parse_compare(compare: str | None) -> tuple[str, str] | None:
     """`--compare a,b` as a pair of two different loss names (None when not given)."""
-    names = [name.strip() for name in (compare or "").split(",") if name.strip()]
+    names = [losses.canonical(name.strip()) for name in (compare or "").split(",") if name.strip()]
     if compare is not None and (len(names) != 2 or names[0] == names[1]):
         raise SpmlError(f"--compare {compare}: give two different loss names separated by a comma, e.g. an,role")
     return (names[0], names[1]) if names else None
@@ -74,7 +76,8 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
     oracles = oracle_losses()
     per_column = []
     for column in columns:
-        present = {loss: run for (label, loss), run in chosen.items() if label == column.label}
+        present = {loss: run for (label, loss), run in chosen.items()
+                   if label == column.label and not run.test_unscored}  # test mAP n/a: never ranked, not drawn
         per_column.append((column, {name: present[name] for name in in_spec_order(present)}))
     if pair is not None:
         missing = [name for name in pair if not any(name in by_loss for _, by_loss in per_column)]
@@ -82,7 +85,7 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
             available = sorted({name for _, by_loss in per_column for name in by_loss})
             raise SpmlError(f"--compare: no run has loss {', '.join(missing)}; available: {', '.join(available)}")
 
-    figures = []  # drawn first, written after, so a failure writes nothing
+    figures, lacking = [], []  # drawn first, written after, so a failure writes nothing
     for column, by_loss in per_column:
         stem = re.sub(r"[^A-Za-z0-9]+", "_", column.label).strip("_").lower()
         summaries = {loss: _train_summary(run, loss) for loss, run in by_loss.items()}
@@ -93,12 +96,11 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
             "label_recovery": _label_recovery(Figure, column.label, by_loss, summaries),
             "sweeps": _sweeps(Figure, column.label, by_loss),
         }
-        for kind, figure in drawn.items():
-            if figure is None:
-                if console is not None:
-                    console.print(Text(f"{column.label}: no {kind} figure ({WHY_SKIPPED[kind]})", style="dim"))
-                continue
-            figures.append((out_dir / f"{stem}-{kind}.png", figure))
+        figures += [(out_dir / f"{stem}-{kind}.png", figure) for kind, figure in drawn.items() if figure is not None]
+        lacking += [column.label] if drawn["per_class_ap"] is None else []
+    if pair is not None and lacking and console is not None:
+        console.print(Text(f"no per_class_ap figure of {' vs '.join(pair)} for {', '.join(lacking)}"
+                           f" ({WHY_SKIPPED['per_class_ap']})", style="dim"))
     figures += observed_fraction.figures(Figure, per_column, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for path, figure in figures:
@@ -133,7 +135,8 @@ def _per_class_ap(Figure, title: str, by_loss: dict[str, Run], pair):
     positions = np.arange(count)
     top.bar(positions - 0.2, ap_first, width=0.4, label=f"{first} (mean AP {ap_first.mean():.2f})")
     top.bar(positions + 0.2, ap_second, width=0.4, label=f"{second} (mean AP {ap_second.mean():.2f})")
-    top.set(xlabel="class", ylabel="test AP", title=f"{title}: per-class test AP, {first} vs {second}")
+    top.set(xlabel="class", ylabel="test AP")
+    top.set_title(wrapped(f"{title}: per-class test AP, {first} vs {second}", figure))
     top.set_ylim(0, 1.2 * max(ap_first.max(), ap_second.max(), 1e-9))  # room for the legend above the bars
     top.legend(fontsize=8, loc="upper center", ncol=2)
     order = np.argsort(ap_second - ap_first)[::-1]
@@ -149,8 +152,8 @@ def _per_class_ap(Figure, title: str, by_loss: dict[str, Run], pair):
         top.set_xticks([])
         bottom.set_xticks([])
     bottom.axhline(0, color="black", linewidth=0.8)
-    bottom.set(xlabel="classes, sorted by difference", ylabel=f"AP {second} - {first}",
-               title=f"{second} better on {better:.0f}% of classes")
+    bottom.set(xlabel="classes, sorted by difference", ylabel=f"AP {second} - {first}")
+    bottom.set_title(wrapped(f"{second} better on {better:.0f}% of classes", figure))
     figure.tight_layout()
     return figure
 
@@ -163,9 +166,9 @@ def _train_summary(run: Run, loss: str) -> dict:
     score_file, label_file = scores_path(run.path, run.key(loss)), run.path / "labels.npz"
     if not (score_file.exists() and label_file.exists()):
         return summary
-    with np.load(score_file) as scores, np.load(label_file) as labels:
-        observed = labels[run.observed_key if run.observed_key in labels else "train_observed"]
-        train, full = scores["train"].astype(np.float32), labels["train_labels"]
+    labels = run_arrays(label_file, (run.observed_key, "train_observed", "train_labels"))
+    observed = labels[run.observed_key if run.observed_key in labels else "train_observed"]
+    train, full = run_arrays(score_file, ("train",))["train"].astype(np.float32), labels["train_labels"]
     if train.shape != full.shape or full.shape != observed.shape:
         raise SpmlError(f"{score_file}: train scores {train.shape} do not match {label_file} {full.shape}; re-run the stage")
     unobserved = observed == 0
@@ -176,6 +179,22 @@ def _train_summary(run: Run, loss: str) -> dict:
     if summary["train_map"] is None:
         summary["train_map"] = mean_average_precision(train, full)
     return summary
+
+
+def run_arrays(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The arrays `keys` of an .npz file a run wrote (those it holds; the last key is required), or one line
+    naming the file: a file damaged or replaced by something else stops the report, not as a traceback."""
+    try:
+        found = np.load(path)
+        if not isinstance(found, NpzFile):
+            raise ValueError("an .npy array, not an .npz archive")
+        with found:
+            if keys[-1] not in found:
+                raise ValueError(f"no {keys[-1]!r} array in it")
+            return {key: found[key] for key in keys if key in found}
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, zlib.error) as err:
+        raise SpmlError(f"{path} is not the .npz file of a run ({err}): run that stage again, or remove the"
+                        " file") from None
 
 
 def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
@@ -198,14 +217,14 @@ def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
             axes.stairs(values, BINS, fill=True, alpha=0.55, color=colour, label=f"true {name}, mean {mean:.2f}")
         axes.set_yscale("log")
         axes.set(xlim=(0, 1), ylim=ylim, xlabel="predicted probability", ylabel="density (log)")
-        axes.set_title(loss, fontsize=10)
+        axes.set_title(wrapped(loss, figure, 10, 1 / columns), fontsize=10)
         axes.xaxis.label.set_fontsize(8)
         axes.yaxis.label.set_fontsize(8)
         axes.tick_params(labelsize=7)
         axes.legend(fontsize=7, loc="upper right", framealpha=0.85)
-    figure.suptitle(f"{title}: predicted probability on the training set for the unobserved labels (true positives vs "
-                    "true negatives)")
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.5 / figure.get_figheight()))  # room for the suptitle
+    heading = figure.suptitle(wrapped(f"{title}: predicted probability on the training set for the unobserved labels"
+                                      " (true positives vs true negatives)", figure))
+    under_suptitle(figure, heading)
     return figure
 
 
@@ -225,8 +244,8 @@ def _label_recovery(Figure, title: str, by_loss: dict[str, Run], summaries: dict
         axes.text(value, y, f" {value:.1f}", va="center", fontsize=7)
     axes.set_yticks(positions, names)
     axes.invert_yaxis()
-    axes.set(xlabel="mAP", ylabel="loss", xlim=(0, 1.1 * max(train + test)),
-             title=f"{title}: label recovery (training-set mAP against the full labels)")
+    axes.set(xlabel="mAP", ylabel="loss", xlim=(0, 1.1 * max(train + test)))
+    axes.set_title(wrapped(f"{title}: label recovery (training-set mAP against the full labels)", figure))
     # the legend goes in a strip of fixed height under the axes, whatever the number of losses
     strip = 0.35 / figure.get_figheight()
     legend = axes.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 0), bbox_transform=figure.transFigure,
@@ -271,12 +290,13 @@ def _sweeps(Figure, title: str, by_loss: dict[str, Run]):
         axes.plot(values, maps, marker="o", color="tab:blue", label="best val mAP at this value")
         axes.plot([chosen], [maps[values.index(chosen)]], marker="*", markersize=14, linestyle="none",
                   color="tab:red", label=f"selected: {key}={chosen:g}")
-        axes.set(xlabel=key, ylabel="validation mAP", title=f"{loss}: {key}")
+        axes.set(xlabel=key, ylabel="validation mAP")
+        axes.set_title(wrapped(f"{loss}: {key}", figure, share=1 / columns))
         if all(v > 0 for v in values) and max(values) / min(values) >= 20:
             axes.set_xscale("log")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7)
-    figure.suptitle(f"{title}: validation mAP against each swept hyperparameter (best over lr, batch size and the"
-                    " other swept values)", fontsize=10)
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.4 / figure.get_figheight()))
+    heading = figure.suptitle(wrapped(f"{title}: validation mAP against each swept hyperparameter (best over lr, batch"
+                                      " size and the other swept values)", figure, 10), fontsize=10)
+    under_suptitle(figure, heading)
     return figure

@@ -20,7 +20,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from spml_cache.observation import DEFAULT_RULE
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, unknown_name
 from spml_cache.report.collect import (
     DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
 )
@@ -29,7 +29,7 @@ from spml_cache.report.paper import PAPERS, paper_number
 
 @dataclass
 class Cell:
-    mean: float
+    mean: float | None  # None: n/a (a test split that scored no class), never ranked
     std: float | None  # None with one seed
     seeds: int
     run: Path
@@ -37,10 +37,16 @@ class Cell:
     paper: float | None = None
     source: str | None = None
     swept: dict | None = None  # the selected values of the hyperparameters the run swept (and its weight decay)
+    start: float | None = None  # fine-tuned: the test mAP of its model before any step (epoch 0)
 
     @property
     def diff(self) -> float | None:
-        return None if self.paper is None else self.mean - self.paper
+        return None if self.paper is None or self.mean is None else self.mean - self.paper
+
+    @property
+    def below_start(self) -> bool:
+        """Fine-tuning ended below where it started (marked ↓ in the table)."""
+        return self.start is not None and self.mean is not None and self.mean < self.start
 
 
 @dataclass
@@ -60,10 +66,12 @@ def _cell(run: Run, loss: str) -> Cell:
     result = run.losses[loss]
     seeds = len(result.get("per_seed") or []) or 1
     std = result.get("test_map_std") if seeds > 1 else None
+    mean = None if run.test_unscored else float(result["test_map"])
+    start = (result.get("start") or {}).get("test_map")
     selected = result.get("selected") or {}
     swept = {**(selected.get("swept") or {}), **({"wd": selected["wd"]} if "wd" in selected else {})}  # linear --wd
-    return Cell(mean=float(result["test_map"]), std=None if std is None else float(std), seeds=seeds, run=run.path,
-                swept=swept or None)
+    return Cell(mean=mean, std=None if std is None or mean is None else float(std), seeds=seeds, run=run.path,
+                swept=swept or None, start=None if start is None else float(start))
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:
@@ -86,7 +94,8 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
         rows.append((loss, cells))
     reference = _zero_shot_cells(columns, chosen)
     for column in columns:
-        candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells]
+        candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells
+                      and cells[column.label].mean is not None]
         if candidates:
             max(candidates, key=lambda c: c.mean).best = True
         if paper and column.backbone != DEFAULT_BACKBONE:
@@ -115,22 +124,27 @@ def _zero_shot_cells(columns: list[Column], chosen: dict[tuple[str, str], Run]) 
 def cell_text(cell: Cell | None) -> str:
     if cell is None:
         return "-"
+    if cell.mean is None:
+        return "n/a"
     text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    text += " ↓" if cell.below_start else ""
     return text + (" (" + " ".join(f"{key}={value:g}" for key, value in cell.swept.items()) + ")" if cell.swept else "")
 
 
 def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
-    """Header and text rows shared by the terminal and Markdown tables; `mark_best` decorates best cells."""
+    """Header and text rows shared by the terminal and Markdown tables; `mark_best` decorates best cells. With
+    --paper, a "paper" and a "Δ" column follow each column that has a published number, and no other."""
+    published = {label for _, cells in table.rows for label, cell in cells.items() if cell.paper is not None}
     header = ["loss"]
     for column in table.columns:
-        header += [column.label] + (["paper", "Δ"] if table.paper else [])
+        header += [column.label] + (["paper", "Δ"] if column.label in published else [])
     rows = []
     for loss, cells in table.rows:
         row = [f"{loss} (oracle)" if loss in table.oracles else loss]
         for column in table.columns:
             cell = cells.get(column.label)
             row.append(mark_best(cell_text(cell)) if cell is not None and cell.best else cell_text(cell))
-            if table.paper:
+            if column.label in published:
                 # the published number as the paper prints it, then ours minus it
                 has_paper = cell is not None and cell.paper is not None
                 row += [str(cell.paper), f"{cell.diff:+.2f}"] if has_paper else ["", ""]
@@ -141,6 +155,8 @@ def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
 def footnotes(table: Table) -> list[str]:
     notes = ["best single-positive loss per column in bold (*); oracles (full labels) excluded"] if table.rows else []
     notes += table.notes
+    notes += [f"↓ {loss}, {label}: fine-tuning ended below its start (test mAP {cell.start:.2f} before any step,"
+              " epoch 0)" for loss, cells in table.rows for label, cell in cells.items() if cell.below_start]
     used = sorted({cell.source for _, cells in table.rows for cell in cells.values() if cell.source})
     if used:
         notes.append(f"paper numbers: {'; '.join(used)}")
@@ -192,20 +208,23 @@ def formatter(fmt: str):
     """The function that renders a table as `fmt` (csv, md, json)."""
     formatters = {"csv": to_csv, "md": to_markdown, "json": to_json}
     if fmt not in formatters:
-        raise SpmlError(f"--format {fmt}: unknown format; use one of {', '.join(formatters)}")
+        raise SpmlError(f"--format {fmt}: {unknown_name('format', fmt, formatters)}; use one of {', '.join(formatters)}")
     return formatters[fmt]
 
 
 def print_table(table: Table, console: Console) -> None:
-    header, rows = _grid(table, lambda text: f"[bold green]{text} *[/]")
+    # Text, never markup: column labels hold backbones in brackets ([clip:ViT-B-32]) that markup would eat
+    header, rows = _grid(table, lambda text: Text(f"{text} *", style="bold green"))
     title = "Test mAP at the selected epoch (mean ± std over seeds)"
     rich_table = RichTable(title=title, title_justify="left", min_width=len(title))
-    for i, name in enumerate(header):
-        rich_table.add_column(name, justify="left" if i == 0 else "right", style="dim" if name == "paper" else None)
+    for i, name in enumerate(header):  # the losses' names whole on their line: the cells wrap first
+        rich_table.add_column(Text(name), justify="left" if i == 0 else "right", style="dim" if name == "paper" else None,
+                              no_wrap=i == 0)
     losses = [loss for loss, _ in table.rows] + [None]
     for i, row in enumerate(rows):
+        cells = [cell if isinstance(cell, Text) else Text(cell) for cell in row]
         # the papers' break between the oracles and the single-positive losses
-        rich_table.add_row(*row, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
+        rich_table.add_row(*cells, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
     console.print(rich_table if rows else "no complete runs to tabulate")
     print_notes(table, console)
 

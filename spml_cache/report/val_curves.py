@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from spml_cache.report.collect import Run, loss_family
+from spml_cache.report.layout import under_suptitle, wrapped
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.runs import read_metrics
 
@@ -66,9 +67,23 @@ def panels_for(curves: dict, test_map: dict[str, float], oracles: set[str]) -> t
     return panels, best
 
 
+def repeats(curves: dict[str, tuple]) -> dict[str, str]:
+    """Per loss whose curve (x values, y values) is an earlier loss's exactly, that earlier loss: losses equal by
+    design (`opml` at its defaults is `zlpr`) draw one line over the other, so the figure must say so."""
+    first: dict[tuple, str] = {}
+    same = {}
+    for name, (xs, ys, *_) in curves.items():
+        key = (tuple(xs), tuple(round(float(y), 9) for y in ys))
+        if key in first:
+            same[name] = first[key]
+        else:
+            first[key] = name
+    return same
+
+
 def draw(Figure, title: str, by_loss: dict[str, Run], oracles: set[str]):
     """The figure, or None when metrics.jsonl has no line for any selected config."""
-    from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator
 
     curves = read_curves(by_loss)
     if not curves:
@@ -78,33 +93,48 @@ def draw(Figure, title: str, by_loss: dict[str, Run], oracles: set[str]):
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure = Figure(figsize=(max(9.0, 5.4 * columns), 3.7 * rows + 0.9))
-    palette = colormaps["tab10"]
     every_value = [v for _, values, _ in curves.values() for v in values]
     every_epoch = [e for epochs, _, _ in curves.values() for e in epochs]
     pad_y = max(0.5, 0.04 * (max(every_value) - min(every_value)))
+    # half an epoch either side: one epoch is a point at a whole number, not a dot on a 0.7-1.3 axis
     limits = {"ylim": (min(every_value) - pad_y, max(every_value) + pad_y),
-              "xlim": (min(every_epoch) - 0.3, max(every_epoch) + 0.3)}
+              "xlim": (min(every_epoch) - 0.5, max(every_epoch) + 0.5)}
+    same = repeats(curves)
     for index, (panel_title, names) in enumerate(panels):
         axes = figure.add_subplot(rows, columns, index + 1)
-        # the best losses keep their colour (tab10's first ones) in every panel; the others take the rest in turn
-        free = iter([c for c in range(MAX_LINES) if c not in {best.index(n) for n in names if n in best}])
-        for name in names:
-            epochs, values, selected = curves[name]
-            rank = f"#{best.index(name) + 1} " if name in best else ""
-            decay = f", wd {selected['wd']:g}" if "wd" in selected else ""
-            config = f" (lr {selected['lr']:g}{decay}, batch {selected.get('batch_size')})" if "lr" in selected else ""
-            label = f"{rank}{name}: test {test_map[name]:.1f}{config}"
-            colour = palette(best.index(name) if name in best else next(free))
-            axes.plot(epochs, values, "--" if name in oracles else "-", color=colour, linewidth=2.4 if rank else 1.3,
-                      marker="." if len(epochs) < 30 else None, label=label)
-        axes.set(xlabel="epoch", ylabel="validation mAP", title=panel_title, **limits)
-        axes.title.set_fontsize(10)
-        axes.xaxis.get_major_locator().set_params(integer=True)
+        _panel(axes, names, curves, test_map, best, oracles, same)
+        axes.set(xlabel="epoch", ylabel="validation mAP", **limits)
+        axes.set_title(wrapped(panel_title, figure, 10, 1 / columns), fontsize=10)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7, loc="best", framealpha=0.85)
     notes = [f"bold: best {len(best)} single-positive losses by test mAP (#rank)"] if best else []
     notes += ["dashed: oracle (full labels)"] if oracles & set(curves) else []
-    heading = f"{title}: validation mAP per epoch (selected config, mean over seeds)"
-    figure.suptitle("\n".join([heading, "; ".join(notes)]) if notes else heading, fontsize=11)
-    figure.tight_layout()  # leaves room for the suptitle (matplotlib >= 3.3)
+    notes += ["dotted: the same curve as an earlier loss, drawn over it"] if same else []
+    notes += ["one epoch: one point per loss"] if len(set(every_epoch)) == 1 else []
+    lines = [f"{title}: validation mAP per epoch (selected config, mean over seeds)"]
+    lines += ["; ".join(notes)] if notes else []
+    heading = figure.suptitle(wrapped("\n".join(lines), figure, 11), fontsize=11)
+    under_suptitle(figure, heading)
     return figure
+
+
+def _panel(axes, names: list[str], curves: dict, test_map: dict[str, float], best: list[str], oracles: set[str],
+           same: dict[str, str]) -> None:
+    """One panel's lines: the best losses keep their colour (tab10's first ones) in every panel, the others take
+    the rest in turn; a loss that repeats another's curve is dotted and says whose."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10"]
+    free = iter([c for c in range(MAX_LINES) if c not in {best.index(n) for n in names if n in best}])
+    for name in names:
+        epochs, values, selected = curves[name]
+        rank = f"#{best.index(name) + 1} " if name in best else ""
+        decay = f", wd {selected['wd']:g}" if "wd" in selected else ""
+        config = f" (lr {selected['lr']:g}{decay}, batch {selected.get('batch_size')})" if "lr" in selected else ""
+        label = f"{rank}{name}: test {test_map[name]:.1f}{config}"
+        label += f", same curve as {same[name]}" if name in same else ""
+        style = ":" if name in same else "--" if name in oracles else "-"
+        colour = palette(best.index(name) if name in best else next(free))
+        marker = {"marker": "o", "markersize": 8} if len(epochs) == 1 else {"marker": "."} if len(epochs) < 30 else {}
+        axes.plot(epochs, values, style, color=colour, linewidth=2.4 if rank else 1.3, label=label, **marker)

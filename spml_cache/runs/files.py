@@ -69,14 +69,20 @@ def write_json(path: Path | str, data: Any) -> Path:
     return path
 
 
-def read_json(path: Path | str) -> Any:
+def read_json(path: Path | str, expect: type | None = None) -> Any:
+    """A JSON file's contents; `expect` (dict for the object a run directory's files hold): anything else is one
+    line naming the file."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpmlError(f"{path} does not exist") from None
     except json.JSONDecodeError as err:
         raise SpmlError(f"{path} is not valid JSON ({err})") from None
+    if expect is not None and not isinstance(data, expect):
+        raise SpmlError(f"{path} holds a JSON {type(data).__name__}, not the object spml-cache writes there (damaged,"
+                        " or written by hand): run that stage again")
+    return data
 
 
 def append_metrics(run_dir: Path | str, rows: Iterable[dict]) -> None:

@@ -38,7 +38,7 @@ def _usable_runs(folder: Path, stage: str, loss: str, cache: str | None) -> list
         if not (is_complete(path) and (path / "best.pt").exists()):
             continue
         try:
-            results = read_json(path / RESULTS)
+            results = read_json(path / RESULTS, dict)
         except SpmlError:  # a garbled results.json: not a run to start from
             continue
         if loss in results.get("losses", {}) and cache in (None, results.get("cache_id")):
@@ -67,8 +67,13 @@ def best_loss(trained: dict[str, dict]) -> str | None:
     single-positive losses (never an oracle: it saw the full labels), under any observation rule (a result key,
     `loss` or `loss@rule`). `trained` is results.json's `losses`."""
     fair = [key for key, entry in trained.items() if entry.get("val_map") is not None
-            and split_key(key)[0] in loss_registry.names() and not loss_registry.get(split_key(key)[0]).oracle]
+            and _known(split_key(key)[0]) and not loss_registry.get(split_key(key)[0]).oracle]
     return max(fair, key=lambda key: trained[key]["val_map"], default=None)
+
+
+def _known(name: str) -> bool:
+    """A built-in loss, or a plugin loaded in this process (a run's plugins are loaded when it is read)."""
+    return name in loss_registry.names() or loss_registry.plugins.origin(name) is not None
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,8 @@ def read_linear_head(run: Path, loss: str | None) -> LinearHead:
     entry = load_checkpoint(run / "best.pt").get(loss)
     if not isinstance(entry, dict) or "head" not in entry:
         raise SpmlError(f"{run / 'best.pt'} holds no head for {loss}: re-run spml-cache linear --loss {loss}")
-    config = read_json(run / "config.json") if (run / "config.json").exists() else {}
+    config = read_json(run / "config.json", dict) if (run / "config.json").exists() else {}
+    loss_registry.plugins.load_recorded(config.get("plugins"), run_dir=run, strict=False)  # its plugin losses
     return LinearHead(
         run=Path(run), loss=trained[loss].get("loss", loss), weight=entry["head"]["weight"].float(),
         bias=entry["head"]["bias"].float(), rule=trained[loss].get("rule", DEFAULT_RULE),

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from spml_cache.cache import FeatureSet, cache_id
+from spml_cache.labels import is_sparse
+from spml_cache.losses import plugins
 from spml_cache.losses.base import Fidelity
 from spml_cache.runs.files import save_checkpoint, write_json, write_npz
 from spml_cache.runtime.errors import SpmlError
@@ -100,14 +102,15 @@ class Grid:
 
 def start_run(out: Path | str, *, stage: str, label: str, features: FeatureSet, device: torch.device,
               grid: Grid, **extra) -> Path:
-    """Make `out/<dataset>/<stage>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, then the
-    stage's `extra`) and `env.json`."""
+    """Make `out/<dataset>/<stage>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, where
+    each plugin loss came from, then the stage's `extra`) and `env.json`."""
     run_dir = make_run_dir(stage, features.dataset, label, out)
+    loaded = plugins.records(grid.losses)
     try:
         write_json(run_dir / "config.json", {
             "stage": stage, "dataset": features.dataset, "cache": str(Path(features.path).resolve()),
             "cache_id": cache_id(features.attrs), "cache_attrs": features.attrs, "classes": features.classes,
-            **asdict(grid), "device": str(device), **extra,
+            **asdict(grid), **({"plugins": loaded} if loaded else {}), "device": str(device), **extra,
         })
         write_json(run_dir / "env.json", env_info(device))
     except BaseException:  # a run directory without its config is no run: nothing to resume or report
@@ -134,9 +137,12 @@ def write_scores(run_dir: Path | str, key: str, **splits: torch.Tensor) -> Path:
 
 
 def write_labels(run_dir: Path | str, *, train_labels, train_observed, val_labels, test_labels,
-                 rules: dict[str, np.ndarray] | None = None) -> Path:
+                 rules: dict[str, np.ndarray] | None = None) -> Path | None:
     """`labels.npz`: the labels the scores are judged against (what report's figures need); `rules`: other
-    observation rules' training masks, as `train_observed@<rule>`."""
+    observation rules' training masks, as `train_observed@<rule>`. Sparse label matrices (a cache of many
+    classes) are not written (None): report's figures read dense matrices, which would be [N, C] of them."""
+    if is_sparse(train_labels):
+        return None
     others = {f"train_observed@{rule}": observed for rule, observed in (rules or {}).items()}
     return write_npz(Path(run_dir) / "labels.npz", train_labels=train_labels, train_observed=train_observed,
                      val_labels=val_labels, test_labels=test_labels, **others)

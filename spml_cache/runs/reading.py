@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from spml_cache.losses import plugins
 from spml_cache.runs.files import read_json
 from spml_cache.runs.layout import RESULTS
 from spml_cache.runtime.errors import SpmlError
@@ -27,7 +28,7 @@ def load_results(run_dir: Path | str) -> dict:
         raise SpmlError(f"{run_dir} is not a run directory")
     if not is_complete(run_dir):
         raise SpmlError(f"{run_dir} has no {RESULTS}: the run did not finish; run it again")
-    return read_json(run_dir / RESULTS)
+    return read_json(run_dir / RESULTS, dict)
 
 
 def open_for_resume(run_dir: Path | str, stage: str) -> dict:
@@ -35,10 +36,11 @@ def open_for_resume(run_dir: Path | str, stage: str) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
-    config = read_json(run_dir / "config.json")
+    config = read_json(run_dir / "config.json", dict)
     if config.get("stage") != stage:
         raise SpmlError(f"--resume {run_dir}: a {config.get('stage')} run; resume it with"
                         f" spml-cache {config.get('stage')} --resume {run_dir}")
     if is_complete(run_dir):
         raise SpmlError(f"--resume {run_dir}: that run is already complete ({RESULTS})")
+    plugins.load_recorded(config.get("plugins"), run_dir=run_dir, strict=True)  # the very same code, or refused
     return config

@@ -13,7 +13,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import DiskFull, SpmlError
 
 try:
     import fcntl
@@ -38,14 +38,25 @@ def held(guarded: Path, what: str):
         return
     file = _lock(path, what)
     try:
-        file.seek(0)
-        file.truncate()
-        file.write(f"process {os.getpid()} ({shlex.join(['spml-cache', *sys.argv[1:]])})\n")
-        file.flush()
+        _name_holder(file, path)
         yield
     finally:
         path.unlink(missing_ok=True)
         file.close()
+
+
+def _name_holder(file, path: Path) -> None:
+    """Write this process and its command into the locked file (unbuffered: nothing is left to flush at close, so
+    a full disk is this one line, not a second error from `close`)."""
+    holder = f"process {os.getpid()} ({shlex.join(['spml-cache', *sys.argv[1:]])})\n".encode("utf-8")
+    try:
+        os.ftruncate(file.fileno(), 0)
+        os.pwrite(file.fileno(), holder, 0)
+    except OSError as err:
+        if DiskFull.caused(err):
+            raise DiskFull(path) from None
+        raise SpmlError(f"cannot write the lock file {path} ({err.strerror or err}): is {path.parent}"
+                        " writable?") from None
 
 
 def _lock(path: Path, what: str):
@@ -54,6 +65,8 @@ def _lock(path: Path, what: str):
         try:
             file = open(path, "a+", encoding="utf-8")
         except OSError as err:
+            if DiskFull.caused(err):
+                raise DiskFull(path) from None
             raise SpmlError(f"cannot create the lock file {path} ({err.strerror or err}): is {path.parent}"
                             " writable?") from None
         try:

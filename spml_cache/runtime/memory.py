@@ -48,9 +48,18 @@ def free_memory(device) -> int:
 
 
 def budget(given: str | int | None, device) -> int:
-    """`--memory-budget`, else `DEFAULT_SHARE` of the device's free memory."""
+    """`--memory-budget`, else `DEFAULT_SHARE` of the device's free memory in whole MB (a size `flag_text` writes
+    as the flag takes it)."""
     parsed = parse_size(given)
-    return parsed if parsed is not None else int(DEFAULT_SHARE * free_memory(device))
+    return parsed if parsed is not None else int(DEFAULT_SHARE * free_memory(device)) // 2**20 * 2**20
+
+
+def flag_text(size: int) -> str:
+    """Bytes as `--memory-budget` reads them back exactly: "650MB", "1GB", else the bytes ("1536000")."""
+    for unit, scale in (("TB", 2**40), ("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
 
 
 def resident() -> int:

@@ -58,7 +58,7 @@ def progress_bar(description: str, total: int, unit: str = "it", every_s: float 
     """Yields an object with `.advance(n)`; shows rate and ETA either way."""
     if console.is_terminal:
         columns = (
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),  # descriptions hold names, never markup
             BarColumn(),
             MofNCompleteColumn(),
             _RateColumn(unit),

@@ -7,10 +7,24 @@ process group, finetune/parallel.py).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+class PeerLost(Exception):
+    """Another process of the command ended (killed, stopped, or failed) while this one exchanged values with it:
+    gloo's own error, which names sockets, not what happened."""
+
+
+@contextmanager
+def _peers_watched():
+    try:
+        yield
+    except RuntimeError as err:  # gloo: "Connection closed by peer", "Socket Timeout", ...
+        raise PeerLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from err
 
 
 @dataclass(frozen=True)
@@ -36,13 +50,15 @@ class Ranks:
     def broadcast(self, value):
         """Rank 0's `value`, on every process."""
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        with _peers_watched():
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def gather(self, value) -> list | None:
         """Every process's `value`, in rank order, on rank 0 (None on the others); also a barrier."""
         every = [None] * self.world if self.main else None
-        dist.gather_object(value, every, dst=0)
+        with _peers_watched():
+            dist.gather_object(value, every, dst=0)
         return every
 
     def leave(self) -> None:

@@ -1,0 +1,199 @@
+"""The clip-retrieval embedding layout, read (`import-features DIR --root R`) and written (`spml-cache export`).
+
+    DIR/img_emb/img_emb_{i}.npy            float [N_i, D], one row per image
+    DIR/metadata/metadata_{i}.parquet      N_i rows naming the same images in the same order
+
+clip-retrieval writes it, embedding-reader reads it; a part's metadata row k names the image of its embedding row
+k (by `image_path`, or by an `id` column). An export writes one part per split (0: train, 1: val, 2: test)
+whose parquet has `id` and `image_path` (the image's id, its path under the dataset root), `split`, `labels`
+(fixed-size list of uint8, the full labels) and `observed` (int8, -1/0/1; null in test), and
+`spml_cache.json` beside them (the cache's dataset, classes and backbone settings, read back on import).
+Parquet goes through pyarrow, the `parquet` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from spml_cache.cache.reading import load
+from spml_cache.cache.schema import COPY_BLOCK_ROWS, SPLITS, cache_id, plain
+from spml_cache.labels import is_sparse
+from spml_cache.runtime.errors import Interrupted, SpmlError
+
+EMBEDDINGS, METADATA = "img_emb", "metadata"
+SIDECAR = "spml_cache.json"
+KEY_COLUMNS = ("id", "image_path")  # what a metadata row names its image by, in order of preference
+# The cache attrs that say what the features are: an export keeps them, an import of it restores them.
+DESCRIBING = ("backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim", "clip_features",
+              "backbone_origin", "features")
+
+
+def is_layout(folder: Path) -> bool:
+    """Whether `folder` holds the clip-retrieval layout (an img_emb/ folder)."""
+    return (Path(folder) / EMBEDDINGS).is_dir()
+
+
+def parquet():
+    """(pyarrow, pyarrow.parquet), or one line saying how to install them."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise SpmlError('the clip-retrieval layout\'s metadata is parquet, which needs pyarrow: pip install'
+                        ' "spml-cache[parquet]"') from None
+    return pyarrow, pyarrow.parquet
+
+
+@dataclass
+class Parts:
+    """Every part of a layout, in part order: its embedding arrays (memory-mapped) and key columns."""
+
+    folder: Path
+    arrays: list[np.ndarray]
+    offsets: np.ndarray  # the first row of each part, and the total at the end
+    keys: dict[str, list] = field(default_factory=dict)  # KEY_COLUMNS present in every part, row for row
+    sidecar: dict = field(default_factory=dict)
+
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        """float32 rows at `positions` (over all parts, in part order)."""
+        width = self.arrays[0].shape[1]
+        out = np.empty((len(positions), width), dtype=np.float32)
+        part = np.searchsorted(self.offsets, positions, side="right") - 1
+        for index in np.unique(part):
+            chosen = part == index
+            out[chosen] = self.arrays[index][positions[chosen] - self.offsets[index]]
+        return out
+
+
+def _numbered(folder: Path, stem: str, suffix: str) -> dict[int, Path]:
+    pattern = re.compile(rf"{stem}_(\d+)\.{suffix}")
+    return {int(match.group(1)): path for path in folder.glob(f"{stem}_*.{suffix}")
+            if (match := pattern.fullmatch(path.name))}
+
+
+def _matched_files(folder: Path) -> list[tuple[Path, Path]]:
+    arrays = _numbered(folder / EMBEDDINGS, EMBEDDINGS, "npy")
+    tables = _numbered(folder / METADATA, METADATA, "parquet")
+    if not arrays:
+        raise SpmlError(f"{folder / EMBEDDINGS}: no img_emb_<i>.npy files; pass a folder in the clip-retrieval"
+                        " layout (img_emb/img_emb_<i>.npy beside metadata/metadata_<i>.parquet)")
+    for index in sorted(set(arrays) ^ set(tables)):
+        have, lack = ((arrays[index], folder / METADATA / f"{METADATA}_{index}.parquet") if index in arrays
+                      else (tables[index], folder / EMBEDDINGS / f"{EMBEDDINGS}_{index}.npy"))
+        raise SpmlError(f"{have} has no partner {lack}: every part needs both files; add it or remove {have.name}")
+    return [(arrays[index], tables[index]) for index in sorted(arrays)]
+
+
+def _read_array(path: Path) -> np.ndarray:
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise SpmlError(f"{path} is not a readable .npy array ({err}); write it again") from None
+    if array.ndim != 2 or array.dtype.kind != "f":
+        raise SpmlError(f"{path}: {array.dtype} {array.shape}, not a float [rows, width] array of embeddings")
+    return array
+
+
+def read_parts(folder: Path) -> Parts:
+    """The layout in `folder`, checked: partner files, one metadata row per embedding row, one width."""
+    _, pq = parquet()
+    folder = Path(folder).expanduser()
+    arrays, keys, lengths = [], {name: [] for name in KEY_COLUMNS}, []
+    for array_path, table_path in _matched_files(folder):
+        array = _read_array(array_path)
+        try:
+            table = pq.read_table(table_path, columns=[c for c in KEY_COLUMNS
+                                                       if c in pq.read_schema(table_path).names])
+        except Exception as err:  # pyarrow's own errors: a damaged or foreign file
+            raise SpmlError(f"{table_path} is not a readable parquet file ({type(err).__name__}: {err})") from None
+        if table.num_rows != len(array):
+            raise SpmlError(f"{table_path}: {table.num_rows} rows for the {len(array)} of {array_path.name}; a"
+                            " part's metadata names its embeddings row for row: write the two together")
+        if arrays and array.shape[1] != arrays[0].shape[1]:
+            raise SpmlError(f"{array_path}: width {array.shape[1]}, the first part's is {arrays[0].shape[1]};"
+                            " every part must come from one model")
+        for name in KEY_COLUMNS:
+            values = table.column(name).to_pylist() if name in table.column_names else None
+            keys[name] = None if values is None or keys[name] is None else keys[name] + values
+        arrays.append(array)
+        lengths.append(len(array))
+    sidecar_path = folder / SIDECAR
+    sidecar = json.loads(sidecar_path.read_text(encoding="utf-8")) if sidecar_path.is_file() else {}
+    present = {name: values for name, values in keys.items() if values is not None}
+    return Parts(folder, arrays, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), present, sidecar)
+
+
+@dataclass
+class ExportReport:
+    folder: Path
+    counts: dict[str, int]
+
+
+def _dense_rows(matrix, start: int, stop: int, dtype) -> np.ndarray:
+    if is_sparse(matrix):
+        return matrix.row_range(start, stop, dtype)
+    return np.asarray(matrix[start:stop], dtype=dtype)
+
+
+def _fixed_lists(pa, rows: np.ndarray, value_type):
+    return pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=value_type), rows.shape[1])
+
+
+def _write_part(folder: Path, index: int, name: str, split) -> None:
+    pa, pq = parquet()
+    total, width = len(split.ids), split.features.shape[1]
+    num_classes = split.labels.shape[1]
+    array = np.lib.format.open_memmap(folder / EMBEDDINGS / f"{EMBEDDINGS}_{index}.npy", mode="w+",
+                                      dtype=np.float32, shape=(total, width))
+    schema = pa.schema([("id", pa.string()), ("image_path", pa.string()), ("split", pa.string()),
+                        ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8(), num_classes))])
+    with pq.ParquetWriter(folder / METADATA / f"{METADATA}_{index}.parquet", schema) as writer:
+        for start in range(0, max(total, 1), COPY_BLOCK_ROWS):  # labels made dense a block at a time
+            stop = min(start + COPY_BLOCK_ROWS, total)
+            array[start:stop] = np.asarray(split.features[start:stop], dtype=np.float32)
+            ids = split.ids[start:stop]
+            observed = (pa.nulls(stop - start, schema.field("observed").type) if split.observed is None else
+                        _fixed_lists(pa, _dense_rows(split.observed, start, stop, np.int8), pa.int8()))
+            writer.write_table(pa.table([pa.array(ids, pa.string()), pa.array(ids, pa.string()),
+                                         pa.array([name] * (stop - start), pa.string()),
+                                         _fixed_lists(pa, _dense_rows(split.labels, start, stop, np.uint8), pa.uint8()),
+                                         observed], schema=schema))
+    array.flush()
+    del array
+
+
+def export(path: Path, out: Path) -> ExportReport:
+    """Write the cache at `path` into `out` in the clip-retrieval layout (a new or empty folder), all at once: it
+    is built in a temporary folder beside `out` and renamed into place."""
+    parquet()
+    path, out = Path(path).expanduser(), Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpmlError(f"--out {out} exists and is not an empty folder: pick another --out (an export never"
+                        " writes over files)")
+    features = load(path)
+    temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        (temporary / EMBEDDINGS).mkdir(parents=True)
+        (temporary / METADATA).mkdir()
+        for index, name in enumerate(SPLITS):
+            _write_part(temporary, index, name, getattr(features, name))
+        sidecar = {"dataset": features.dataset, "classes": features.classes, "cache": str(path),
+                   "cache_id": cache_id(features.attrs), "parts": dict(enumerate(SPLITS)),
+                   "attrs": {key: plain(features.attrs[key]) for key in DESCRIBING if key in features.attrs}}
+        (temporary / SIDECAR).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
+        if out.exists():
+            out.rmdir()
+        os.replace(temporary, out)
+    except BaseException as err:
+        shutil.rmtree(temporary, ignore_errors=True)
+        if isinstance(err, KeyboardInterrupt):  # Ctrl-C, SIGTERM: the half-written folder is gone, nothing kept
+            raise Interrupted(f"nothing was written to {out}") from None
+        raise
+    return ExportReport(out, {name: len(getattr(features, name)) for name in SPLITS})

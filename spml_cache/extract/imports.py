@@ -1,0 +1,29 @@
+"""`import-features`: embeddings computed elsewhere into a project cache, from either layout it reads: the
+clip-retrieval layout (an img_emb/ folder: embeddings.py, matched to a dataset read under `root`) or the
+authors' published files (published.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spml_cache.cache.embeddings import is_layout
+from spml_cache.extract.embeddings import import_embeddings
+from spml_cache.extract.published import ImportReport, import_published
+from spml_cache.runtime.errors import Interrupted, SpmlError
+
+
+def import_features(folder: Path, *, dataset: str, root: Path | None = None, out: Path | None = None,
+                    classes_file: Path | None = None, force: bool = False) -> ImportReport:
+    """Write the cache of `dataset` from the files in `folder`; refuses to replace a cache unless `force`."""
+    if not is_layout(Path(folder).expanduser()):
+        return import_published(folder, dataset=dataset, out=out, classes_file=classes_file, force=force)
+    if root is None:
+        raise SpmlError(f"{folder} holds embeddings in the clip-retrieval layout: pass --root DIR, the dataset's"
+                        " folder (its images are matched to the embedding rows)")
+    if classes_file is not None:
+        raise SpmlError(f"--classes {classes_file}: the clip-retrieval layout takes the class names from the"
+                        " dataset under --root; leave --classes out")
+    try:
+        return import_embeddings(folder, dataset=dataset, root=root, out=out, force=force)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: cache.write has removed its partial file
+        raise Interrupted("nothing was written") from None

@@ -1,0 +1,300 @@
+"""`spml-cache check-loss`: the contract every built-in loss meets (docs/your-own-loss.md), checked on any loss.
+
+Each check builds the loss on a small random problem (C classes, N training rows, one observed positive per row
+and a few observed negatives) and runs steps as stage two takes them: the loss of K stacked heads, the penalty on
+the head's weight, and the gradient of their sum with respect to the logits and the loss's own parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from spml_cache.losses.base import Loss
+from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.step_trace import first_difference, flat, record
+
+N_TRAIN, C, K, D, EPOCHS = 37, 5, 3, 4, 2  # N_TRAIN unlike every other size: a per-row dimension stands out
+BATCHES = (8, 5)  # a full and a partial batch
+DIRECTIONS = 8  # random directions the gradient is checked along
+EXTREME = 30.0  # |z| of the extreme logits: sigmoid is 1 - 1e-13 there, where a naive log(1 - p) is inf
+# rules drawn from the labels alone (no instance areas), each with observed negatives or unobserved positives
+RULES = ("single", "uniform:pos=1,neg=2", "entry:0.3", "keep-pos:0.5", "per-class:3")
+GUIDE = "docs/your-own-loss.md"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A small training set: full labels, the observed matrix (1 / 0 / -1) and, for losses that read one, the
+    image-text similarities of the rows."""
+
+    labels: torch.Tensor  # uint8 [N, C]
+    observed: torch.Tensor  # int8 [N, C]
+    similarity: torch.Tensor  # float32 [N, C]
+
+
+class Failed(Exception):
+    """A check that did not hold: what was seen, and the fix."""
+
+
+def problem(observed: torch.Tensor | None = None) -> Problem:
+    generator = torch.Generator().manual_seed(0)
+    labels = (torch.rand(N_TRAIN, C, generator=generator) < 0.4).to(torch.uint8)
+    positive = torch.randint(0, C, (N_TRAIN,), generator=generator)
+    labels[torch.arange(N_TRAIN), positive] = 1
+    if observed is None:
+        observed = torch.zeros(N_TRAIN, C, dtype=torch.int8)
+        observed[torch.arange(N_TRAIN), positive] = 1
+        observed[(labels == 0) & (torch.rand(N_TRAIN, C, generator=generator) < 0.2)] = -1
+    return Problem(labels, observed, torch.rand(N_TRAIN, C, generator=generator) * 0.3)
+
+
+def build(cls: type[Loss], data: Problem, *, num_heads: int = K, seed=None) -> Loss:
+    seed = list(range(num_heads)) if seed is None else seed
+    extra = {"train_similarity": data.similarity} if cls.needs_similarity else {}
+    return cls(num_classes=C, dataset="voc", num_heads=num_heads, train_observed=data.observed, seed=seed, **extra)
+
+
+def values_of(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor):
+    """The per-head values a step takes the gradient of: the loss, plus its penalty on the head's weight."""
+    per_head = loss(logits, data.observed.index_select(0, rows),
+                    labels=data.labels.index_select(0, rows) if loss.oracle else None, index=rows)
+    return per_head + loss.penalty(weight) if loss.penalises_weight else per_head
+
+
+def step(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor):
+    """One training step: per-head loss values and the gradients w.r.t. the logits, parameters and weight."""
+    per_head = values_of(loss, data, rows, logits, weight)
+    wrt = [logits, *loss.parameters()] + ([weight] if loss.penalises_weight else [])
+    grads = torch.autograd.grad(per_head.sum(), wrt, allow_unused=True) if per_head.requires_grad else ()
+    return per_head, grads
+
+
+def inputs(seed: int, size: int, heads: int = K, scale: float = 3.0, dtype=torch.float32):
+    """A batch's rows, logits `[heads, size, C]` and head weight `[heads, D, C]`, both requiring gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(N_TRAIN, generator=generator)[:size]
+    logits = (torch.randn(heads, size, C, generator=generator, dtype=dtype) * scale).requires_grad_()
+    weight = torch.randn(heads, D, C, generator=generator, dtype=dtype).requires_grad_()
+    return rows, logits, weight
+
+
+def train_logits(loss: Loss, epoch: int, heads: int = K) -> torch.Tensor | None:
+    if not loss.needs_train_logits:
+        return None
+    return torch.randn(heads, N_TRAIN, C, generator=torch.Generator().manual_seed(1000 + epoch)) * 2
+
+
+def epochs_of_steps(loss: Loss, data: Problem, heads: int = K) -> Iterator[tuple]:
+    """EPOCHS epochs of a full and a partial batch, the loss's epoch hooks called: each step's results."""
+    for epoch in range(1, EPOCHS + 1):
+        loss.start_epoch(epoch, EPOCHS, train_logits(loss, epoch, heads))
+        for size in BATCHES:
+            rows, logits, weight = inputs(100 * epoch + size, size, heads)
+            yield (rows, logits, weight, *step(loss, data, rows, logits, weight))
+
+
+def _finite(what: str, values: torch.Tensor, grads) -> None:
+    if values.shape != (K,):
+        raise Failed(f"{what}: returned shape {tuple(values.shape)} for logits [K={K}, B, C]; return one value per"
+                     " head, e.g. mean_over_entries(terms) of the [K, B, C] terms")
+    if not torch.isfinite(values).all():
+        raise Failed(f"{what}: the loss is {values.tolist()}; compute it from the logits stably (neg_log_p,"
+                     " neg_log_1mp, bce from spml_cache.losses.base), never log(sigmoid(z)) or log(1 - p)")
+    for grad in grads:
+        if grad is not None and not torch.isfinite(grad).all():
+            raise Failed(f"{what}: a gradient is not finite; compute the loss from the logits stably (neg_log_p,"
+                         " neg_log_1mp, bce from spml_cache.losses.base)")
+
+
+def check_finite(cls: type[Loss]) -> str:
+    data = problem()
+    loss = build(cls, data)
+    for rows, logits, weight, values, grads in epochs_of_steps(loss, data):
+        _finite("random logits", values, grads)
+    rows, logits, weight = inputs(7, BATCHES[0])
+    signs = torch.where(logits.detach() > 0, EXTREME, -EXTREME)
+    extreme = signs.clone().requires_grad_()
+    _finite(f"logits at |z| = {EXTREME:g}", *step(loss, data, rows, extreme, weight))
+    return f"finite values and gradients on random logits and at |z| = {EXTREME:g}, {EPOCHS} epochs"
+
+
+class HeldFixed(TorchFunctionMode):
+    """What a loss cuts from the gradient on purpose (a `.detach()`, a `no_grad` block, a comparison, a sort's
+    indices: a result without a gradient computed from one with), recorded at the base point and replayed at the
+    shifted ones: so the finite differences are those of the function autograd differentiates."""
+
+    def __init__(self, recorded: list | None = None):
+        super().__init__()
+        self.replaying = recorded is not None
+        self.recorded = [] if recorded is None else recorded
+        self.position = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = flat((args, list((kwargs or {}).values())))
+        if not any(isinstance(value, torch.Tensor) and value.requires_grad for value in given):
+            return out
+        if isinstance(out, torch.Tensor):
+            return self._held(out)
+        if isinstance(out, tuple) and out and all(isinstance(item, torch.Tensor) for item in out):
+            items = [self._held(item) for item in out]
+            return type(out)(items) if hasattr(out, "_fields") or type(out) is not tuple else tuple(items)
+        return out
+
+    def _held(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.requires_grad:
+            return tensor
+        if not self.replaying:
+            self.recorded.append(tensor.clone())
+            return tensor
+        if self.position >= len(self.recorded):
+            raise Failed("the loss runs other ops when its logits move by 1e-6; keep the ops the same for every"
+                         " value of the logits (torch.where, not a Python branch on a tensor)")
+        self.position += 1
+        return self.recorded[self.position - 1]
+
+
+def check_gradient(cls: type[Loss]) -> str:
+    data = problem()
+    loss = build(cls, data).double()
+    loss.start_epoch(1, EPOCHS, None if not cls.needs_train_logits else train_logits(loss, 1).double())
+    rows, logits, weight = inputs(3, BATCHES[0], dtype=torch.float64)
+    kept = {key: value.clone() for key, value in loss.state_dict().items()}
+
+    def value(z, recorded=None):  # from the same state each time: a loss that writes state is judged on one step
+        loss.load_state_dict(kept)
+        with HeldFixed(recorded) as mode:
+            return values_of(loss, data, rows, z.detach().requires_grad_(), weight).sum(), mode.recorded
+
+    with HeldFixed() as mode:
+        loss.load_state_dict(kept)
+        base, recorded = values_of(loss, data, rows, logits, weight).sum(), mode.recorded
+    analytic = torch.autograd.grad(base, logits)[0]
+    generator, eps, worst = torch.Generator().manual_seed(4), 1e-6, 0.0
+    for _ in range(DIRECTIONS):  # directional derivatives along random directions: gradcheck's fast mode
+        direction = torch.randn(logits.shape, generator=generator, dtype=torch.float64)
+        high, low = (value(logits.detach() + sign * eps * direction, recorded)[0] for sign in (1, -1))
+        numeric, exact = ((high - low) / (2 * eps)).item(), (analytic * direction).sum().item()
+        worst = max(worst, abs(numeric - exact))
+        if abs(numeric - exact) > 1e-7 + 1e-4 * abs(exact):
+            raise Failed(f"the gradient along a random direction is {exact:.6g} but central finite differences in"
+                         f" float64 give {numeric:.6g}; compute the loss with differentiable torch ops (a custom"
+                         " backward must agree with forward)")
+    return (f"the logits' gradient equals finite differences in float64 along {DIRECTIONS} random directions"
+            f" (up to {worst:.1e})")
+
+
+def check_stacked(cls: type[Loss]) -> str:
+    data = problem()
+    stacked = build(cls, data)
+    alone = [build(cls, data, num_heads=1, seed=[head]) for head in range(K)]
+    for epoch in range(1, EPOCHS + 1):
+        every = train_logits(stacked, epoch)
+        stacked.start_epoch(epoch, EPOCHS, every)
+        for head, one in enumerate(alone):
+            one.start_epoch(epoch, EPOCHS, None if every is None else every[head : head + 1])
+        for size in BATCHES:
+            rows, logits, weight = inputs(100 * epoch + size, size)
+            values, grads = step(stacked, data, rows, logits, weight)
+            for head, one in enumerate(alone):
+                own = [tensor.detach()[head : head + 1].clone().requires_grad_() for tensor in (logits, weight)]
+                _same_head(head, (values, grads), step(one, data, rows, *own))
+    for head, one in enumerate(alone):
+        for key, value in one.state_dict().items():
+            if not torch.allclose(stacked.head_state_dict(head)[key], value, rtol=1e-5, atol=1e-6):
+                raise Failed(f"head {head}: its state {key} stacked differs from alone; keep per-head state as"
+                             " [K, ...] and update each head's slice from that head alone")
+    return f"{K} stacked heads equal {K} heads trained alone (values, gradients, state over {EPOCHS} epochs)"
+
+
+def _same_head(head: int, stacked: tuple, alone: tuple) -> None:
+    (values, grads), (value, grads_alone) = stacked, alone
+    if not torch.allclose(values[head], value.reshape(()), rtol=1e-5, atol=1e-6):
+        raise Failed(f"head {head} of {K} stacked heads gets {values[head].item():.6g}, alone {value.item():.6g};"
+                     " compute each head's value from its own slice of the [K, B, C] logits, reduce over (B, C)"
+                     " only (mean_over_entries), and keep state with a leading head dimension")
+    if not torch.allclose(grads[0][head], grads_alone[0][0], rtol=1e-4, atol=1e-6):
+        raise Failed(f"head {head}: the gradient of its logits stacked differs from alone; a head's loss must not"
+                     " read another head's logits")
+
+
+def check_capture_safe(cls: type[Loss]) -> str:
+    data = problem()
+    loss = build(cls, data)
+    loss.start_epoch(1, EPOCHS, train_logits(loss, 1))
+    for size in BATCHES:  # the eager warm-up of each shape, before any capture
+        rows, logits, weight = inputs(size, size)
+        step(loss, data, rows, logits, weight)
+    traces: dict[int, list] = {size: [] for size in BATCHES}
+    for epoch in range(1, EPOCHS + 2):
+        if epoch > 1:
+            loss.start_epoch(epoch, EPOCHS + 1, train_logits(loss, epoch))
+        for size in BATCHES:
+            rows, logits, weight = inputs(100 * epoch + size, size)
+            _, recorder = record(lambda: step(loss, data, rows, logits, weight),
+                                 {"logits": logits, "index": rows, "weight": weight},
+                                 {value.untyped_storage().data_ptr(): key for key, value in loss.state_dict().items()})
+            if recorder.forbidden:
+                raise Failed(f"epoch {epoch}: {recorder.forbidden[0]}; a captured step cannot wait on the device or"
+                             " copy from the host: no .item(), bool(tensor), torch.tensor(...), nonzero or boolean"
+                             " indexing in a step (use torch.where, and buffers updated in start_epoch)")
+            traces[size].append(recorder.trace)
+    for size, by_epoch in traces.items():
+        for epoch, trace in enumerate(by_epoch[1:], start=2):
+            if trace != by_epoch[0]:
+                where = first_difference(by_epoch[0], trace, ("epoch 1", f"epoch {epoch}")).replace("\n", " ")
+                raise Failed(f"a batch of {size} runs other ops in epoch {epoch} than in epoch 1 ({where}); keep"
+                             " what changes between epochs in buffers updated in place (assign_) by start_epoch")
+    return "capture-safe: no host sync in a step, the same ops in every epoch (what CUDA graphs replay)"
+
+
+def check_deterministic(cls: type[Loss]) -> str:
+    data = problem()
+    first, second = (list(epochs_of_steps(build(cls, data, seed=[5, 6, 7]), data)) for _ in range(2))
+    for (*_, values, grads), (*_, again, grads_again) in zip(first, second):
+        same = torch.equal(values, again) and all(
+            (a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, grads_again))
+        if not same:
+            raise Failed("two builds with the same seed give different values; draw random numbers only from a"
+                         " torch.Generator seeded by the loss's seed (self.seed)")
+    return "deterministic under a seed (two builds, the same values and gradients)"
+
+
+def check_rules(cls: type[Loss]) -> str:
+    from spml_cache.observation import parse_rule
+
+    labels = problem().labels
+    for text in RULES:
+        observed = torch.from_numpy(parse_rule(text).draw(labels.numpy()))
+        data = problem(observed)
+        if cls.needs_positive and bool(((observed == 1).sum(1) == 0).any()):
+            continue  # refused by stage two as well: some row has no observed positive
+        for rows, logits, weight, values, grads in epochs_of_steps(build(cls, data), data):
+            _finite(f"under --observe {text}", values, grads)
+    return f"finite under each observation rule's masks ({', '.join(RULES)})"
+
+
+CHECKS: tuple[Callable[[type[Loss]], str], ...] = (
+    check_finite, check_gradient, check_stacked, check_capture_safe, check_deterministic, check_rules)
+
+
+def run_checks(cls: type[Loss]) -> Iterator[tuple[bool, str]]:
+    """(passed, one line) per check, in order, stopping after the first failure."""
+    for check in CHECKS:
+        try:
+            yield True, check(cls)
+        except Failed as failure:
+            yield False, f"{check.__name__.removeprefix('check_')}: {failure}"
+            return
+        except SpmlError as err:
+            yield False, f"{check.__name__.removeprefix('check_')}: {err}"
+            return
+        except Exception as err:  # the loss itself raised: the line says what, the fix is in the guide
+            said = str(err).strip().split("\n")[0][:300]
+            yield False, (f"{check.__name__.removeprefix('check_')}: the loss raised {type(err).__name__}: {said};"
+                          f" see {GUIDE} for what forward receives")
+            return

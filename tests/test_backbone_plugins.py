@@ -1,0 +1,183 @@
+"""`--backbone module:callable` and the entry-point group `spml_cache.backbones`: the user's own backbone extracts
+like a built-in, the cache records where its code came from, and a broken one is one line with nothing written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from cli_support import REPO, run_cli, run_main
+from PIL import Image
+
+from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
+from spml_cache.runtime.errors import SpmlError
+
+SIDE = 8
+# The user's module: the model is the mean of each normalised channel, so a solid-colour image's row is known.
+NETS = """
+import torch
+from spml_cache.backbones.preprocess import Preprocess
+
+
+def make():
+    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), Preprocess({side}), 3
+
+
+def sized(resolution=12):
+    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), Preprocess(resolution), 3
+
+
+def not_tuple():
+    return torch.nn.Identity()
+
+
+def not_module():
+    return "model", Preprocess(8), 3
+
+
+def wrong_width():
+    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), Preprocess(8), 4
+
+
+def raises():
+    raise RuntimeError("no weights here")
+"""
+COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (120, 120, 120), (250, 250, 10), (10, 240, 240),
+           (90, 10, 160), (160, 90, 10), (60, 60, 60), (230, 230, 230)]
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    """A CSV dataset of solid-colour JPEGs (train 0-6, test 7-9) and a folder of the user's code (imported anew:
+    an earlier test's copy of the module, from its own folder, leaves sys.modules)."""
+    for name in ("tinynets37", "tinyerr37"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    lines = ["path,labels,split"]
+    for number, colour in enumerate(COLOURS):
+        (tmp_path / "images").mkdir(exist_ok=True)
+        Image.new("RGB", (16 + number, 12), colour).save(tmp_path / "images" / f"{number}.jpg", quality=95)
+        lines.append(f"images/{number}.jpg,{'a' if number % 2 else 'a|b'},{'test' if number >= 7 else 'train'}")
+    (tmp_path / "labels.csv").write_text("\n".join(lines) + "\n")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "tinynets37.py").write_text(NETS.format(side=SIDE))
+    (code / "tinyerr37.py").write_text("raise RuntimeError('broken at import')\n")
+    return tmp_path
+
+
+def write_distribution(code, name: str, value: str) -> None:
+    """An installed distribution, as pip leaves it: a dist-info folder whose entry_points.txt names `value`."""
+    info = code / "tinyplug37-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tinyplug37\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[spml_cache.backbones]\n{name} = {value}\n")
+
+
+def expected_rows(ids: list[str]) -> np.ndarray:
+    """Each image's solid colour on the 0..1 scale, normalised with ImageNet's mean and std: the channel means."""
+    colours = np.array([COLOURS[int(image_id.split("/")[1].split(".")[0])] for image_id in ids]) / 255.0
+    return ((colours - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)).astype(np.float32)
+
+
+def extract(data, backbone: str, *more: str):
+    env = {"PYTHONPATH": f"{REPO}:{data / 'code'}", "SPML_CACHE": str(data / "cache")}
+    return run_cli("extract", "csv", "--root", str(data), "--backbone", backbone, "--device", "cpu", "--workers",
+                   "0", *more, cwd=data, env=env)
+
+
+def check_features(path) -> dict:
+    with h5py.File(path, "r") as file:
+        for split in ("train", "val", "test"):
+            ids = [i.decode() for i in file[split]["ids"][()]]
+            # JPEG keeps a solid colour within a level or two: 2/255/0.225 < 0.05
+            np.testing.assert_allclose(file[split]["features"][()], expected_rows(ids), atol=0.05)
+        return dict(file.attrs)
+
+
+def test_a_module_callable_extracts_and_the_cache_records_its_file(data):
+    done = extract(data, "tinynets37:make")
+    assert done.returncode == 0, done.stderr
+    attrs = check_features(data / "cache" / f"csv-tinynets37_make-{SIDE}.h5")
+    assert (attrs["backbone"], attrs["weights"], attrs["feature_dim"]) == ("tinynets37:make", "callable", 3)
+    origin = json.loads(attrs["backbone_origin"])
+    source = data / "code" / "tinynets37.py"
+    assert origin == {"kind": "module", "spec": "tinynets37:make", "module": "tinynets37",
+                      "file": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+    # the same command after the file changed: another backbone, so another cache (refused without --force)
+    source.write_text(source.read_text() + "# changed\n")
+    again = extract(data, "tinynets37:make")
+    assert again.returncode == 1 and "backbone_origin" in again.stderr and "--force" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+
+
+def test_an_entry_point_extracts_and_the_cache_records_its_distribution(data):
+    write_distribution(data / "code", "tinynet37", "tinynets37:make")
+    done = extract(data, "tinynet37")
+    assert done.returncode == 0, done.stderr
+    attrs = check_features(data / "cache" / f"csv-tinynet37-{SIDE}.h5")
+    assert attrs["backbone"] == "tinynet37"
+    assert json.loads(attrs["backbone_origin"]) == {"kind": "entry_point", "name": "tinynet37", "value":
+                                                    "tinynets37:make", "distribution": "tinyplug37", "version": "1.0"}
+
+
+@pytest.mark.parametrize("backbone, more, said", [
+    ("nosuchmod37.nets:make", [], "no module nosuchmod37 on the path"),
+    ("nosuchmod37:make", [], "nor a module found on the path"),
+    ("tinyerr37:make", [], "importing tinyerr37 raised RuntimeError: broken at import"),
+    ("tinynets37:missing", [], "tinynets37 has no callable missing"),
+    ("tinynets37:not_tuple", [], "returned Identity, not a tuple of three"),
+    ("tinynets37:not_module", [], "its model is a str, not a torch.nn.Module"),
+    ("tinynets37:wrong_width", [], "maps a [1, 3, R, R] batch to (1, 3), not (1, 4)"),
+    ("tinynets37:raises", [], "calling it raised RuntimeError: no weights here"),
+    ("tinynets37:make", ["--weights", "w.pth"], "takes no weights argument"),
+    ("tinynets37:make", ["--resolution", "64"], "takes no resolution argument"),
+    ("tinynets37:make", ["--features", "last4"], "is a plugin backbone (its callable gives one vector); use"
+     " --features pooled"),
+])
+def test_a_broken_plugin_is_one_line_naming_it_and_nothing_is_written(data, monkeypatch, capsys, backbone, more,
+                                                                     said):
+    monkeypatch.syspath_prepend(str(data / "code"))
+    monkeypatch.setenv("SPML_CACHE", str(data / "cache"))
+    code, err = run_main("extract", "csv", "--root", str(data), "--backbone", backbone, "--device", "cpu",
+                         "--workers", "0", *more, cwd=data, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and said in err and backbone.split(":")[0] in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (data / "cache").exists() or not any((data / "cache").iterdir())
+
+
+def test_a_resolution_the_callable_takes_is_passed_to_it(data, monkeypatch):
+    from spml_cache import backbones
+
+    monkeypatch.syspath_prepend(str(data / "code"))
+    assert backbones.describe("tinynets37:sized").resolution == 12  # its own default
+    assert backbones.describe("tinynets37:sized", resolution=20).resolution == 20
+
+
+def test_an_entry_point_named_like_a_torchvision_model_is_refused(data, monkeypatch):
+    from spml_cache import backbones
+
+    write_distribution(data / "code", "resnet18", "tinynets37:make")
+    monkeypatch.syspath_prepend(str(data / "code"))
+    with pytest.raises(SpmlError, match="pass tv:resnet18 for torchvision's, or tinynets37:make"):
+        backbones.describe("resnet18")
+    assert backbones.describe("tv:resnet18", weights="none").backbone == "resnet18"
+
+
+def test_finetune_refuses_a_plugin_whose_file_changed_since_the_cache(data, monkeypatch):
+    from spml_cache import backbones
+    from spml_cache.finetune.start import trunk_backbone
+
+    monkeypatch.syspath_prepend(str(data / "code"))
+    attrs = backbones.describe("tinynets37:make").attrs()
+    assert trunk_backbone(attrs, "callable", SIDE).origin == attrs["backbone_origin"]
+    source = data / "code" / "tinynets37.py"
+    source.write_text(source.read_text() + "# changed\n")
+    before = json.loads(attrs["backbone_origin"])["sha256"][:12]
+    now = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    with pytest.raises(SpmlError, match=f"not the code that made the cache .then {source.resolve()} with sha256"
+                                        f" {before}, now .* with sha256 {now}"):
+        trunk_backbone(attrs, "callable", SIDE)

@@ -1,0 +1,218 @@
+"""Embeddings in and out in the clip-retrieval layout: `import-features DIR --dataset D --root R` matches each
+image to its row by path or id (counts said, missing or repeated rows refused), `spml-cache export CACHE --out
+DIR` writes a cache's splits there, and export then import gives the same features for every row."""
+
+from __future__ import annotations
+
+import os
+import site
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_support import REPO, run_cli, run_main
+from extract_support import write_numbered_csv_dataset
+
+from spml_cache import cache
+from spml_cache.runtime.errors import SpmlError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+COUNT, FIRST_TEST, WIDTH = 14, 10, 6
+CLASSES = ("a", "b", "c")
+
+
+def environment(tmp_path) -> dict:
+    """The subprocess's PYTHONPATH: this checkout, and pyarrow's folder where it is not the interpreter's own."""
+    where = str(Path(pa.__file__).parents[1])
+    extra = [] if where in site.getsitepackages() else [where]
+    return {"PYTHONPATH": os.pathsep.join([str(REPO), *extra]), "SPML_CACHE": str(tmp_path / "cache")}
+
+
+def write_layout(folder: Path, parts: list[tuple[np.ndarray, dict]]) -> None:
+    (folder / "img_emb").mkdir(parents=True)
+    (folder / "metadata").mkdir()
+    for index, (array, columns) in enumerate(parts):
+        np.save(folder / "img_emb" / f"img_emb_{index}.npy", array)
+        pq.write_table(pa.table(columns), folder / "metadata" / f"metadata_{index}.parquet")
+
+
+@pytest.fixture
+def data(tmp_path):
+    """A CSV dataset of 14 images and clip-retrieval's output for it: two parts, rows in another order, absolute
+    image paths, float16, and two rows for images that are not the dataset's. Returns (root, layout, id -> row)."""
+    root = write_numbered_csv_dataset(tmp_path / "data", COUNT, first_test=FIRST_TEST, classes=CLASSES)
+    rng = np.random.default_rng(0)
+    names = [f"images/{k}.jpg" for k in rng.permutation(COUNT)] + ["images/other-1.jpg", "images/other-2.jpg"]
+    rows = rng.standard_normal((len(names), WIDTH)).astype(np.float16)
+    paths = [str(root.resolve() / name) for name in names]
+    write_layout(tmp_path / "emb", [(rows[:9], {"image_path": paths[:9], "caption": ["x"] * 9}),
+                                    (rows[9:], {"image_path": paths[9:], "caption": ["x"] * (len(names) - 9)})])
+    expected = {name: rows[i].astype(np.float32) for i, name in enumerate(names)}
+    return root, tmp_path / "emb", expected
+
+
+def labels_of(image_id: str) -> np.ndarray:
+    """The CSV's labels restated: image k has the first 1 + k % 3 classes."""
+    k = int(image_id.split("/")[1].split(".")[0])
+    return np.array([1 if c < 1 + k % len(CLASSES) else 0 for c in range(len(CLASSES))], dtype=np.uint8)
+
+
+def test_import_matches_every_image_by_path_and_says_what_matched(data, tmp_path):
+    root, layout, expected = data
+    done = run_cli("import-features", str(layout), "--dataset", "csv", "--root", str(root), cwd=tmp_path,
+                   env=environment(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert f"matched {COUNT} of {COUNT + 2} embedding rows to the images of csv by image_path" in done.stdout
+    assert "2 rows name no image of it and were left out" in done.stdout
+    features = cache.load(tmp_path / "cache" / "csv-imported-0.h5")
+    assert sorted(features.train.ids + features.val.ids) == sorted(f"images/{k}.jpg" for k in range(FIRST_TEST))
+    assert sorted(features.test.ids) == sorted(f"images/{k}.jpg" for k in range(FIRST_TEST, COUNT))
+    for split in (features.train, features.val, features.test):
+        np.testing.assert_array_equal(split.features, np.stack([expected[i] for i in split.ids]))
+        np.testing.assert_array_equal(split.labels, np.stack([labels_of(i) for i in split.ids]))
+    assert (features.attrs["backbone"], features.attrs["feature_dim"]) == ("imported", WIDTH)
+
+
+def test_export_then_import_gives_the_same_features_for_every_row(data, tmp_path):
+    root, layout, _ = data
+    env = environment(tmp_path)
+    assert run_cli("import-features", str(layout), "--dataset", "csv", "--root", str(root), cwd=tmp_path,
+                   env=env).returncode == 0
+    original = cache.load(tmp_path / "cache" / "csv-imported-0.h5")
+    done = run_cli("export", str(tmp_path / "cache" / "csv-imported-0.h5"), "--out", str(tmp_path / "out"),
+                   cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    for index, name in enumerate(cache.SPLITS):  # one part per split, labels and observed beside the ids
+        split = getattr(original, name)
+        table = pq.read_table(tmp_path / "out" / "metadata" / f"metadata_{index}.parquet").to_pydict()
+        assert table["id"] == split.ids and table["image_path"] == split.ids and set(table["split"]) == {name}
+        np.testing.assert_array_equal(np.array(table["labels"]), split.labels)
+        if split.observed is None:
+            assert table["observed"] == [None] * len(split)
+        else:
+            np.testing.assert_array_equal(np.array(table["observed"]), split.observed)
+        np.testing.assert_array_equal(np.load(tmp_path / "out" / "img_emb" / f"img_emb_{index}.npy"), split.features)
+    again = run_cli("import-features", str(tmp_path / "out"), "--dataset", "csv", "--root", str(root), "--out",
+                    str(tmp_path / "again.h5"), cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr
+    assert f"matched {COUNT} of {COUNT} embedding rows to the images of csv by id" in again.stdout
+    imported = cache.load(tmp_path / "again.h5")
+    for name in cache.SPLITS:
+        assert getattr(imported, name).ids == getattr(original, name).ids
+        np.testing.assert_array_equal(getattr(imported, name).features, getattr(original, name).features)
+        np.testing.assert_array_equal(getattr(imported, name).observed, getattr(original, name).observed)
+    assert imported.attrs["backbone"] == original.attrs["backbone"]
+
+
+def _rewrite(layout: Path, index: int, **columns) -> None:
+    table = pq.read_table(layout / "metadata" / f"metadata_{index}.parquet").to_pydict()
+    table.update(columns)
+    pq.write_table(pa.table(table), layout / "metadata" / f"metadata_{index}.parquet")
+
+
+def _repeat(layout, root):
+    paths = pq.read_table(layout / "metadata" / "metadata_1.parquet").column("image_path").to_pylist()
+    _rewrite(layout, 1, image_path=[paths[0], *paths[:-1]])  # the first image twice, the last one gone
+
+
+BROKEN = {
+    "repeated": (_repeat, "image_path values name more than one embedding row"),
+    "missing": (lambda layout, root: _rewrite(layout, 1, image_path=[f"elsewhere-{i}.jpg" for i in range(7)]),
+                "have no embedding row by image_path"),
+    "short metadata": (lambda layout, root: _rewrite(layout, 0, image_path=["a.jpg"] * 8, caption=["x"] * 8),
+                       "metadata_0.parquet: 8 rows for the 9 of img_emb_0.npy"),
+    "no partner": (lambda layout, root: (layout / "metadata" / "metadata_1.parquet").unlink(),
+                   "img_emb_1.npy has no partner"),
+    "no key column": (lambda layout, root: [pq.write_table(pa.table({"caption": ["x"] * n}), layout / "metadata" /
+                                                           f"metadata_{i}.parquet") for i, n in ((0, 9), (1, 7))],
+                      "no id or image_path column"),
+    "not float": (lambda layout, root: np.save(layout / "img_emb" / "img_emb_0.npy", np.zeros((9, 2), np.int64)),
+                  "img_emb_0.npy: int64 (9, 2), not a float"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_bad_layout_is_one_line_naming_it_and_nothing_is_written(data, tmp_path, monkeypatch, capsys, case):
+    root, layout, _ = data
+    damage, said = BROKEN[case]
+    damage(layout, root)
+    monkeypatch.setenv("SPML_CACHE", str(tmp_path / "cache"))
+    code, err = run_main("import-features", str(layout), "--dataset", "csv", "--root", str(root), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_the_layout_needs_root_and_takes_no_classes_file(data, tmp_path, monkeypatch, capsys):
+    root, layout, _ = data
+    monkeypatch.delenv("SPML_DATA", raising=False)
+    code, err = run_main("import-features", str(layout), "--dataset", "csv", cwd=tmp_path, monkeypatch=monkeypatch,
+                         capsys=capsys)
+    assert code == 1 and "clip-retrieval layout: pass --root DIR" in err
+    code, err = run_main("import-features", str(layout), "--dataset", "csv", "--root", str(root), "--classes",
+                         "names.txt", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and "--classes names.txt" in err and "leave --classes out" in err
+
+
+def test_export_writes_over_nothing(data, tmp_path, monkeypatch, capsys):
+    from spml_cache.extract import import_features
+
+    root, layout, _ = data
+    path = import_features(layout, dataset="csv", root=root, out=tmp_path / "a.h5").path
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    code, err = run_main("export", str(path), "--out", str(tmp_path / "taken"), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and "--out" in err and "not an empty folder" in err
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+    assert not list(tmp_path.glob(".taken.tmp-*"))
+
+
+def test_without_pyarrow_the_layout_says_how_to_install_it(monkeypatch):
+    from spml_cache.cache import embeddings
+
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)
+    with pytest.raises(SpmlError, match=r'pip install "spml-cache\[parquet\]"'):
+        embeddings.parquet()
+
+
+def test_a_stop_during_export_leaves_nothing_and_says_so(data, tmp_path, monkeypatch):
+    from spml_cache.cache import embeddings
+    from spml_cache.extract import import_features
+    from spml_cache.runtime.errors import Interrupted
+
+    root, layout, _ = data
+    path = import_features(layout, dataset="csv", root=root, out=tmp_path / "a.h5").path
+    written = embeddings._write_part
+
+    def stopped_after_the_first(folder, index, name, split):  # Ctrl-C arrives while the second part is written
+        if index == 1:
+            raise KeyboardInterrupt
+        written(folder, index, name, split)
+
+    monkeypatch.setattr(embeddings, "_write_part", stopped_after_the_first)
+    with pytest.raises(Interrupted, match="nothing was written"):
+        embeddings.export(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_a_last4_cache_exported_comes_back_as_a_last4_cache(data, tmp_path):
+    import h5py
+
+    root, layout, _ = data
+    env = environment(tmp_path)
+    assert run_cli("import-features", str(layout), "--dataset", "csv", "--root", str(root), cwd=tmp_path,
+                   env=env).returncode == 0
+    source = tmp_path / "cache" / "csv-imported-0.h5"
+    with h5py.File(source, "a") as file:  # as `extract --features last4` would have named its kind
+        file.attrs["features"] = "last4"
+    done = run_cli("export", str(source), "--out", str(tmp_path / "out"), cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    env["SPML_CACHE"] = str(tmp_path / "again")
+    again = run_cli("import-features", str(tmp_path / "out"), "--dataset", "csv", "--root", str(root),
+                    cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr
+    imported = cache.load(tmp_path / "again" / "csv-imported_last4-0.h5")
+    assert imported.attrs["features"] == "last4"
