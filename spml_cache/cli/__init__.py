@@ -32,7 +32,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     parse_names,
     require_root,
 )
-from spml_cache import backbones
+from spml_cache import backbones, datasets, observation  # registries the help texts list (no torch)
 from spml_cache.cli.check_loss import check_loss_command
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
@@ -48,6 +48,11 @@ app = typer.Typer(
 )
 console = Console()
 _debug = {"on": bool(os.environ.get("SPML_DEBUG"))}
+
+
+# Help texts list what the registries hold, so that a new dataset or rule appears in --help by itself.
+DATASETS_HELP = ", ".join(datasets.names()[:-1]) + f" or {datasets.names()[-1]}"
+RULES_HELP = ", ".join(rule.example for rule in observation.RULES.values())
 
 
 @app.callback()
@@ -109,7 +114,7 @@ def make_demo_data_command(
 
 @app.command("extract")
 def extract_command(
-    dataset: str = typer.Argument(..., help="voc, coco, nus, cub or csv."),
+    dataset: str = typer.Argument(..., help=f"{DATASETS_HELP}."),
     root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the backbone's - : / as _)."),
     backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG; your own module:callable or spml_cache.backbones entry point (docs/your-own-backbone.md)."),
@@ -128,7 +133,7 @@ def extract_command(
     force: bool = typer.Option(False, "--force", help="Rebuild even if a cache or partial file with these or other settings exists."),
     on_bad_image: str = typer.Option("fail", "--on-bad-image", help="fail (name the file and stop) or skip (leave the image out, listed in the attrs)."),
     skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out images whose file is missing (recorded in the attrs)."),
-    observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules to store beside single, a comma list: single, uniform:pos=K,neg=M, entry:P, keep-pos:F, per-class:N, largest, size (docs/protocol.md); a complete cache gets the ones it lacks."),
+    observe: Optional[str] = typer.Option(None, "--observe", help=f"Observation rules to store beside single, a comma list: {RULES_HELP} (docs/protocol.md); a complete cache gets the ones it lacks."),
     labels: Optional[str] = typer.Option(None, "--labels", help="How the cache stores its label matrices: auto (the default: sparse CSR from 1,000 classes), dense or sparse."),
 ) -> None:
     """Stage one: run a frozen backbone (ResNet-50 by default) over a dataset once and write its features to an
@@ -144,14 +149,14 @@ def extract_command(
     from spml_cache.observation import parse_rules
 
     rules = None if observe is None else parse_rules(observe)  # before the heavy imports: a typo fails at once
-    from spml_cache.extract import extract
+    from spml_cache.extract import ExtractOptions, run_extract
 
-    report = extract(
+    report = run_extract(ExtractOptions(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
         clip_features=clip_features, prompts=prompts, crops=crops, features=features, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules, labels=labels,
-    )
+    ))
     if report is not None:  # under torchrun, rank 0 reports for every process
         extract_report(report, console)
 
@@ -253,7 +258,7 @@ def linear_command(
     fidelity: Optional[str] = typer.Option(None, "--fidelity", help="exact (default): the papers' math, computed stably; authors: their code's numerics, dropped last batches and early stopping (docs/fidelity.md)."),
     hp_grid: Optional[str] = typer.Option(None, "--hp-grid", help="paper: sweep each loss's own search space where its paper states one (spml-cache losses lists them); --hp values win."),
     no_graphs: bool = typer.Option(False, "--no-graphs", help="On a GPU, train the stacks one by one, eagerly, instead of all at once as replayed CUDA graphs (for debugging; same results up to float rounding)."),
-    observe: Optional[str] = typer.Option(None, "--observe", help="Observation rules, a comma list (default single): every loss trains under each; rules the cache lacks are drawn from its full labels (docs/protocol.md)."),
+    observe: Optional[str] = typer.Option(None, "--observe", help=f"Observation rules, a comma list (default single; {RULES_HELP}): every loss trains under each; rules the cache lacks are drawn from its full labels (docs/protocol.md)."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Memory stage two may use, e.g. 1GB (default: 80% of the device's free memory); features beyond it stream from the cache in a seeded chunk order planned from the budget and the cache's shapes (docs/protocol.md)."),
     chunk_rows: Optional[int] = typer.Option(None, "--chunk-rows", help="Stream the train features in chunks of N rows whatever the budget: the same chunk order, and results, on any machine (docs/protocol.md)."),
 ) -> None:

@@ -35,20 +35,17 @@ import torchvision
 import spml_cache
 from spml_cache import backbones, cache, datasets, protocol
 from spml_cache.extract import shards, writer
-from spml_cache.extract.batches import PRECISIONS, run_batches
+from spml_cache.extract.batches import run_batches
+from spml_cache.extract.options import ExtractOptions
 from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
     estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_room, require_writable,
     settings_attrs,
 )
-from spml_cache.cache.csr import DEFAULT_FORMAT, resolve_format
+from spml_cache.cache.csr import resolve_format
 from spml_cache.extract.rules import RuleStore
-from spml_cache.observation import Rule
 from spml_cache.runtime.devices import default_workers, resolve_device
 from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
-
-BAD_IMAGE_POLICIES = ("fail", "skip")
-
 
 @dataclass
 class ExtractReport:
@@ -111,170 +108,204 @@ def _reported(report: ExtractReport, shard: shards.Shard | None) -> ExtractRepor
     return report if shard.main else None
 
 
-def _check_options(resolution, batch_size, workers, precision, limit, on_bad_image, labels) -> None:
-    resolve_format(labels, 0)  # refuses anything but auto, dense and sparse, naming --labels
-    if resolution is not None and not 32 <= resolution <= 2048:
-        raise SpmlError(f"--resolution {resolution}: use a side between 32 and 2048 pixels (the papers use 448)")
-    if batch_size < 1:
-        raise SpmlError(f"--batch-size {batch_size}: use at least 1")
-    if workers is not None and workers < 0:
-        raise SpmlError(f"--workers {workers}: use 0 (load in the main process) or more")
-    if precision not in ("auto", *PRECISIONS):
-        raise SpmlError(f"--precision {precision}: use auto, fp32, fp16 or bf16")
-    if limit is not None and limit < 1:
-        raise SpmlError(f"--limit {limit}: use at least 1 image per split (or leave it out for all)")
-    if on_bad_image not in BAD_IMAGE_POLICIES:
-        raise SpmlError(f"--on-bad-image {on_bad_image}: use fail or skip")
+def extract(dataset: str, root: Path, **options) -> ExtractReport | None:
+    """`run_extract` with its options as keywords (`ExtractOptions`' fields): the Python API's door."""
+    return run_extract(ExtractOptions(dataset, root, **options))
 
 
-def extract(
-    dataset: str,
-    root: Path,
-    *,
-    out: Path | None = None,
-    backbone: str = backbones.DEFAULT,
-    weights: str | None = None,
-    resolution: int | None = None,
-    clip_features: str = backbones.DEFAULT_CLIP_FEATURES,
-    prompts: str = backbones.DEFAULT_PROMPTS,
-    crops: int = 0,
-    features: str = backbones.DEFAULT_FEATURES,
-    batch_size: int = 64,
-    workers: int | None = None,
-    device: str = "auto",
-    precision: str = "auto",
-    limit: int | None = None,
-    dry_run: bool = False,
-    force: bool = False,
-    on_bad_image: str = "fail",
-    skip_missing: bool = False,
-    pad_batches: bool | None = None,
-    feed_thread: bool | None = None,
-    observe: list[Rule] | None = None,
-    labels: str | None = None,
-) -> ExtractReport | None:
-    """Build (or resume, or confirm) the feature cache of `dataset` under `root`; see the module docstring.
-    `observe`: observation rules whose masks to store beside `single`'s (extract/rules.py); a complete cache
-    that lacks some gets them without recomputing its features. `labels`: how the cache stores its label
-    matrices, auto (CSR from `SPARSE_MIN_CLASSES` classes), dense or sparse (None: `DEFAULT_FORMAT`,
-    so the command line need not import the cache package to show it); a sparse-read dataset (OpenImages) is
-    densified only for a dense cache. `backbone`, `weights` (None: the backbone's default), `resolution` (None: its own), `clip_features`, `prompts`, `crops` and `features` (pooled or last4): see backbones/. Under
-    torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks
-    return None, rank 0 the report of the whole.
-
-    `pad_batches` and `feed_thread` are internal (no flag): None is on for a GPU, off for the CPU; the tests
-    force them on the CPU to show the cache does not depend on them."""
-    labels = DEFAULT_FORMAT if labels is None else labels
-    _check_options(resolution, batch_size, workers, precision, limit, on_bad_image, labels)
-    limit = limit or 0
-    shard = shards.current()  # under torchrun: this process's share of the rows (shards.py)
-    torch_device = shard.device(resolve_device(device)) if shard else resolve_device(device)
-    if precision == "auto":
-        precision = "fp16" if torch_device.type == "cuda" else "fp32"
-    # A dry run lists missing files instead of stopping on them.
-    images = datasets.read(dataset, root, skip_missing=skip_missing or dry_run)
-    protocol_result = protocol.apply_protocol(images)
-    rows = plan_rows(protocol_result, limit)
-    label_format = resolve_format(labels, len(images.classes))
-    described = backbones.describe(backbone, weights, resolution, clip_features, crops, features)
-    templates = backbones.prompts(prompts) if described.embed_dim else None
-    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
-    path = output_path(out, images.dataset, described.resolution, described.slug)
-    own, writing = (shard.rows(rows), shard.path(path)) if shard else (rows, path)  # what this process writes
-    partial_file = cache.partial_path(writing)
-    counts = {name: len(split) for name, split in rows.items()}
-    report = ExtractReport(path, "dry run", counts, missing=list(images.skipped), device=str(torch_device),
-                           precision=precision)
-    report.notes = list(images.notes)
-    report.size_bytes = estimated_size(rows, len(images.classes), described.row_width, label_format)
-    rule_store = RuleStore(observe, images, settings)  # reads instance areas when a rule needs them
-
-    refuse_foreign_file(path)
-    if path.exists() and not force:
-        refuse_other_settings(path, settings, rows, "was built", "rebuild it", label_format)
-        added = []
-        if not dry_run and (shard is None or shard.main):  # one writer adds the rules it lacks
-            with locks.held(path, f"the cache {path}"):
-                added = rule_store.add_to(path)
-        report.status, report.size_bytes = "up to date", path.stat().st_size
-        report.notes.append("the cache is complete with these settings; --force rebuilds it")
-        report.notes += [f"added observation rules {', '.join(added)} to the cache"] if added else []
-        return _reported(report, shard)
-    shards.refuse_other_layouts(path, shard, force)
-    resume = partial_file.exists() and not force
+def run_extract(options: ExtractOptions) -> ExtractReport | None:
+    """Build (or resume, or confirm) the feature cache the options describe; see the module docstring. A complete
+    cache with these settings only gains the observation rules it lacks. Under torchrun every process extracts its
+    share of the rows and rank 0 joins them (shards.py); the other ranks return None, rank 0 the whole's report."""
+    plan = _plan(options)
+    refuse_foreign_file(plan.path)
+    if plan.path.exists() and not options.force:
+        return _reported(_up_to_date(plan), plan.shard)
+    shards.refuse_other_layouts(plan.path, plan.shard, options.force)
+    resume = plan.resume
     if resume:
-        refuse_other_settings(partial_file, settings, own, "was started", "start over", label_format)
-    if dry_run:
-        if images.skipped and not skip_missing:
-            report.notes.append(f"{len(images.skipped)} image files are missing: a real run needs --skip-missing")
-        report.notes.append(f"would {'resume' if resume else 'write'} {partial_file} and rename it to {path.name}")
-        return _reported(report, shard)
-
-    trunk = backbones.build(described)  # before creating anything: weights are the likeliest thing to be missing
-    require_writable(path.parent)
-    with locks.held(writing, f"the cache {writing}"):  # one writer: a second `extract --force` would swap its file in
-        if resume and not partial_file.exists():
-            raise SpmlError(f"{path} was finished by another process meanwhile: run the command again")
-        # before the first write: h5py has crashed outright creating a file on a full disk
-        room = estimated_size(own, len(images.classes), described.row_width, label_format)
-        room *= 2 if shard and shard.main else 1  # rank 0 joins
-        require_room(path, room - (partial_file.stat().st_size if resume else 0))
-        trunk = trunk.eval().requires_grad_(False).to(torch_device, memory_format=torch.channels_last)
-        text = _text_side(trunk, images.classes, templates)
-        if torch_device.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # worth it: batches are padded to one input shape for the whole run
-        if resume:
-            partial = cache.PartialCache.open(writing)
-        else:
-            partial_file.unlink(missing_ok=True)
-            partial = cache.PartialCache.create(writing, settings, own, described.row_shapes(), text, label_format)
+        refuse_other_settings(plan.partial_file, plan.settings, plan.own, "was started", "start over",
+                              plan.label_format)
+    if options.dry_run:
+        return _reported(_dry_run(plan), plan.shard)
+    trunk = backbones.build(plan.described)  # before creating anything: weights are the likeliest thing to be missing
+    require_writable(plan.path.parent)
+    with locks.held(plan.writing, f"the cache {plan.writing}"):  # one writer: a second `--force` would swap its file
+        partial, text = _open(plan, trunk, resume)
         try:
-            report.resumed, bad_before = partial.num_done(), partial.num_bad()
-            paths = {name: [images.path(image_id) for image_id in own[name].ids] for name in cache.SPLITS}
-            computing = time.perf_counter()
-            try:
-                report.extracted, left_out = run_batches(
-                    partial, paths, trunk, preprocess=described.preprocess, width=described.row_width,
-                    batch_size=batch_size, device=torch_device,
-                    workers=default_workers(torch_device) if workers is None else workers, precision=precision,
-                    skip_bad=on_bad_image == "skip", label=f"extract {images.dataset}", pad_batches=pad_batches,
-                    feed_thread=feed_thread,
-                )  # fmt: skip
-            except KeyboardInterrupt:
-                if shard and not shard.main:
-                    raise SystemExit(130) from None  # rank 0 says what was kept
-                total = sum(len(split) for split in own.values())
-                kept = f"{partial.num_done()} of {total} images are kept in {partial_file}"
-                raise Interrupted(kept + (" (and the other ranks' in theirs)" if shard else ""),
-                                  shard.command() if shard else None) from None
-            report.seconds = time.perf_counter() - computing
-            report.left_out = partial.num_bad() - bad_before
-            report.recomputed = partial.recomputed()
-            if shard is None:
-                final, report.skipped = partial.finalise(run_attrs(torch_device, described.family),
-                                                         rule_store.for_finalise(rows))
+            left_out = _run(plan, partial, trunk)
+            final = None if plan.shard else _seal(plan, partial)
         except (OSError, RuntimeError) as err:
             if DiskFull.caused(err):  # h5py's own words for it are two lines of HDF5 internals
-                raise DiskFull(partial_file) from None
+                raise DiskFull(plan.partial_file) from None
             raise
         finally:
             partial.close()
-    if shard:
-        done = {"extracted": report.extracted, "left_out": report.left_out, "resumed": report.resumed,
-                "seconds": report.seconds, "not_finite": left_out}
-        with locks.held(path, f"the cache {path}") if shard.main else nullcontext():
-            joined = shards.join(shard, path, settings, rows, described.row_shapes(),
-                                 run_attrs(torch_device, described.family), done, rule_store.for_finalise(rows), text,
-                                 label_format)
-        shard.ranks.leave()
+    if plan.shard:
+        joined = _join(plan, text, left_out)
         if joined is None:
             return None  # rank 0 reports for every rank
-        final, report.skipped, report.recomputed, totals = joined
-        report.extracted, report.left_out, report.resumed, report.seconds, left_out = (
-            totals[key] for key in ("extracted", "left_out", "resumed", "seconds", "not_finite"))
+        final, left_out = joined
+    return _written(plan, final, left_out)
+
+
+@dataclass
+class _Plan:
+    """What one extraction will do, known before any image is read."""
+
+    options: ExtractOptions
+    shard: shards.Shard | None  # under torchrun: this process's share of the rows
+    device: torch.device
+    precision: str
+    images: datasets.LabeledImages
+    rows: dict  # every row of the cache, per split (cache.SplitRows)
+    own: dict  # the rows this process computes
+    described: backbones.Description
+    templates: list[str] | None  # a CLIP backbone's prompt templates
+    settings: dict  # the cache's settings attrs
+    path: Path  # the cache
+    writing: Path  # the file this process writes: the cache, or its shard under torchrun
+    label_format: str  # dense or sparse
+    rule_store: RuleStore
+    report: ExtractReport
+
+    @property
+    def partial_file(self) -> Path:
+        return cache.partial_path(self.writing)
+
+    @property
+    def resume(self) -> bool:
+        return self.partial_file.exists() and not self.options.force
+
+
+def _plan(options: ExtractOptions) -> _Plan:
+    """Read the dataset (a dry run lists missing files instead of stopping on them), apply the protocol, describe
+    the backbone and the cache: everything decided before any work."""
+    shard = shards.current()
+    device = shard.device(resolve_device(options.device)) if shard else resolve_device(options.device)
+    precision = options.precision if options.precision != "auto" else "fp16" if device.type == "cuda" else "fp32"
+    images = datasets.read(options.dataset, options.root, skip_missing=options.skip_missing or options.dry_run)
+    protocol_result = protocol.apply_protocol(images)
+    limit = options.limit or 0
+    rows = plan_rows(protocol_result, limit)
+    label_format = resolve_format(options.labels, len(images.classes))
+    described = backbones.describe(options.backbone, options.weights, options.resolution, options.clip_features,
+                                   options.crops, options.features)
+    templates = backbones.prompts(options.prompts) if described.embed_dim else None
+    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
+    path = output_path(options.out, images.dataset, described.resolution, described.slug)
+    report = ExtractReport(path, "dry run", {name: len(split) for name, split in rows.items()},
+                           missing=list(images.skipped), device=str(device), precision=precision,
+                           notes=list(images.notes),
+                           size_bytes=estimated_size(rows, len(images.classes), described.row_width, label_format))
+    return _Plan(options, shard, device, precision, images, rows, shard.rows(rows) if shard else rows, described,
+                 templates, settings, path, shard.path(path) if shard else path, label_format,
+                 RuleStore(list(options.observe or []) or None, images, settings), report)
+
+
+def _up_to_date(plan: _Plan) -> ExtractReport:
+    """A complete cache with these settings: left alone, but for the observation rules it lacks."""
+    refuse_other_settings(plan.path, plan.settings, plan.rows, "was built", "rebuild it", plan.label_format)
+    added = []
+    if not plan.options.dry_run and (plan.shard is None or plan.shard.main):  # one writer adds the rules it lacks
+        with locks.held(plan.path, f"the cache {plan.path}"):
+            added = plan.rule_store.add_to(plan.path)
+    report = plan.report
+    report.status, report.size_bytes = "up to date", plan.path.stat().st_size
+    report.notes.append("the cache is complete with these settings; --force rebuilds it")
+    report.notes += [f"added observation rules {', '.join(added)} to the cache"] if added else []
+    return report
+
+
+def _dry_run(plan: _Plan) -> ExtractReport:
+    report = plan.report
+    if plan.images.skipped and not plan.options.skip_missing:
+        report.notes.append(f"{len(plan.images.skipped)} image files are missing: a real run needs --skip-missing")
+    report.notes.append(f"would {'resume' if plan.resume else 'write'} {plan.partial_file} and rename it to"
+                        f" {plan.path.name}")
+    return report
+
+
+def _open(plan: _Plan, trunk, resume: bool):
+    """The partial file to fill (resumed, or created once the disk has room for it) and, for a CLIP backbone, the
+    class prompts' text embeddings; the trunk readied on the device (in place)."""
+    if resume and not plan.partial_file.exists():
+        raise SpmlError(f"{plan.path} was finished by another process meanwhile: run the command again")
+    # before the first write: h5py has crashed outright creating a file on a full disk
+    room = estimated_size(plan.own, len(plan.images.classes), plan.described.row_width, plan.label_format)
+    room *= 2 if plan.shard and plan.shard.main else 1  # rank 0 joins
+    require_room(plan.path, room - (plan.partial_file.stat().st_size if resume else 0))
+    trunk.eval().requires_grad_(False).to(plan.device, memory_format=torch.channels_last)
+    text = _text_side(trunk, plan.images.classes, plan.templates)
+    if plan.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # worth it: batches are padded to one input shape for the whole run
+    if resume:
+        return cache.PartialCache.open(plan.writing), text
+    plan.partial_file.unlink(missing_ok=True)
+    return cache.PartialCache.create(plan.writing, plan.settings, plan.own, plan.described.row_shapes(), text,
+                                     plan.label_format), text
+
+
+def _run(plan: _Plan, partial, trunk) -> dict:
+    """Every row this process has not done yet, batch by batch, into the partial file; the report counts them.
+    Returns the rows left out as not finite, per split. Ctrl-C keeps what is done and says how to go on."""
+    report, shard, options = plan.report, plan.shard, plan.options
+    report.resumed, bad_before = partial.num_done(), partial.num_bad()
+    paths = {name: [plan.images.path(image_id) for image_id in plan.own[name].ids] for name in cache.SPLITS}
+    computing = time.perf_counter()
+    try:
+        report.extracted, left_out = run_batches(
+            partial, paths, trunk, preprocess=plan.described.preprocess, width=plan.described.row_width,
+            batch_size=options.batch_size, device=plan.device,
+            workers=default_workers(plan.device) if options.workers is None else options.workers,
+            precision=plan.precision, skip_bad=options.on_bad_image == "skip", label=f"extract {plan.images.dataset}",
+            pad_batches=options.pad_batches, feed_thread=options.feed_thread,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        if shard and not shard.main:
+            raise SystemExit(130) from None  # rank 0 says what was kept
+        total = sum(len(split) for split in plan.own.values())
+        kept = f"{partial.num_done()} of {total} images are kept in {plan.partial_file}"
+        raise Interrupted(kept + (" (and the other ranks' in theirs)" if shard else ""),
+                          shard.command() if shard else None) from None
+    report.seconds = time.perf_counter() - computing
+    report.left_out = partial.num_bad() - bad_before
+    report.recomputed = partial.recomputed()
+    return left_out
+
+
+def _seal(plan: _Plan, partial) -> Path:
+    """One process: the partial file becomes the cache (bad rows dropped, rules' masks stored, renamed)."""
+    final, plan.report.skipped = partial.finalise(run_attrs(plan.device, plan.described.family),
+                                                  plan.rule_store.for_finalise(plan.rows))
+    return final
+
+
+def _join(plan: _Plan, text, left_out) -> tuple[Path, dict] | None:
+    """Under torchrun: rank 0 joins every rank's shard into the cache (and the report of the whole); None on the
+    other ranks."""
+    shard, report = plan.shard, plan.report
+    done = {"extracted": report.extracted, "left_out": report.left_out, "resumed": report.resumed,
+            "seconds": report.seconds, "not_finite": left_out}
+    with locks.held(plan.path, f"the cache {plan.path}") if shard.main else nullcontext():
+        joined = shards.join(shard, plan.path, plan.settings, plan.rows, plan.described.row_shapes(),
+                             run_attrs(plan.device, plan.described.family), done,
+                             plan.rule_store.for_finalise(plan.rows), text, plan.label_format)
+    shard.ranks.leave()
+    if joined is None:
+        return None
+    final, report.skipped, report.recomputed, totals = joined
+    report.extracted, report.left_out, report.resumed, report.seconds, left_out = (
+        totals[key] for key in ("extracted", "left_out", "resumed", "seconds", "not_finite"))
+    return final, left_out
+
+
+def _written(plan: _Plan, final: Path, left_out) -> ExtractReport:
+    report = plan.report
     report.status, report.size_bytes = "written", final.stat().st_size
-    report.counts = {name: counts[name] - len(report.skipped[name]) for name in cache.SPLITS}
-    report.notes += writer.notes(report.recomputed, left_out, precision)
-    if rule_store.rules:
-        report.notes.append(f"stored observation rules {', '.join(r.text for r in rule_store.rules)} beside single")
+    report.counts = {name: report.counts[name] - len(report.skipped[name]) for name in cache.SPLITS}
+    report.notes += writer.notes(report.recomputed, left_out, plan.precision)
+    if plan.rule_store.rules:
+        report.notes.append(f"stored observation rules {', '.join(r.text for r in plan.rule_store.rules)} beside"
+                            " single")
     return report
