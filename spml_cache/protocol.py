@@ -39,6 +39,7 @@ EXPECTED_POSITIVES = {"voc": 1.5, "coco": 2.9, "nus": 1.9, "cub": 31.4}
 # The papers' grid (docs/protocol.md, "Training and selection"): every lr x batch size, the best val epoch.
 GRID_LRS = (1e-2, 1e-3, 1e-4, 1e-5)
 GRID_BATCH_SIZES = (8, 16)
+GRID_WDS = (0.0,)  # the probe's L2 weight decay: none in the papers' grid (linear --wd adds the axis)
 LINEAR_EPOCHS = 25
 FINETUNE_EPOCHS = 10
 
@@ -236,6 +237,17 @@ def check_grid(lrs: Sequence[float], batch_sizes: Sequence[int]) -> tuple[list[f
             raise SpmlError(f"{flag} {','.join(f'{v:g}' for v in values)}: every value must be positive{whole}")
         checked.append(list(dict.fromkeys(kind(value) for value in values)))  # a duplicate would train twice
     return checked[0], checked[1]
+
+
+def check_wds(wds: Sequence[float]) -> list[float]:
+    """The weight decays of a grid (`--wd`): at least one, each 0 or more and finite, each once, in the order given
+    (the grid order selection breaks ties in)."""
+    values = [float(value) for value in wds]
+    if not values:
+        raise SpmlError("--wd is empty: give at least one value, e.g. --wd 0,1e-4 (or leave it out for 0)")
+    if any(not (value >= 0 and math.isfinite(value)) for value in values):
+        raise SpmlError(f"--wd {','.join(f'{v:g}' for v in values)}: every weight decay must be 0 or more (0: none)")
+    return list(dict.fromkeys(values))
 
 def __getattr__(name: str):
     """`average_precision` and `mean_average_precision`, metrics.py's (public API here too), on first use."""

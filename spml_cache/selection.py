@@ -37,6 +37,7 @@ class HeadRecord:
     best_test_ap: np.ndarray | None = None  # per-class test AP (0..1) at the best epoch
     best_state: dict | None = None  # {"head": nn.Linear layout, "loss_state": num_heads=1 state} at the best epoch
     rule: str = DEFAULT_RULE  # the observation rule of its training labels (observation.py)
+    wd: float | None = None  # its weight decay when the grid has that axis (linear --wd), else None: not recorded
     start: dict | None = None  # fine-tuning: {"val_map", "test_map"} of the model before any step (epoch 0)
 
     def add_epoch(self, epoch: int, train_loss: float, val_map: float, test_map: float, test_ap: np.ndarray) -> bool:
@@ -61,11 +62,15 @@ class HeadRecord:
         best_test_ap = state["best_test_ap"]
         return cls(**{**state, "best_test_ap": None if best_test_ap is None else best_test_ap.numpy()})
 
+    def wd_entry(self) -> dict:
+        """`{"wd": value}` where the grid has a weight decay axis, else nothing (the papers' files unchanged)."""
+        return {} if self.wd is None else {"wd": self.wd}
+
     def metric_lines(self, first: int = 0) -> list[dict]:
         """The metrics.jsonl lines of this head's epochs from `first` on (the diverged epoch last; epoch 0, the
         starting model, where it was scored)."""
         keys = {"loss": self.loss, **({"rule": self.rule} if self.rule != DEFAULT_RULE else {}), "lr": self.lr,
-                "batch_size": self.batch_size, "seed": self.seed, **({"hparams": self.hparams} if self.hparams else {})}
+                **self.wd_entry(), "batch_size": self.batch_size, "seed": self.seed, **({"hparams": self.hparams} if self.hparams else {})}
         lines = [{**keys, "epoch": e + 1, "train_loss": t, "val_map": v, "test_map": m}
                  for e, (t, v, m) in enumerate(zip(self.train_loss, self.val_map, self.test_map))]
         if self.stopped_epoch is not None:
@@ -92,7 +97,7 @@ def best_so_far(records: list[HeadRecord]) -> dict | None:
     if best.best_epoch is None:
         return None
     return {"val_map": best.best_val_map, "test_map": best.test_map[best.best_epoch - 1], "lr": best.lr,
-            "batch_size": best.batch_size, "epoch": best.best_epoch, "hparams": best.hparams}
+            **best.wd_entry(), "batch_size": best.batch_size, "epoch": best.best_epoch, "hparams": best.hparams}
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class Selection:
     records: list[HeadRecord]  # the selected config's head of every seed, in seed order
     mean_val_map: float
     hparams: dict = field(default_factory=dict)  # the selected values of the swept hyperparameters
+    wd: float | None = None  # the selected weight decay (None: the grid has no such axis)
 
     @property
     def representative(self) -> HeadRecord:
@@ -110,17 +116,18 @@ class Selection:
 
 
 def select_config(records: list[HeadRecord]) -> Selection | None:
-    """The config (lr, batch size and swept hyperparameters) with the highest mean (over seeds) best-epoch val mAP;
+    """The config (lr, weight decay, batch size and swept hyperparameters) with the highest mean (over seeds) best-epoch val mAP;
     None when every head diverged at once."""
     configs: dict[tuple, list[HeadRecord]] = {}
-    for record in records:  # grid order: lr, then batch size (then the swept values), as given
-        configs.setdefault((record.lr, record.batch_size, repr(sorted(record.hparams.items()))), []).append(record)
+    for record in records:  # grid order: lr, weight decay, then batch size (then the swept values), as given
+        key = (record.lr, record.wd, record.batch_size, repr(sorted(record.hparams.items())))
+        configs.setdefault(key, []).append(record)
     chosen, best = None, -math.inf
-    for (lr, batch_size, _), heads in configs.items():
+    for (lr, wd, batch_size, _), heads in configs.items():
         mean_val = float(np.mean([head.best_val_map for head in heads]))
         if mean_val > best:
             heads = sorted(heads, key=lambda h: h.seed)
-            chosen, best = Selection(lr, batch_size, heads, mean_val, dict(heads[0].hparams)), mean_val
+            chosen, best = Selection(lr, batch_size, heads, mean_val, dict(heads[0].hparams), wd), mean_val
     return chosen
 
 
@@ -129,7 +136,7 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
     """The `results.json` entry of one loss (docs/internals.md, "run directories")."""
     configs = [
         {
-            "lr": r.lr, "batch_size": r.batch_size, "seed": r.seed, "best_epoch": r.best_epoch,
+            "lr": r.lr, **r.wd_entry(), "batch_size": r.batch_size, "seed": r.seed, "best_epoch": r.best_epoch,
             "val_map": r.best_val_map if r.best_epoch else None,
             "test_map": r.test_map[r.best_epoch - 1] if r.best_epoch else None,
             "diverged_epoch": r.diverged_epoch,
@@ -145,7 +152,8 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
     val = [r.best_val_map for r in chosen]
     test = [r.test_map[r.best_epoch - 1] for r in chosen]
     return {
-        "selected": {"lr": selection.lr, "batch_size": selection.batch_size, "hparams": {**hparams, **selection.hparams},
+        "selected": {"lr": selection.lr, **({} if selection.wd is None else {"wd": selection.wd}),
+                     "batch_size": selection.batch_size, "hparams": {**hparams, **selection.hparams},
                      **({"swept": selection.hparams} if selection.hparams else {})},
         "best_epoch": [r.best_epoch for r in chosen],
         "val_map": float(np.mean(val)),

@@ -39,3 +39,33 @@ def run_main(*args: str, cwd, monkeypatch, capsys) -> tuple[int, str]:
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else 1
     return code, capsys.readouterr().err
+
+
+def assert_flags_exist(lines: list[str], cwd) -> None:
+    """Every `--flag` of each printed `spml-cache COMMAND ...` line is in that command's `--help` (a script's
+    dry run against the CLI it drives)."""
+    import re
+
+    helps = {}
+    for line in lines:
+        command = line.split()[1]
+        if command not in helps:
+            done = run_cli(command, "--help", cwd=cwd)
+            assert done.returncode == 0, done.stderr
+            helps[command] = done.stdout
+        for flag in re.findall(r"--[a-z-]+", line):
+            assert flag in helps[command], (command, flag)
+
+
+def one_error_line(args: list[str], *, subprocess_too: bool, cwd, monkeypatch, capsys) -> str:
+    """`spml-cache ARGS` from a subprocess (`subprocess_too`, as a user types it) or in this process; asserts it
+    exits 1 with one `error:` line, and returns that line."""
+    if subprocess_too:
+        done = run_cli(*args, cwd=cwd)
+        code, stderr = done.returncode, done.stderr
+    else:
+        code, stderr = run_main(*args, cwd=cwd, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1, stderr
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("error: "), line
+    return line

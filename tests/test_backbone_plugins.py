@@ -135,6 +135,8 @@ def test_an_entry_point_extracts_and_the_cache_records_its_distribution(data):
     ("tinynets37:raises", [], "calling it raised RuntimeError: no weights here"),
     ("tinynets37:make", ["--weights", "w.pth"], "takes no weights argument"),
     ("tinynets37:make", ["--resolution", "64"], "takes no resolution argument"),
+    ("tinynets37:make", ["--features", "last4"], "is a plugin backbone (its callable gives one vector); use"
+     " --features pooled"),
 ])
 def test_a_broken_plugin_is_one_line_naming_it_and_nothing_is_written(data, monkeypatch, capsys, backbone, more,
                                                                      said):

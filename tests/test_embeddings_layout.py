@@ -196,3 +196,23 @@ def test_a_stop_during_export_leaves_nothing_and_says_so(data, tmp_path, monkeyp
     with pytest.raises(Interrupted, match="nothing was written"):
         embeddings.export(path, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_a_last4_cache_exported_comes_back_as_a_last4_cache(data, tmp_path):
+    import h5py
+
+    root, layout, _ = data
+    env = environment(tmp_path)
+    assert run_cli("import-features", str(layout), "--dataset", "csv", "--root", str(root), cwd=tmp_path,
+                   env=env).returncode == 0
+    source = tmp_path / "cache" / "csv-imported-0.h5"
+    with h5py.File(source, "a") as file:  # as `extract --features last4` would have named its kind
+        file.attrs["features"] = "last4"
+    done = run_cli("export", str(source), "--out", str(tmp_path / "out"), cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    env["SPML_CACHE"] = str(tmp_path / "again")
+    again = run_cli("import-features", str(tmp_path / "out"), "--dataset", "csv", "--root", str(root),
+                    cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr
+    imported = cache.load(tmp_path / "again" / "csv-imported_last4-0.h5")
+    assert imported.attrs["features"] == "last4"

@@ -225,3 +225,36 @@ def test_fused_adam_is_found_by_running_it_and_graphs_say_when_they_are_off(monk
                                          r" cuda; every stack trains eagerly, one after another \(slower"):
         assert not graphs.graphs_available(torch.device("cuda"))
     assert not graphs.graphs_available(torch.device("cpu"))  # the CPU never trains in graphs: nothing to say
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_weight_decay_is_torch_adams_on_the_weight_alone(fused):
+    """Heads at (lr, wd) pairs in one matrix against each head alone: nn.Linear and torch.optim.Adam with
+    weight_decay on the weight and none on the bias (the probe's intercept is not penalised)."""
+    if fused and not fused_adam_available(torch.device("cpu")):
+        pytest.skip("no fused Adam kernel on the CPU in this torch")
+    lrs, wds = [1e-1, 1e-1, 1e-2, 1e-2], [0.0, 0.5, 0.0, 3.0]
+    heads = HeadMatrix(6, 4, seeds=[1] * 4, lrs=lrs, wds=wds, fused=fused)
+    plain = HeadMatrix(6, 4, seeds=[1] * 4, lrs=lrs, fused=fused)  # the same heads without decay
+    alone = []
+    for lr, wd in zip(lrs, wds):
+        torch.manual_seed(1)
+        linear = torch.nn.Linear(6, 4)
+        groups = [{"params": [linear.weight], "weight_decay": wd}, {"params": [linear.bias], "weight_decay": 0.0}]
+        alone.append((linear, torch.optim.Adam(groups, lr=lr)))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        x, target = torch.randn(5, 6, generator=generator), torch.randn(5, 4, generator=generator)
+        for matrix in (heads, plain):
+            logits = matrix(x).requires_grad_()
+            (grad,) = torch.autograd.grad(((logits - target) ** 2).sum(), [logits])
+            matrix.step(x, grad)
+        for linear, optimiser in alone:
+            optimiser.zero_grad()
+            ((linear(x) - target) ** 2).sum().backward()
+            optimiser.step()
+    for k, (linear, _) in enumerate(alone):
+        torch.testing.assert_close(heads.linear_state(k)["weight"], linear.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(heads.linear_state(k)["bias"], linear.bias.detach(), rtol=1e-5, atol=1e-6)
+        decayed = not torch.allclose(heads.linear_state(k)["weight"], plain.linear_state(k)["weight"], atol=1e-4)
+        assert decayed == bool(wds[k])  # the decay changed exactly the heads that have one

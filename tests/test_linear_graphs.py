@@ -118,6 +118,24 @@ def test_lockstep_replays_train_every_loss_as_the_eager_engine_does(name, data):
     assert histories(graphed) == histories(eager)
 
 
+@pytest.mark.parametrize("name", ["an", "role"])
+def test_lockstep_replays_weight_decay_heads_as_the_eager_engine_does(name, data):
+    """`--wd`: the decay's term is part of the captured step, and replays bit for bit."""
+    def run():
+        return SeedRun(name, {}, 0, [3e-1, 1e-2], [4, 8], EPOCHS, data, wds=[0.0, 0.5])
+
+    eager = run()
+    expected = [eager.run_epoch(epoch) for epoch in range(1, EPOCHS + 1)]
+    graphed = run()
+    together = Lockstep([graphed], unroll=2, backend=ReplayChecked)
+    got = []
+    for epoch in range(1, EPOCHS + 1):
+        together.train_epoch(epoch)
+        got.append(graphed.score(epoch))
+    assert got == expected and {line["wd"] for lines in got for line in lines} == {0.0, 0.5}
+    assert histories(graphed) == histories(eager)
+
+
 def test_lockstep_captures_each_shape_once_and_recaptures_when_a_head_stops(data):
     """Early stopping (--fidelity authors) freezes a head's columns: the graphs that baked them in are captured
     anew, and nothing else is."""

@@ -136,6 +136,7 @@ CONTRADICTING = [
     (["--hp", "role.lr_mult=5"], "--hp role.lr_mult=5", "10"),
     (["--memory-budget", "1GB"], "--memory-budget 1GB", "200KB"),
     (["--chunk-rows", "16"], "--chunk-rows 16", "40"),  # 200KB: the train rows stream, one chunk of all 40
+    (["--wd", "0,1e-4"], "--wd 0,0.0001", "0"),  # a run without the weight decay axis: 0 alone
 ]
 
 
@@ -184,7 +185,7 @@ def test_resume_takes_the_stored_budget_and_accepts_flags_that_agree(tmp_path, t
     budgets, load_within = [], linear_run.load_within
     monkeypatch.setattr(linear_run, "load_within", lambda path, budget, *rest: budgets.append(budget)
                         or load_within(path, budget, *rest))
-    agreeing = dict(losses=["an", "role"], lrs=[0.01, 0.001], epochs=2, seeds=2, memory_budget="200KB")
+    agreeing = dict(losses=["an", "role"], lrs=[0.01, 0.001], epochs=2, seeds=2, memory_budget="200KB", wds=[0])
     resumed = run_linear(resume=run_dir, console=quiet(), **agreeing)
     assert budgets == [200 * 2**10]
     assert without_seconds(resumed.results) == without_seconds(whole.results)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from cli_support import run_cli, run_main
+from cli_support import one_error_line
 from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache
@@ -88,15 +88,10 @@ BAD_SWEEPS = [
 
 @pytest.mark.parametrize("args, message", BAD_SWEEPS, ids=[m for _, m in BAD_SWEEPS])
 def test_a_bad_sweep_is_one_line_and_writes_nothing(tmp_path, tiny_cache, args, message, monkeypatch, capsys):
-    if args == BAD_SWEEPS[0][0]:  # one from a subprocess, as a user types it; the others in this process
-        done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "ll_r", *args, cwd=tmp_path)
-        code, stderr = done.returncode, done.stderr
-    else:
-        code, stderr = run_main("linear", "--cache", str(tiny_cache), "--loss", "ll_r", *args, cwd=tmp_path,
-                                monkeypatch=monkeypatch, capsys=capsys)
-    assert code == 1
-    (line,) = stderr.strip().splitlines()
-    assert line.startswith("error: ") and __import__("re").search(message, line), line
+    # one from a subprocess, as a user types it; the others in this process
+    line = one_error_line(["linear", "--cache", str(tiny_cache), "--loss", "ll_r", *args], cwd=tmp_path,
+                          subprocess_too=args == BAD_SWEEPS[0][0], monkeypatch=monkeypatch, capsys=capsys)
+    assert __import__("re").search(message, line), line
     assert not (tmp_path / "runs").exists()
 
 

@@ -28,14 +28,15 @@ def sklearn_map(scores: np.ndarray, labels: np.ndarray) -> float:
     return 100 * float(np.mean([average_precision_score(labels[:, c], scores[:, c]) for c in range(labels.shape[1])]))
 
 
-def train_alone_with_torch(data, name, lr, batch_size, seed):
-    """The reference recipe for one head; returns (val mAP per epoch, head state, loss state)."""
+def train_alone_with_torch(data, name, lr, batch_size, seed, wd=0.0):
+    """The reference recipe for one head; returns (val mAP per epoch, head state, loss state). `wd`: Adam's
+    weight decay on the head's weight (not its bias)."""
     features, observed = data.train_features, data.train_observed
     torch.manual_seed(seed)
     head = torch.nn.Linear(features.shape[1], data.num_classes)
     loss = losses.build(name, num_classes=data.num_classes, dataset="voc", num_heads=1,
                         train_observed=observed, seed=seed)
-    groups = [{"params": head.parameters(), "lr": lr}]
+    groups = [{"params": [head.weight], "lr": lr, "weight_decay": wd}, {"params": [head.bias], "lr": lr}]
     groups += [{"params": [p], "lr": lr * p.lr_mult} for p in loss.parameters()]
     optimiser = torch.optim.Adam(groups)
     generator = torch.Generator().manual_seed(seed)
@@ -107,6 +108,29 @@ def test_a_head_in_a_stack_equals_the_head_alone(data, name):
         mine = next(r for r in stacked.records if (r.lr, r.batch_size) == (lr, batch_size))
         np.testing.assert_allclose(mine.val_map, alone.records[0].val_map, atol=1e-4)
         assert mine.best_epoch == alone.records[0].best_epoch
+
+
+@pytest.mark.parametrize("name", ["an", "role"])
+def test_weight_decay_heads_share_the_stack_and_are_torch_adam_with_weight_decay(data, name):
+    """`--wd`: one head per (lr, wd) in the stack of each batch size, each the plain recipe with
+    torch.optim.Adam(weight_decay=wd) on the head's weight; a wd of 0 is the head without decay."""
+    wds = [0.0, 0.3, 3.0]
+    run = SeedRun(name, {}, 3, [1e-2, 1e-3], [8, 16], EPOCHS, data, wds=wds)
+    assert [stack.num_heads for stack in run.stacks] == [6, 6]
+    assert [(r.lr, r.wd) for r in run.stacks[0].records] == [(lr, wd) for lr in (1e-2, 1e-3) for wd in wds]
+    for epoch in range(1, EPOCHS + 1):
+        run.run_epoch(epoch)
+    plain = train_stacked(data, name, [1e-2], [16], seed=3)
+    for lr, batch_size, wd in [(1e-2, 16, 3.0), (1e-3, 8, 0.3), (1e-2, 16, 0.0)]:
+        val_maps, head, _ = train_alone_with_torch(data, name, lr, batch_size, seed=3, wd=wd)
+        stack = next(stack for stack in run.stacks if stack.batch_size == batch_size)
+        k = [(r.lr, r.wd) for r in stack.records].index((lr, wd))
+        torch.testing.assert_close(stack.heads.linear_state(k)["weight"], head.weight.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(stack.heads.linear_state(k)["bias"], head.bias.detach(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(stack.records[k].val_map, val_maps, atol=1e-3)
+        unchanged = torch.allclose(stack.heads.linear_state(k)["weight"],
+                                   plain.stacks[0].heads.linear_state(0)["weight"], rtol=1e-5, atol=1e-6)
+        assert unchanged == (wd == 0.0 and lr == 1e-2)  # a wd of 0 is the head of a grid without the axis
 
 
 def test_batch_order_depends_on_seed_and_epoch_only(data):

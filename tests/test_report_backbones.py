@@ -1,12 +1,13 @@
 """The report's backbone column: runs on another backbone's cache are a column of their own, labelled with the
-backbone, never mixed with ResNet-50's, and never set beside the papers' (ResNet-50) numbers."""
+backbone (and its feature kind), never mixed with ResNet-50's, and never set beside the papers' (ResNet-50)
+numbers; `--pivot backbone` tabulates one dataset's linear runs as losses x backbones, with its figure."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from cli_support import run_cli
+from cli_support import run_cli, run_main
 from test_report import make_run
 
 from spml_cache import report
@@ -32,6 +33,64 @@ def test_a_backbone_is_a_column_of_its_own(tmp_path):
     assert cells["VOC linear"].mean == 80.0 and cells["VOC linear"].paper is not None
     assert cells["VOC linear [timm:resnet10t]"].mean == 85.0 and cells["VOC linear [timm:resnet10t]"].paper is None
     assert any("backbone timm:resnet10t; the papers' numbers are ResNet-50's" in note for note in table.notes)
+
+
+def with_cache_attrs(run, **attrs) -> None:
+    config = json.loads((run / "config.json").read_text())
+    config["cache_attrs"].update(attrs)
+    (run / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def backbone_runs(tmp_path):
+    """VOC linear runs on three caches (ResNet-50, ViT-B/16 pooled and last4) and one fine-tuned run; COCO apart."""
+    root = tmp_path / "runs"
+    make_run(root, "voc", "linear", {"bce": [95.0], "an": [80.0], "role": [82.0]}, stamp="20250101-000000",
+             cache_id="cafe0001")
+    vit = make_run(root, "voc", "linear", {"an": [85.0, 87.0], "role": [84.0, 84.0]}, stamp="20250102-000000",
+                   cache_id="beef0002")
+    with_cache_attrs(vit, backbone="vit_b_16")
+    last4 = make_run(root, "voc", "linear", {"an": [88.0]}, stamp="20250103-000000", cache_id="feed0003")
+    with_cache_attrs(last4, backbone="vit_b_16", features="last4")
+    make_run(root, "voc", "finetune", {"an": [90.0]}, stamp="20250104-000000", cache_id="cafe0001")
+    make_run(root, "coco", "linear", {"an": [70.0]}, stamp="20250105-000000", cache_id="dead0004")
+    return root
+
+
+def test_the_pivot_is_losses_by_backbone_and_feature_kind(backbone_runs, tmp_path):
+    done = run_cli("report", str(backbone_runs / "voc"), "--pivot", "backbone", "--format", "json",
+                   "--plots", str(tmp_path / "figures"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
+    assert [column["label"] for column in payload["columns"]] == ["resnet50", "vit_b_16", "vit_b_16+last4"]
+    cells = {row["loss"]: {label: cell["mean"] for label, cell in row["cells"].items()} for row in payload["rows"]}
+    assert cells == {"bce": {"resnet50": 95.0}, "an": {"resnet50": 80.0, "vit_b_16": 86.0, "vit_b_16+last4": 88.0},
+                     "role": {"resnet50": 82.0, "vit_b_16": 84.0}}
+    best = {(row["loss"], label) for row in payload["rows"] for label, cell in row["cells"].items() if cell["best"]}
+    assert best == {("role", "resnet50"), ("an", "vit_b_16"), ("an", "vit_b_16+last4")}  # bce is an oracle
+    assert any("left out of the pivot" in note and "fine-tuned" in note for note in payload["notes"])
+    png = tmp_path / "figures" / "voc-loss_by_backbone.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in done.stdout.replace("\n", "")
+
+
+def test_the_pivot_refuses_several_datasets_and_unknown_pivots(backbone_runs, tmp_path, monkeypatch, capsys):
+    done = run_cli("report", str(backbone_runs), "--pivot", "backbone", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "--pivot backbone: the runs are of coco, voc: name one dataset's runs" in line
+    code, stderr = run_main("report", str(backbone_runs), "--pivot", "dataset", cwd=tmp_path,
+                            monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and "--pivot dataset: use backbone" in stderr
+
+
+def test_the_report_names_the_selected_weight_decay(tmp_path):
+    run = make_run(tmp_path, "voc", "linear", {"an": [80.0]}, stamp="20250101-000000")
+    results = json.loads((run / "results.json").read_text())
+    results["losses"]["an"]["selected"]["wd"] = 1e-4
+    (run / "results.json").write_text(json.dumps(results))
+    table = report.build_table(collect.collect_runs([tmp_path]))
+    (_, cells), = table.rows
+    assert report.tables.cell_text(cells["VOC linear"]) == "80.00 (wd=0.0001)"
 
 
 @pytest.mark.parametrize("width", ["80", "120", "220"])

@@ -12,6 +12,11 @@ the weights' provenance, its own preprocessing and its feature width; then build
 `nn.Module` mapping a normalised `[B, 3, R, R]` batch to `[B, row_width]`. For CLIP the row is the features
 followed by the L2-normalised image embedding (and the crops' embeddings with `crops`); `split_row` says which
 columns are which.
+
+`features` says which of the trunk's activations make the features (`extract --features`): `pooled` (the
+default, the pooled vector, every cache before the choice) or `last4` (layers.py: a ViT's last four blocks'
+class tokens and its last block's mean patch token; a CNN's last four stages, each average-pooled;
+concatenated). The kind is part of the cache's identity: its file name, its `features` attr, the report's column.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ PROMPT_SETS = {
     "vlpl": ["{}"],
 }
 DEFAULT_PROMPTS = "default"
+FEATURES = ("pooled", "last4")  # which activations make the features (layers.py)
+DEFAULT_FEATURES = "pooled"
 # family prefix -> (module, the package it needs, the extra that installs it)
 FAMILIES = {
     "tv": ("spml_cache.backbones.torchvision_models", "torchvision", None),
@@ -60,12 +67,14 @@ class Description:
     embed_dim: int = 0  # CLIP: the width of its image and text embeddings; 0 otherwise
     clip_features: str | None = None  # CLIP: pre or post (the projection)
     grid: int = 0  # CLIP with crops: G, for G x G crops' embeddings per image
+    features: str = DEFAULT_FEATURES  # pooled or last4 (layers.py)
     extra: dict = field(default_factory=dict, compare=False)  # the family's own build details
     origin: str = ""  # a plugin's: JSON of where its code came from (file and sha256, or distribution and version)
 
     @property
     def slug(self) -> str:
-        return slug(self.backbone)
+        """The cache file's name for it: the backbone's slug, `_last4` after it for that kind."""
+        return slug(self.backbone) + ("" if self.features == DEFAULT_FEATURES else f"_{self.features}")
 
     @property
     def resolution(self) -> int:
@@ -98,9 +107,16 @@ class Description:
         }  # fmt: skip
         if self.family == "clip":
             attrs["clip_features"] = self.clip_features
+        if self.features != DEFAULT_FEATURES:  # a pooled cache's attrs are what they were before the choice
+            attrs["features"] = self.features
         if self.origin:
             attrs["backbone_origin"] = self.origin
         return attrs
+
+
+def feature_label(backbone: str, features: str | None) -> str:
+    """A cache's backbone and feature kind as the report names them: `vit_b_16` (pooled), `vit_b_16+last4`."""
+    return backbone if features in (None, DEFAULT_FEATURES) else f"{backbone}+{features}"
 
 
 def slug(name: str) -> str:
@@ -150,8 +166,13 @@ def _module(prefix: str):
 
 
 def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | None = None,
-             clip_features: str = DEFAULT_CLIP_FEATURES, crops: int = 0) -> Description:
-    """The backbone `name` with `weights` (None: the family's default) at side `resolution` (None: its own)."""
+             clip_features: str = DEFAULT_CLIP_FEATURES, crops: int = 0,
+             features: str = DEFAULT_FEATURES) -> Description:
+    """The backbone `name` with `weights` (None: the family's default) at side `resolution` (None: its own),
+    giving `features` (pooled or last4)."""
+    if features not in FEATURES:
+        raise SpmlError(f"--features {features}: use pooled (the pooled vector) or last4 (the last four blocks or"
+                        " stages, concatenated)")
     if clip_features not in CLIP_FEATURES:
         raise SpmlError(f"--clip-features {clip_features}: use post (after the projection) or pre (before it)")
     prefix, rest = family_of(name)
@@ -164,10 +185,13 @@ def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | 
     if prefix != "clip" and clip_features != DEFAULT_CLIP_FEATURES:
         raise SpmlError(f"--clip-features {clip_features}: only for clip:ARCH/TAG backbones")
     if prefix == "clip":
-        return _module(prefix).describe(rest, weights, resolution, clip_features, crops)
+        return _module(prefix).describe(rest, weights, resolution, clip_features, crops, features)
     if prefix == "plugin":
+        if features != DEFAULT_FEATURES:  # the user's callable gives its own vector; its blocks are unknown here
+            raise SpmlError(f"--features {features}: {name} is a plugin backbone (its callable gives one"
+                            " vector); use --features pooled with it")
         return _plugins().describe(rest, weights, resolution)
-    return _module(prefix).describe(rest, weights, resolution)
+    return _module(prefix).describe(rest, weights, resolution, features)
 
 
 def _plugin_named(name: str) -> bool:

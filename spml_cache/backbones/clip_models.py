@@ -6,6 +6,11 @@ projection (`pre`: what the CLIP paper's linear probes use; ViT towers only). Pr
 config's (open_clip's evaluation transform: shorter side to the input size, bicubic, centre crop, CLIP's mean and
 std). Weights: the tag (default: the one in the name; open_clip fetches it into the Hugging Face hub cache, which
 `HF_HUB_OFFLINE=1` keeps offline), a local checkpoint file, or `none` (random, seeded).
+
+`--features last4` (layers.py, ViT towers of four blocks or more): the last four blocks' class tokens and the
+last block's mean patch token, each through the tower's final LayerNorm and, with `--clip-features post`, its
+projection (5 x the embedding width; `pre`: 5 x the tower's width). The image embedding is the tower's own, as
+with `pooled`.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spml_cache.backbones import Description
+from spml_cache.backbones import DEFAULT_FEATURES, Description
 from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance
+from spml_cache.backbones.layers import LAST, no_blocks, token_features
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.runtime.errors import SpmlError, unknown_name
 
@@ -45,7 +51,8 @@ def _side(size) -> int:
     return int(size if isinstance(size, int) else size[-1])
 
 
-def describe(rest: str, weights: str | None, resolution: int | None, clip_features: str, crops: int) -> Description:
+def describe(rest: str, weights: str | None, resolution: int | None, clip_features: str, crops: int,
+             features: str = DEFAULT_FEATURES) -> Description:
     arch, tag = _split(rest)
     tags = open_clip.list_pretrained_tags_by_model(arch)
     weights = weights or tag
@@ -80,9 +87,14 @@ def describe(rest: str, weights: str | None, resolution: int | None, clip_featur
         preprocess = Preprocess.crop(loaded, 1.0, mean, std, interpolation)
     embed = int(config["embed_dim"])
     width = int(vision["width"]) if clip_features == "pre" else embed
+    if features != DEFAULT_FEATURES:
+        if not is_vit or int(vision["layers"]) < LAST:
+            why = f"has {vision['layers']} blocks, fewer than {LAST}" if is_vit else "has no ViT image tower"
+            raise no_blocks(f"clip:{rest}", why)
+        width *= LAST + 1
     extra = {"arch": arch, "force_image_size": side if side != native else None}
     return Description(f"clip:{rest}", "clip", weights, provenance, preprocess, width, embed, clip_features, crops,
-                       extra=extra)
+                       features=features, extra=extra)
 
 
 class ClipTrunk(nn.Module):
@@ -90,9 +102,9 @@ class ClipTrunk(nn.Module):
     embeddings of the G x G crops of its input (a G x R square: the whole image is that square resized to R);
     `class_embeddings` is its text side."""
 
-    def __init__(self, model: nn.Module, arch: str, pre: bool, grid: int = 0) -> None:
+    def __init__(self, model: nn.Module, arch: str, pre: bool, grid: int = 0, last4: bool = False) -> None:
         super().__init__()
-        self.model, self.arch, self.grid = model, arch, grid
+        self.model, self.arch, self.grid, self.last4 = model, arch, grid, last4
         self.proj = None
         if pre:  # the tower stops before its projection; the projection is applied here for the embedding
             self.proj = model.visual.proj
@@ -103,15 +115,30 @@ class ClipTrunk(nn.Module):
         embedding = pooled @ self.proj if self.proj is not None else pooled
         return pooled, F.normalize(embedding.float(), dim=-1).to(pooled.dtype)
 
+    def _whole(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features and the normalised embedding of whole images (`_embed`, or with `last4` the blocks')."""
+        if not self.last4:
+            return self._embed(images)
+        visual = self.model.visual
+        out = visual.forward_intermediates(images, indices=LAST, normalize_intermediates=True, output_fmt="NLC",
+                                           output_extra_tokens=True)
+        pooled = out["image_features"]  # the tower's own output: after the projection unless `pre` took it
+        embedding = pooled @ self.proj if self.proj is not None else pooled
+        features = token_features([prefix[:, 0] for prefix in out["image_intermediates_prefix"]],
+                                  out["image_intermediates"][-1])
+        if visual.proj is not None:  # post: each of the five vectors through the projection
+            features = (features.view(len(images), LAST + 1, -1) @ visual.proj).flatten(1)
+        return features, F.normalize(embedding.float(), dim=-1).to(pooled.dtype)
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if not self.grid:
-            return torch.cat(self._embed(images), dim=1)
+            return torch.cat(self._whole(images), dim=1)
         count, grid, side = len(images), self.grid, images.shape[-1] // self.grid
         whole = F.interpolate(images, size=(side, side), mode="bilinear", antialias=True, align_corners=False)
         crops = images.reshape(count, 3, grid, side, grid, side).permute(0, 2, 4, 1, 3, 5)  # row-major crops
         crops = crops.reshape(count * grid * grid, 3, side, side).contiguous(memory_format=torch.channels_last)
         _, crop_embeddings = self._embed(crops)
-        return torch.cat([*self._embed(whole), crop_embeddings.reshape(count, -1)], dim=1)
+        return torch.cat([*self._whole(whole), crop_embeddings.reshape(count, -1)], dim=1)
 
     @torch.inference_mode()
     def class_embeddings(self, prompts: list[list[str]]) -> np.ndarray:
@@ -149,7 +176,7 @@ def build(description: Description) -> nn.Module:
             model = open_clip.create_model(arch, pretrained=None, **options)
         warnings.warn(f"--weights none: clip:{arch} is randomly initialised; its features are not CLIP's",
                       RandomWeightsWarning, stacklevel=2)
-        return ClipTrunk(model, arch, pre, description.grid)
+        return ClipTrunk(model, arch, pre, description.grid, description.features != DEFAULT_FEATURES)
     source = str(Path(weights).expanduser()) if Path(weights).expanduser().is_file() else weights
     try:
         with _quiet():  # its own log lines would come before our one line
@@ -165,4 +192,4 @@ def build(description: Description) -> nn.Module:
                         f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there is a"
                         " network (HF_HOME says where they go), pass --weights PATH to a local checkpoint,"
                         f" {WEIGHTS_NONE}") from None
-    return ClipTrunk(model, arch, pre, description.grid)
+    return ClipTrunk(model, arch, pre, description.grid, description.features != DEFAULT_FEATURES)

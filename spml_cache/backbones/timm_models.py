@@ -4,6 +4,10 @@
 pretrained config's: input size, crop_pct, interpolation, mean and std (timm's evaluation transform). Weights:
 `pretrained` (the default: the tag's weights through timm, from the Hugging Face hub cache, which
 `HF_HUB_OFFLINE=1` keeps offline), a local `.pth` state dict, or `none` (random, seeded).
+
+`--features last4` (layers.py) reads timm's `forward_intermediates`: a model with prefix tokens (a ViT) gives its
+last four blocks' class tokens and its last block's mean patch token (through its final norm), any other its last
+four feature stages, average-pooled; a model without intermediates, or a ViT without a class token, is refused.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import timm
 import torch
 from torch import nn
 
-from spml_cache.backbones import Description
+from spml_cache.backbones import DEFAULT_FEATURES, Description
 from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance, read_state_dict
+from spml_cache.backbones.layers import LAST, no_blocks, pooled_stages, token_features
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
 from spml_cache.runtime.errors import SpmlError, unknown_name
@@ -34,7 +39,8 @@ def _width(model: nn.Module) -> int:
     return int(getattr(model, "head_hidden_size", None) or model.num_features)
 
 
-def describe(name: str, weights: str | None, resolution: int | None) -> Description:
+def describe(name: str, weights: str | None, resolution: int | None,
+             features: str = DEFAULT_FEATURES) -> Description:
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('.')[0][:6]}*")[:5]
         hint = f" (e.g. {', '.join(close)})" if close else ""
@@ -66,8 +72,42 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
         preprocess = Preprocess(side, tuple(mean), tuple(std))
     else:
         preprocess = Preprocess.crop(side, float(cfg.get("crop_pct") or 1.0), mean, std, interpolation)
-    return Description(f"timm:{name}", "timm", weights, provenance, preprocess, _width(model),
+    width = _width(model) if features == DEFAULT_FEATURES else _last4_width(model, f"timm:{name}")
+    return Description(f"timm:{name}", "timm", weights, provenance, preprocess, width, features=features,
                        extra={"create": extra, "source": source, "hub": cfg.get("hf_hub_id") or cfg.get("url") or name})
+
+
+class TimmBlocks(nn.Module):
+    """A timm model giving `last4` features through its `forward_intermediates`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.tokens = model, _has_tokens(model)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if not self.tokens:
+            return pooled_stages(self.model.forward_intermediates(images, indices=LAST, intermediates_only=True))
+        blocks = self.model.forward_intermediates(images, indices=LAST, return_prefix_tokens=True, norm=True,
+                                                  output_fmt="NLC", intermediates_only=True)
+        return token_features([prefix[:, 0] for _, prefix in blocks], blocks[-1][0])  # the class token is first
+
+
+def _has_tokens(model: nn.Module) -> bool:
+    return getattr(model, "num_prefix_tokens", None) is not None
+
+
+def _last4_width(model: nn.Module, backbone: str) -> int:
+    """The width of a timm model's last4 features (refusing a model they cannot be read from)."""
+    if not hasattr(model, "forward_intermediates"):
+        raise no_blocks(backbone, "gives no intermediate blocks in timm (no forward_intermediates)")
+    if _has_tokens(model):
+        if getattr(model, "cls_token", None) is None:
+            raise no_blocks(backbone, "has no class token to read from its blocks")
+        return (LAST + 1) * int(model.embed_dim)
+    stages = model.feature_info[-LAST:]
+    if len(stages) < LAST:
+        raise no_blocks(backbone, f"has {len(stages)} feature stages, fewer than {LAST}")
+    return sum(int(stage["num_chs"]) for stage in stages)
 
 
 def _tagged(name: str, weights: str) -> str | None:
@@ -93,6 +133,11 @@ def _load_file(model: nn.Module, path: Path, name: str) -> None:
 
 
 def build(description: Description) -> nn.Module:
+    model = _pooled_trunk(description)
+    return model if description.features == DEFAULT_FEATURES else TimmBlocks(model)
+
+
+def _pooled_trunk(description: Description) -> nn.Module:
     name, weights = description.backbone.split(":", 1)[1], description.weights
     extra = description.extra.get("create", {})
     source = description.extra.get("source", name)

@@ -5,6 +5,10 @@ The trunk is the model with its last `nn.Linear` (the ImageNet classifier) repla
 at the pooled vector the classifier read (ResNet: after average pooling; ViT: the class token after the last
 norm; ConvNeXt: after pooling and its LayerNorm). Weights: an enum member's name (`DEFAULT` = the enum's
 default), a local `.pth` state dict, or `none` (random, seeded).
+
+`--features last4` (layers.py): a VisionTransformer's last four encoder blocks (class tokens and the last one's
+mean patch token, each through the encoder's final LayerNorm); a CNN's last four stages (ResNet, ResNeXt and Wide
+ResNet's layer1-4, ConvNeXt's four stages), average-pooled; other models are refused in one line.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import torch
 import torchvision
 from torch import nn
 
-from spml_cache.backbones import Description, resnet50
+from spml_cache.backbones import DEFAULT_FEATURES, Description, resnet50
 from spml_cache.backbones.checkpoints import RandomWeightsWarning, fetch_checkpoint, file_provenance, read_state_dict
+from spml_cache.backbones.layers import LAST, StageTaps, no_blocks, token_features
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.runtime.errors import SpmlError, unknown_name
 
@@ -54,13 +59,15 @@ def _member(name: str, weights: str):
     raise SpmlError(f"--weights {weights}: no such file, and {name}'s weights are {tags} (or none, or a .pth path)")
 
 
-def describe(name: str, weights: str | None, resolution: int | None) -> Description:
+def describe(name: str, weights: str | None, resolution: int | None,
+             features: str = DEFAULT_FEATURES) -> Description:
     _check_name(name)
     if name == RESNET50:
         weights = weights or "IMAGENET1K_V1"
         provenance = resnet50.weights_provenance(weights)
         preprocess = Preprocess(resolution or RESNET50_RESOLUTION)
-        return Description(RESNET50, "tv", weights, provenance, preprocess, resnet50.FEATURE_DIM)
+        width = resnet50.FEATURE_DIM if features == DEFAULT_FEATURES else _last4_width(name)
+        return Description(RESNET50, "tv", weights, provenance, preprocess, width, features=features)
     weights = weights or "DEFAULT"
     member = _member(name, weights)
     if member is not None:
@@ -76,7 +83,55 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     preprocess = Preprocess.crop(side, crop / resize, transform.mean, transform.std, interpolation)
     with torch.device("meta"):
         _, width = _trunk(name)
-    return Description(name, "tv", weights, provenance, preprocess, width)
+    width = width if features == DEFAULT_FEATURES else _last4_width(name)
+    return Description(name, "tv", weights, provenance, preprocess, width, features=features)
+
+
+class VitBlocks(nn.Module):
+    """A torchvision VisionTransformer giving `token_features` of its last four encoder blocks (its own forward
+    up to the encoder, block by block)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        model, encoder = self.model, self.model.encoder
+        tokens = model._process_input(images)
+        tokens = torch.cat([model.class_token.expand(len(tokens), -1, -1), tokens], dim=1)
+        tokens = encoder.dropout(tokens + encoder.pos_embedding)
+        blocks = []
+        for layer in encoder.layers:
+            tokens = layer(tokens)
+            blocks.append(tokens)
+        normed = [encoder.ln(block) for block in blocks[-LAST:]]
+        return token_features([block[:, 0] for block in normed], normed[-1][:, 1:])
+
+
+def _stages(model: nn.Module, name: str) -> list[nn.Module]:
+    """A CNN's last four stages, in order."""
+    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):  # ResNet, ResNeXt, Wide ResNet
+        return [getattr(model, f"layer{i}") for i in range(1, 5)]
+    if isinstance(model, torchvision.models.ConvNeXt):  # stages at 1, 3, 5, 7, downsampling between them
+        return [model.features[i] for i in (1, 3, 5, 7)]
+    raise no_blocks(name, "has no blocks or stages this reads (torchvision: VisionTransformer, ResNet, ResNeXt,"
+                          " Wide ResNet, ConvNeXt)")
+
+
+def _last4(model: nn.Module, name: str) -> nn.Module:
+    """The trunk giving `last4` features."""
+    if isinstance(model, torchvision.models.VisionTransformer):
+        return VitBlocks(model)
+    return StageTaps(model, _stages(model, name))
+
+
+def _last4_width(name: str) -> int:
+    """The width of `name`'s last4 features, from a forward pass on the meta device (no weights, no compute)."""
+    with torch.device("meta"):
+        model, _ = _trunk(name)
+        if isinstance(model, torchvision.models.VisionTransformer):
+            return (LAST + 1) * model.hidden_dim
+        return int(_last4(model, name)(torch.empty(1, 3, 64, 64)).shape[1])
 
 
 def _trunk(name: str) -> tuple[nn.Module, int]:
@@ -106,6 +161,11 @@ def _state_for(trunk: nn.Module, state: dict, what: str, name: str) -> dict:
 
 
 def build(description: Description) -> nn.Module:
+    trunk = _pooled_trunk(description)
+    return trunk if description.features == DEFAULT_FEATURES else _last4(trunk, description.backbone)
+
+
+def _pooled_trunk(description: Description) -> nn.Module:
     name, weights = description.backbone, description.weights
     if name == RESNET50:
         return resnet50.build_trunk(weights)[0]

@@ -32,7 +32,7 @@ SIDECAR = "spml_cache.json"
 KEY_COLUMNS = ("id", "image_path")  # what a metadata row names its image by, in order of preference
 # The cache attrs that say what the features are: an export keeps them, an import of it restores them.
 DESCRIBING = ("backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim", "clip_features",
-              "backbone_origin")
+              "backbone_origin", "features")
 
 
 def is_layout(folder: Path) -> bool:

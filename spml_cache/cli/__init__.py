@@ -123,6 +123,7 @@ def extract_command(
     clip_features: str = typer.Option(backbones.DEFAULT_CLIP_FEATURES, "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
     prompts: str = typer.Option(backbones.DEFAULT_PROMPTS, "--prompts", help="clip: the text templates, default ('a photo of a {}.'), vlpl, or a file with one template per line."),
     crops: int = typer.Option(0, "--crops", help="clip: also the embeddings of a G x G grid of crops of each image (G >= 2; GPR's crop pseudo-labels)."),
+    features: str = typer.Option(backbones.DEFAULT_FEATURES, "--features", help="pooled (the pooled vector) or last4: a ViT's last four blocks' class tokens and last block's mean patch token, a CNN's last four stages average-pooled, concatenated (DINOv2's linear evaluation); the kind names the cache."),
     batch_size: int = typer.Option(64, "--batch-size", help="Images per forward pass."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
     device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
@@ -143,6 +144,7 @@ def extract_command(
     them into the one cache.
 
     Example: spml-cache extract voc --root ~/data --observe entry:0.1,largest
+    Example: spml-cache extract voc --root ~/data --features last4
     """
     from spml_cache.observation import parse_rules
 
@@ -151,7 +153,7 @@ def extract_command(
 
     report = run_extract(ExtractOptions(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
-        clip_features=clip_features, prompts=prompts, crops=crops, batch_size=batch_size,
+        clip_features=clip_features, prompts=prompts, crops=crops, features=features, batch_size=batch_size,
         workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules, labels=labels,
     ))
@@ -242,6 +244,7 @@ def linear_command(
     cache: Optional[Path] = typer.Option(None, "--cache", help="The feature cache (.h5) to train on."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Train on the one cache of this dataset in $SPML_CACHE or ./cache."),
     lr: Optional[str] = typer.Option(None, "--lr", help="Learning rates, a comma list (default: the papers' grid)."),
+    wd: Optional[str] = typer.Option(None, "--wd", help="The probe's L2 weight decays, a comma list (e.g. 0,1e-4,1e-3): one head per (lr, wd) in the same stacks, selected on val (default: 0, the papers' grid)."),
     batch_size: Optional[str] = typer.Option(None, "--batch-size", help="Batch sizes, a comma list (default: the papers' grid)."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs per head; the best val epoch is selected (default: the papers' number)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", help="Run seeds 0..N-1 (init and batch order); results are mean ± std (default: one seed)."),
@@ -267,6 +270,7 @@ def linear_command(
     Example: spml-cache linear --dataset voc --loss an,ll_r --seeds 3
     Example: spml-cache linear --dataset voc --loss ll_r --hp delta=0.001,0.002
     Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1
+    Example: spml-cache linear --dataset voc --loss all --wd 0,1e-4,1e-3
     """
     from spml_cache.observation import parse_rules
     from spml_cache.runtime.memory import parse_size
@@ -280,6 +284,7 @@ def linear_command(
     run = run_linear(  # what is not given is None: run_linear's defaults, or a resumed run's own settings
         cache=cache, dataset=dataset, losses=None if loss is None else parse_names(loss),
         lrs=None if lr is None else parse_list(lr, "--lr", float), epochs=epochs, seeds=seeds,
+        wds=None if wd is None else parse_list(wd, "--wd", float),
         batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int),
         val_labels=val_labels, hparams=parse_hparams(hp) if hp else None, device=device, out=out, workers=workers,
         from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid, graphs=not no_graphs, observe=rules,
@@ -385,18 +390,20 @@ def report_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG figures into DIR (needs matplotlib)."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Two losses for the per-class AP figure, e.g. an,role (default: the best two)."),
+    pivot: Optional[str] = typer.Option(None, "--pivot", help="backbone: one dataset's linear runs as losses x backbones (with their feature kind); --plots then draws that table."),
 ) -> None:
     """Table-1 style table of test mAP (mean ± std over seeds) per loss, dataset and stage, and figures.
 
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
 
     Example: spml-cache report --paper --plots figures --format md --out table1.md
+    Example: spml-cache report runs/voc --pivot backbone --plots figures
     """
     from spml_cache import report
 
     report.report_command(
         run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots,
-        compare=compare, console=console,
+        compare=compare, console=console, pivot=pivot,
     )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from spml_cache import cache, datasets, protocol
-from spml_cache.backbones import slug
+from spml_cache.backbones import DEFAULT_FEATURES, slug
 from spml_cache.cache import embeddings
 from spml_cache.extract.pipeline import run_attrs
 from spml_cache.extract.plan import plan_rows, refuse_foreign_file
@@ -99,7 +99,9 @@ def import_embeddings(folder: Path, *, dataset: str, root: Path, out: Path | Non
     positions, column, unmatched = _positions(parts, images, ids)
     described = {**FOREIGN, **parts.sidecar.get("attrs", {}), "feature_dim": int(parts.arrays[0].shape[1])}
     if out is None:
-        out = cache.default_path(images.dataset, int(described["resolution"]), backbone=slug(described["backbone"]))
+        kind = described.get("features", DEFAULT_FEATURES)  # a last4 export comes back as a last4 cache
+        backbone = slug(described["backbone"]) + ("" if kind == DEFAULT_FEATURES else f"_{kind}")
+        out = cache.default_path(images.dataset, int(described["resolution"]), backbone=backbone)
     path = Path(out).expanduser()
     refuse_foreign_file(path)
     if path.exists() and not force:

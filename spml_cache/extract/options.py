@@ -28,6 +28,7 @@ class ExtractOptions:
     clip_features: str = backbones.DEFAULT_CLIP_FEATURES
     prompts: str = backbones.DEFAULT_PROMPTS
     crops: int = 0
+    features: str = backbones.DEFAULT_FEATURES  # pooled or last4 (backbones/layers.py); the kind names the cache
     batch_size: int = 64
     workers: int | None = None  # None: the device's default reader processes
     device: str = "auto"
@@ -52,6 +53,9 @@ class ExtractOptions:
         if self.resolution is not None and not 32 <= self.resolution <= 2048:
             raise SpmlError(f"--resolution {self.resolution}: use a side between 32 and 2048 pixels (the papers use"
                             " 448)")
+        if self.features not in backbones.FEATURES:
+            raise SpmlError(f"--features {self.features}: use pooled (the pooled vector) or last4 (the last four"
+                            " blocks or stages, concatenated)")
         if self.batch_size < 1:
             raise SpmlError(f"--batch-size {self.batch_size}: use at least 1")
         if self.workers is not None and self.workers < 0:

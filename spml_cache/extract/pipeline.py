@@ -190,7 +190,7 @@ def _plan(options: ExtractOptions) -> _Plan:
     rows = plan_rows(protocol_result, limit)
     label_format = resolve_format(options.labels, len(images.classes))
     described = backbones.describe(options.backbone, options.weights, options.resolution, options.clip_features,
-                                   options.crops)
+                                   options.crops, options.features)
     templates = backbones.prompts(options.prompts) if described.embed_dim else None
     settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
     path = output_path(options.out, images.dataset, described.resolution, described.slug)

@@ -24,6 +24,7 @@ SETTINGS = (
     "dataset", "classes", "backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim",
     "precision", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
     "clip_features", "templates", "grid",  # CLIP caches only: absent from the others' settings and files
+    "features",  # last4 caches only (a pooled cache's attrs are as they were)
     "backbone_origin",  # a plugin backbone's only: its file's hash or its distribution's version
 )  # fmt: skip
 

@@ -38,6 +38,11 @@ def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> b
         raise SpmlError(f"finetune: the cache's backbone {name} is a CLIP image tower, which spml-cache does not"
                         " fine-tune end to end; train linear heads on its cache (spml-cache linear), or extract"
                         " with a torchvision or timm backbone to fine-tune")
+    features = cache_attrs.get("features") or backbones.DEFAULT_FEATURES
+    if features != backbones.DEFAULT_FEATURES:
+        raise SpmlError(f"finetune: the cache holds {features} features, which a head fine-tuned end to end does not"
+                        f" read (it reads the pooled vector): fine-tune from a cache of {name} extracted with"
+                        " --features pooled (the default)")
     described = backbones.describe(name, weights, resolution)
     stored = cache_attrs.get("backbone_origin")
     if stored and described.origin != stored:

@@ -33,7 +33,7 @@ from spml_cache.selection import HeadRecord, stops_early
 
 
 class HeadStack:
-    """The heads of one (loss, seed, batch size): one for each lr (and each combination of swept hyperparameters
+    """The heads of one (loss, seed, batch size): one for each (lr, weight decay) (and each combination of swept hyperparameters
     the loss takes per head), trained as one stacked tensor.
 
     A step: the batch's logits for every head (one matmul), the loss and its gradient with respect to the
@@ -43,17 +43,17 @@ class HeadStack:
 
     def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_size: int,
                  data: LinearData, start: StartHead | None = None, fidelity: Fidelity | None = None,
-                 swept: tuple[str, ...] = ()) -> None:
+                 swept: tuple[str, ...] = (), wds: list[float] | None = None) -> None:
         """`hparams`: the loss's, or one dict per head (beside `lrs`, one lr per head): a key whose heads'
         values differ is handed to the loss as a list (one of its `per_head` keys). `swept`: the keys whose
-        values the records name."""
+        values the records name. `wds`: one weight decay per head (None: the grid has no such axis)."""
         device = data.device
         per_head = hparams if isinstance(hparams, list) else [hparams] * len(lrs)
         varying = loss_registry.varying_keys(per_head)
         hparams = {key: [h[key] for h in per_head] if key in varying else per_head[0][key] for key in per_head[0]}
         self.batch_size, self.num_heads = batch_size, len(lrs)
         self.heads = HeadMatrix(data.train_features.shape[1], data.num_classes, [seed] * len(lrs), lrs, device=device,
-                                  start=(start.weight, start.bias) if start else None)
+                                start=(start.weight, start.bias) if start else None, wds=wds)
         self.loss = loss_registry.build(
             name, num_classes=data.num_classes, num_train=data.num_train, dataset=data.dataset,
             num_heads=len(lrs), train_observed=data.observed_for_loss(loss_registry.reads_whole_observed(name)),
@@ -85,8 +85,8 @@ class HeadStack:
         self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
         self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
-        self.records = [HeadRecord(name, lr, batch_size, seed, hparams={key: h[key] for key in swept})
-                        for lr, h in zip(lrs, per_head)]
+        self.records = [HeadRecord(name, lr, batch_size, seed, hparams={key: h[key] for key in swept}, wd=wd)
+                        for lr, h, wd in zip(lrs, per_head, wds or [None] * len(lrs))]
 
     def start_epoch(self, epoch: int, num_epochs: int, order: torch.Tensor, data: LinearData) -> None:
         train_logits = None
@@ -242,15 +242,16 @@ class SeedRun:
         """A job of a run with `settings`: its loss's hyperparameter combinations, its rule's data and starting
         head given."""
         run = cls(job.loss, hparams, job.seed, list(job.lrs) or settings.lrs, list(job.batch_sizes), settings.epochs,
-                  data, start, settings.fidelity)
+                  data, start, settings.fidelity, settings.wd_axis)
         for record in run.records:
             record.rule = job.rule
         return run
 
     def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_sizes: list[int],
                  epochs: int, data: LinearData, start: StartHead | None = None,
-                 fidelity: Fidelity | None = None) -> None:
+                 fidelity: Fidelity | None = None, wds: list[float] | None = None) -> None:
         """`hparams`: the loss's, or a list of combinations (a sweep: every lr of every combination is a head).
+        `wds`: the weight decays (None: no such axis), each beside every lr in the same stack.
         Combinations that differ only in hyperparameters the loss takes per head share a stack, the others get
         stacks of their own. `start`: the one head every head starts from
         (`linear --from`)."""
@@ -261,9 +262,11 @@ class SeedRun:
         groups: dict[tuple, list[dict]] = {}
         for combo in combos:
             groups.setdefault(tuple(repr(combo[key]) for key in swept if key not in per_head), []).append(combo)
-        self.stacks = [
-            HeadStack(name, [combo for combo in group for _ in lrs], seed, [lr for _ in group for lr in lrs],
-                      batch_size, data, start, fidelity, swept)
+        decays = wds or [None]
+        self.stacks = [  # head order in a stack: combination, lr, weight decay
+            HeadStack(name, [combo for combo in group for _ in lrs for _ in decays], seed,
+                      [lr for _ in group for lr in lrs for _ in decays], batch_size, data, start, fidelity, swept,
+                      None if wds is None else [wd for _ in group for _ in lrs for wd in wds])
             for group in groups.values() for batch_size in batch_sizes
         ]
         if data.streams_train:

@@ -28,15 +28,20 @@ class HeadMatrix:
     the trainer hands `step` the gradient of the loss with respect to the logits. (An lr below ~1e-37 would
     overflow the scaled parameters in float32: such a head shows up as diverged.)
 
+    Weight decay (`wds`, one per head; None or all 0: none) is `torch.optim.Adam`'s L2 penalty on the real
+    weight, not on the bias (a probe's intercept is not penalised, as in logistic regression): `wd_k * w_k` added
+    to the weight's gradient before the update, that is `wd_k * lr_k` times the stored column.
+
     A plain class, not an `nn.Module`: a step reads a dozen of its tensors, and module attribute lookups
     would cost more than some of the ops.
     """
 
     def __init__(self, in_features: int, num_classes: int, seeds: Sequence[int], lrs: Sequence[float], *,
                  device: torch.device | str = "cpu", fused: bool | None = None,
-                 start: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 start: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 wds: Sequence[float] | None = None) -> None:
         """`start`: one head's `nn.Linear` weight `[C, D]` and bias `[C]` for every head to start from,
-        instead of each seed's initialisation."""
+        instead of each seed's initialisation. `wds`: each head's weight decay (None: none)."""
         if len(seeds) != len(lrs):
             raise ValueError(f"got {len(seeds)} seeds for {len(lrs)} learning rates: give one of each per head")
         device = torch.device(device)
@@ -50,6 +55,12 @@ class HeadMatrix:
         weight = torch.cat([inits[seed][0].t() for seed in seeds], dim=1).double() / lr_columns
         bias = torch.cat([inits[seed][1] for seed in seeds]).double() / lr_columns
         self.lr_columns = lr_columns.float().to(device)
+        self.decay_columns = None  # wd_k * lr_k per column; None without decay, so that the papers' step is unchanged
+        if wds is not None and any(wds):
+            if len(wds) != len(lrs):
+                raise ValueError(f"got {len(wds)} weight decays for {len(lrs)} learning rates: give one per head")
+            wd_columns = torch.tensor(wds, dtype=torch.float64).repeat_interleave(num_classes)
+            self.decay_columns = (wd_columns * lr_columns).float().to(device)
         self.scaled_weight, self.scaled_bias = weight.float().to(device), bias.float().to(device)
         params = [self.scaled_weight, self.scaled_bias]
         self.grads, self.exp_avgs, self.exp_avg_sqs = ([torch.zeros_like(p) for p in params] for _ in range(3))
@@ -101,6 +112,8 @@ class HeadMatrix:
         torch.sum(grad, dim=0, out=grad_bias)
         if weight_grad is not None:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
+        if self.decay_columns is not None:  # d/dw of wd/2 |w|^2 = wd * w = wd * lr * scaled weight
+            grad_weight.addcmul_(self.scaled_weight, self.decay_columns)
         if frozen is not None:
             state = self.params + self.exp_avgs + self.exp_avg_sqs
             kept = [t.index_select(t.dim() - 1, frozen) for t in state]

@@ -23,6 +23,11 @@ def hparams_text(values: dict, end: str = "") -> str:
     return " ".join(f"{key}={value:g}" for key, value in values.items()) + end if values else ""
 
 
+def lr_text(config: dict) -> str:
+    """A config's lr, and its weight decay where the grid has that axis: `0.001` or `0.001, wd 0.0001`."""
+    return f"{config['lr']:g}" + (f", wd {config['wd']:g}" if "wd" in config else "")
+
+
 def summary_table(results: dict, title: str = "linear heads: best config per loss") -> Table:
     """One row per loss: val and test mAP of the selected config, the config, its best epoch, time."""
     table = Table(title=title)
@@ -38,7 +43,7 @@ def summary_table(results: dict, title: str = "linear heads: best config per los
             table.add_row(escape(name), "-", "-", "-", "-", *(["-"] if swept else []), "diverged", f"{result['seconds']:.1f} s")
             continue
         table.add_row(
-            escape(name), _mean_std(result, "val_map"), _mean_std(result, "test_map"), f"{selected['lr']:g}",
+            escape(name), _mean_std(result, "val_map"), _mean_std(result, "test_map"), lr_text(selected),
             str(selected["batch_size"]), *([hparams_text(selected.get("swept", {}))] if swept else []),
             ",".join(str(e) for e in result["best_epoch"]), f"{result['seconds']:.1f} s",
         )
@@ -76,7 +81,7 @@ class LiveTable:
         if best is None:
             self.rows[loss] = [progress, "-", "-", ""]
         else:
-            config = f"lr {best['lr']:g}, batch {best['batch_size']}, {hparams_text(best['hparams'], ', ')}epoch {best['epoch']}"
+            config = f"lr {lr_text(best)}, batch {best['batch_size']}, {hparams_text(best['hparams'], ', ')}epoch {best['epoch']}"
             self.rows[loss] = [progress, f"{best['val_map']:.2f}", f"{best['test_map']:.2f}", config]
         self._show(f"{loss}: {progress}, best val mAP {self.rows[loss][1]} (test {self.rows[loss][2]})")
 
@@ -87,7 +92,7 @@ class LiveTable:
         else:
             epochs = ",".join(str(epoch) for epoch in result["best_epoch"])
             swept = hparams_text(selected.get("swept", {}), ", ")
-            config = f"lr {selected['lr']:g}, batch {selected['batch_size']}, {swept}epoch {epochs}"
+            config = f"lr {lr_text(selected)}, batch {selected['batch_size']}, {swept}epoch {epochs}"
             val, test = _mean_std(result, "val_map"), _mean_std(result, "test_map")
             self.rows[loss] = [f"done, {result['seconds']:.1f} s", val, test, config]
         self._show(f"{loss}: done in {result['seconds']:.1f} s, val mAP {self.rows[loss][1]}, "

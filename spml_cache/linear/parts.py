@@ -72,9 +72,10 @@ class KeptParts:
         return self.folder / f"{runs.file_stem(key)}-seed{seed}-batch{batch_size}.pt"
 
     def state_path(self, key: str, record: HeadRecord) -> Path:
-        """The file of one head's best state: its part's name, its lr and (a sweep) its hyperparameters' digest."""
+        """The file of one head's best state: its part's name, its lr (and weight decay) and (a sweep) its hyperparameters' digest."""
         swept = hashlib.sha1(json.dumps(record.hparams, sort_keys=True).encode()).hexdigest()[:10]
-        return self.states / f"{self.path(key, record.seed, record.batch_size).stem}-lr{record.lr:g}-{swept}.pt"
+        wd = "" if record.wd is None else f"-wd{record.wd:g}"
+        return self.states / f"{self.path(key, record.seed, record.batch_size).stem}-lr{record.lr:g}{wd}-{swept}.pt"
 
     def spill(self, key: str, part: Part) -> Part:
         """Write each best state still in memory to its file and leave the record a `StoredState` in its place."""

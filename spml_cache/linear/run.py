@@ -56,7 +56,7 @@ def run_linear(
     val_labels: str | None = None, workers: int = 0, from_run: Path | str | None = None,
     resume: Path | str | None = None, fidelity: str | None = None, hp_grid: str | None = None, graphs: bool = True,
     observe: Sequence[Rule] | None = None, memory_budget: str | int | None = None, chunk_rows: int | None = None,
-    console: Console | None = None,
+    console: Console | None = None, wds: Sequence[float] | None = None,
 ) -> LinearRun | None:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
@@ -81,10 +81,12 @@ def run_linear(
     rows when given (the train features then always stream), else of a size planned from the budget and the
     cache's shapes alone; the budget and the chunk size are kept in config.json, and a resumed run keeps both.
     A signal (the command line's Ctrl-C or SIGTERM) stops the training at its next step (`errors.check_stop`).
+    `wds`: the probe's L2 weight decays (None: 0 alone, the papers' grid), a grid axis beside the lrs: one head
+    per (lr, weight decay) in the same stacks, selected on val like the rest.
     """
     given = dict(cache=cache, dataset=dataset, losses=losses, lrs=lrs, batch_sizes=batch_sizes, epochs=epochs,
                  seeds=seeds, hparams=hparams, val_labels=val_labels, from_run=from_run, fidelity=fidelity,
-                 hp_grid=hp_grid, observe=observe, memory_budget=memory_budget, chunk_rows=chunk_rows)
+                 hp_grid=hp_grid, observe=observe, memory_budget=memory_budget, chunk_rows=chunk_rows, wds=wds)
     with stops_deferred():
         return _run(given, cache_dir, device, out, workers, resume, graphs, console)
 
@@ -109,7 +111,7 @@ def _given_settings(given: dict, resume: Path | str | None, cache_dir):
     grid = {key: default if given[key] is None else given[key] for key, default in defaults.items()}
     settings = LinearSettings.check(grid["losses"], grid["lrs"], grid["batch_sizes"], grid["epochs"], grid["seeds"],
                                     grid["hparams"], grid["val_labels"], given["fidelity"], given["hp_grid"],
-                                    given["observe"])
+                                    given["observe"], given["wds"])
     chunk_rows = given["chunk_rows"]
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or int(chunk_rows) != chunk_rows or chunk_rows < 1):
         raise SpmlError(f"--chunk-rows {chunk_rows}: give a whole number of rows, at least 1")
@@ -203,6 +205,7 @@ def _start_run_dir(out, settings: LinearSettings, used, starts, features, whole:
         feature_dim=whole.train_features.shape[1],
         **{"from": {name: s.source for name, s in starts.items()} or None},
         **({"observe": [rule.text for rule in settings.rules]} if _several(settings) else {}),
+        **({"wds": settings.wd_axis} if settings.wd_axis else {}),
         memory_budget=budget,
         **({"out_of_core": {"chunk_rows": plan.chunk_rows}} if not plan.train_in_memory else {}),
     )
@@ -291,8 +294,9 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
     swept = {name: [{key: combo[key] for key in loss_registry.varying_keys(combos)} for combo in combos]
              for name, combos in used.items()}
 
-    def grid_order(record) -> tuple:  # seed, lr, batch size, swept values: selection breaks ties in this order
-        return (record.seed, settings.lrs.index(record.lr), settings.batch_sizes.index(record.batch_size),
+    def grid_order(record) -> tuple:  # seed, lr, wd, batch size, swept values: selection breaks ties in this order
+        wd = 0 if record.wd is None else settings.wds.index(record.wd)
+        return (record.seed, settings.lrs.index(record.lr), wd, settings.batch_sizes.index(record.batch_size),
                 swept[record.loss].index(record.hparams))
 
     parts = {key: {part: done for part, done in kept.items() if part[0] == key} for key in units}
@@ -327,7 +331,7 @@ def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used
                 if job.lrs:  # one lr group of the part (its best states to disk now): kept once every lr is trained
                     part = keeping.spill(key, part)
                     part = groups[slot] = groups[slot].merged(part) if slot in groups else part
-                    if len(part.records) < len(settings.lrs) * len(used[job.loss]):
+                    if len(part.records) < len(settings.lrs) * len(settings.wds) * len(used[job.loss]):
                         continue
                     del groups[slot]
                 parts[key][slot] = part
@@ -391,7 +395,7 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: lis
         train_maps = [None if data.streams_train else train_map(r.best_state["head"], data)
                       for r in selection.records]
     checkpoint = {
-        "head": best.best_state["head"], "loss_state": best.best_state["loss_state"], "lr": best.lr,
+        "head": best.best_state["head"], "loss_state": best.best_state["loss_state"], "lr": best.lr, **best.wd_entry(),
         "batch_size": best.batch_size, "seed": best.seed, "epoch": best.best_epoch, "hparams": hparams,
     }
     return loss_results(records, selection, hparams, train_maps, seconds), checkpoint

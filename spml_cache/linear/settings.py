@@ -5,7 +5,7 @@ an interrupted run was started with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -17,7 +17,7 @@ from spml_cache.labels import observed_for_loss
 from spml_cache.losses import Overrides
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
-from spml_cache.protocol import check_grid
+from spml_cache.protocol import GRID_WDS, check_grid, check_wds
 from spml_cache.runtime import memory
 from spml_cache.runtime.errors import SpmlError
 
@@ -38,16 +38,20 @@ class LinearSettings:
     val_labels: str
     fidelity: Fidelity
     rules: list[Rule]  # the observation rules every loss trains under (`--observe`; `single` alone by default)
+    wds: list[float] = field(default_factory=lambda: list(GRID_WDS))  # the probe's weight decays (`--wd`)
 
     @classmethod
     def check(cls, losses_: str | Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int], epochs: int,
               seeds: int, hparams: Mapping | Overrides, val_labels: str, fidelity: Fidelity | str | None = None,
-              hp_grid: str | None = None, observe: Sequence[Rule] | None = None) -> "LinearSettings":
+              hp_grid: str | None = None, observe: Sequence[Rule] | None = None,
+              wds: Sequence[float] | None = None) -> "LinearSettings":
         """`losses_`: "all", or loss names; `hparams`: `{key: value}` or `{"loss.key": value}` (`--hp`), a value a
         list to sweep it, or the `Overrides` of a resumed run; `hp_grid="paper"`: every loss's own search space
-        where its paper states one; `observe`: the observation rules (None: `single`)."""
+        where its paper states one; `observe`: the observation rules (None: `single`); `wds`: the weight decays,
+        each trained beside every lr (None: `GRID_WDS`, none)."""
         names = resolve_losses(losses_)
         lrs, batch_sizes = check_grid(lrs, batch_sizes)
+        wds = check_wds(GRID_WDS if wds is None else wds)
         if epochs < 1:
             raise SpmlError(f"--epochs {epochs}: must be at least 1")
         if seeds < 1:
@@ -61,11 +65,17 @@ class LinearSettings:
         overrides = overrides.with_paper_grids() if hp_grid == "paper" else overrides
         rules = list(observe) if observe else observation.parse_rules(None)
         heads = len(lrs) * len(batch_sizes) * seeds * sum(len(overrides.combinations(name)) for name in names)
-        heads *= len(rules)
+        heads *= len(rules) * len(wds)
         if heads > MAX_HEADS:
-            raise SpmlError(f"the grid has {heads:,} heads (losses x lrs x batch sizes x seeds x hyperparameter values"
+            raise SpmlError(f"the grid has {heads:,} heads (losses x lrs x weight decays x batch sizes x seeds x hyperparameter values"
                             f" x rules), more than {MAX_HEADS:,}: sweep fewer values at a time")
-        return cls(names, lrs, batch_sizes, epochs, list(range(seeds)), overrides, val_labels, fidelity, rules)
+        return cls(names, lrs, batch_sizes, epochs, list(range(seeds)), overrides, val_labels, fidelity, rules, wds)
+
+    @property
+    def wd_axis(self) -> list[float] | None:
+        """The weight decays when the grid has that axis (any but 0 alone), else None: the papers' grid, whose
+        files name no weight decay."""
+        return None if self.wds == list(GRID_WDS) else list(self.wds)
 
     @property
     def every_loss(self) -> bool:
@@ -89,8 +99,9 @@ class LinearSettings:
         return len(self.lrs) * len(self.batch_sizes) * self.heads_per_lr()
 
     def heads_per_lr(self) -> int:
-        """The heads of one lr and one batch size: one per hyperparameter value (the smallest group trained)."""
-        return max(len(self.overrides.combinations(name)) for name in self.losses)
+        """The heads of one lr and one batch size: one per weight decay and hyperparameter value (the smallest
+        group trained)."""
+        return len(self.wds) * max(len(self.overrides.combinations(name)) for name in self.losses)
 
     def units(self, observed: dict[str, Observed], train_labels) -> tuple[dict[str, tuple[str, str]], list[str]]:
         """What the run trains, `{result key: (loss, rule text)}` (rule by rule, losses in order), and notes.
@@ -197,7 +208,8 @@ def stored_settings(run_dir: Path) -> tuple[dict, LinearSettings, Path | None]:
     grid = runs.Grid.from_config(config)
     rules = observation.parse_rules(config["observe"]) if config.get("observe") else None
     settings = LinearSettings.check(grid.losses, grid.lrs, grid.batch_sizes, grid.epochs, len(grid.seeds),
-                                    Overrides.stored(grid.hparams), grid.val_labels, grid.fidelity, observe=rules)
+                                    Overrides.stored(grid.hparams), grid.val_labels, grid.fidelity, observe=rules,
+                                    wds=config.get("wds"))
     starts = config.get("from") or {}
     from_run = next((Path(start["run"]) for start in starts.values() if start), None)
     return config, settings, from_run
@@ -230,12 +242,14 @@ def _resume_flags(config: dict, settings: LinearSettings, given: Mapping):
     budget = get("memory_budget") and memory.flag_text(memory.parse_size(get("memory_budget")))
     stored_budget = config.get("memory_budget")
     rules = get("observe") and [rule.text for rule in get("observe")]
-    listed = {key: get(key) and [kind(v) for v in get(key)] for key, kind in (("lrs", float), ("batch_sizes", int))}
+    listed = {key: get(key) and [kind(v) for v in get(key)]
+              for key, kind in (("lrs", float), ("batch_sizes", int), ("wds", float))}
     yield from [
         ("--loss", names and _text(get("losses")), names, settings.losses),
         ("--lr", listed["lrs"] and _text(listed["lrs"]), listed["lrs"], settings.lrs),
         ("--batch-size", listed["batch_sizes"] and _text(listed["batch_sizes"]), listed["batch_sizes"],
          settings.batch_sizes),
+        ("--wd", listed["wds"] and _text(listed["wds"]), listed["wds"] and check_wds(listed["wds"]), settings.wds),
         ("--epochs", get("epochs"), get("epochs"), settings.epochs),
         ("--seeds", get("seeds"), get("seeds"), len(settings.seeds)),
         ("--val-labels", get("val_labels"), get("val_labels"), settings.val_labels),

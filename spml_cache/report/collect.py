@@ -11,6 +11,7 @@ from pathlib import Path
 
 from spml_cache import losses
 from spml_cache.backbones import DEFAULT as DEFAULT_BACKBONE
+from spml_cache.backbones import feature_label
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key
 from spml_cache.runs import RESULTS, is_complete, read_json, run_stamp
@@ -126,7 +127,7 @@ class Column:
     label: str
     weights: str | None = None  # the backbone weights that made the cache's features
     rule: str = DEFAULT_RULE  # the observation rule of the training labels
-    backbone: str = DEFAULT_BACKBONE  # the backbone that made the cache's features (its registry name)
+    backbone: str = DEFAULT_BACKBONE  # the backbone that made the cache's features (its registry name, +last4)
 
 
 def in_spec_order(names) -> list[str]:
@@ -147,8 +148,10 @@ def loss_family(name: str) -> str:
 
 
 def run_backbone(run: Run) -> str:
-    """The backbone that made the run's cache (runs from before backbones had a choice: ResNet-50)."""
-    return str(run.config.get("cache_attrs", {}).get("backbone") or DEFAULT_BACKBONE)
+    """The backbone that made the run's cache and its feature kind (`vit_b_16+last4`; pooled: the name alone;
+    runs from before backbones had a choice: ResNet-50), so that two kinds are two columns."""
+    attrs = run.config.get("cache_attrs", {})
+    return feature_label(str(attrs.get("backbone") or DEFAULT_BACKBONE), attrs.get("features"))
 
 
 def _column_label(dataset: str, stage: str, cache_id: str, several_caches: bool, fidelity: str, rule: str,

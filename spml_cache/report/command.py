@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from spml_cache.report.collect import collect_runs
+from spml_cache.report.pivot import check_pivot, pivot_backbone, plot_backbones
 from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
 from spml_cache.report.tables import build_table, formatter, print_notes, print_table
 from spml_cache.runs import replace_atomically
@@ -22,9 +23,12 @@ def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console 
 
 def report_command(
     paths: list[Path], *, runs_root: Path, paper: bool, fmt: str | None, output: Path | None,
-    plots_dir: Path | None, compare: str | None, console: Console,
+    plots_dir: Path | None, compare: str | None, console: Console, pivot: str | None = None,
 ) -> None:
-    """`spml-cache report`: check every flag first, then the table (terminal or file), then the figures."""
+    """`spml-cache report`: check every flag first, then the table (terminal or file), then the figures.
+    `pivot="backbone"`: the loss x backbone table of one dataset (pivot.py), and with `plots_dir` its figure
+    alone."""
+    check_pivot(pivot)
     if output is not None and fmt is None:
         fmt = {".csv": "csv", ".md": "md", ".json": "json"}.get(output.suffix.lower())
         if fmt is None:
@@ -37,6 +41,7 @@ def report_command(
         pair = parse_compare(compare)
     runs = collect_runs(paths, runs_root=runs_root)
     table = build_table(runs, paper=paper)
+    table = pivot_backbone(table) if pivot == "backbone" else table
     if render is None:
         print_table(table, console)
     elif output is None:
@@ -49,7 +54,8 @@ def report_command(
         print_notes(table, console)
     if plots_dir is not None:
         with _writing("--plots", plots_dir):
-            written = plot_runs(runs, plots_dir, compare=pair, console=console)
+            written = [plot_backbones(require_matplotlib(), table, plots_dir)] if pivot else \
+                plot_runs(runs, plots_dir, compare=pair, console=console)
         for path in written:
             console.print(f"wrote {escape(str(path))}")
 

@@ -36,7 +36,7 @@ class Cell:
     best: bool = False
     paper: float | None = None
     source: str | None = None
-    swept: dict | None = None  # the selected values of the hyperparameters the run swept
+    swept: dict | None = None  # the selected values of the hyperparameters the run swept (and its weight decay)
     start: float | None = None  # fine-tuned: the test mAP of its model before any step (epoch 0)
 
     @property
@@ -68,8 +68,10 @@ def _cell(run: Run, loss: str) -> Cell:
     std = result.get("test_map_std") if seeds > 1 else None
     mean = None if run.test_unscored else float(result["test_map"])
     start = (result.get("start") or {}).get("test_map")
+    selected = result.get("selected") or {}
+    swept = {**(selected.get("swept") or {}), **({"wd": selected["wd"]} if "wd" in selected else {})}  # linear --wd
     return Cell(mean=mean, std=None if std is None or mean is None else float(std), seeds=seeds, run=run.path,
-                swept=(result.get("selected") or {}).get("swept") or None, start=None if start is None else float(start))
+                swept=swept or None, start=None if start is None else float(start))
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:

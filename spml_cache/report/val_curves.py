@@ -35,7 +35,7 @@ def read_curves(by_loss: dict[str, Run]) -> dict[str, tuple[list[int], list[floa
         by_epoch: dict[int, list[float]] = {}
         for line in lines:
             same = (line.get("loss") == loss and line.get("rule", DEFAULT_RULE) == run.rule
-                    and all(line.get(k) == selected.get(k) for k in ("lr", "batch_size")))
+                    and all(line.get(k) == selected.get(k) for k in ("lr", "batch_size", "wd")))  # wd: --wd
             if line.get("val_map") is None:  # the epoch a head diverged
                 continue
             if same and line.get("hparams", {}) == selected.get("swept", {}):  # the selected values of a sweep
@@ -130,7 +130,8 @@ def _panel(axes, names: list[str], curves: dict, test_map: dict[str, float], bes
     for name in names:
         epochs, values, selected = curves[name]
         rank = f"#{best.index(name) + 1} " if name in best else ""
-        config = f" (lr {selected['lr']:g}, batch {selected.get('batch_size')})" if "lr" in selected else ""
+        decay = f", wd {selected['wd']:g}" if "wd" in selected else ""
+        config = f" (lr {selected['lr']:g}{decay}, batch {selected.get('batch_size')})" if "lr" in selected else ""
         label = f"{rank}{name}: test {test_map[name]:.1f}{config}"
         label += f", same curve as {same[name]}" if name in same else ""
         style = ":" if name in same else "--" if name in oracles else "-"

@@ -1,0 +1,91 @@
+"""`spml-cache report --pivot backbone`: the loss x backbone table of one dataset's frozen features, and its figure.
+
+Rows are the losses, columns the backbones with their feature kind (`vit_b_16`, `vit_b_16+last4`: what
+`collect.run_backbone` names), each cell the linear probe's test mAP under the single-positive rule. The columns
+of other stages and rules are left out, said in a note; runs of several datasets are refused in one line (the
+pivot compares backbones on one dataset).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from spml_cache.observation import DEFAULT_RULE
+from spml_cache.report.collect import DATASET_LABELS
+from spml_cache.report.tables import ZERO_SHOT, Table
+from spml_cache.runs import replace_atomically
+from spml_cache.runtime.errors import SpmlError
+
+PIVOTS = ("backbone",)
+
+
+def check_pivot(pivot: str | None) -> None:
+    if pivot is not None and pivot not in PIVOTS:
+        raise SpmlError(f"--pivot {pivot}: use backbone (rows losses, a column per backbone and feature kind)")
+
+
+def pivot_backbone(table: Table) -> Table:
+    """`table`'s linear, single-positive columns of its one dataset, each labelled by its backbone (and cache id
+    where one backbone has several caches: the label's own suffix)."""
+    kept = [column for column in table.columns if column.stage == "linear" and column.rule == DEFAULT_RULE]
+    datasets = sorted({column.dataset for column in kept})
+    if len(datasets) > 1:
+        raise SpmlError(f"--pivot backbone: the runs are of {', '.join(datasets)}: name one dataset's runs, e.g."
+                        f" spml-cache report runs/{datasets[0]} --pivot backbone")
+    if not kept:
+        raise SpmlError("--pivot backbone: no complete linear run under the single-positive rule to tabulate")
+    left_out = [column.label for column in table.columns if column not in kept]
+    labels = {column.label: column.backbone + _cache_suffix(column.label) for column in kept}
+    columns = [replace(column, label=labels[column.label]) for column in kept]
+    rows = [(loss, {labels[label]: cell for label, cell in cells.items() if label in labels})
+            for loss, cells in table.rows]
+    rows = [(loss, cells) for loss, cells in rows if cells]
+    notes = [f"{DATASET_LABELS.get(datasets[0], datasets[0])}: linear probe, test mAP per loss and backbone"]
+    notes += [f"left out of the pivot (another stage or rule): {', '.join(left_out)}"] if left_out else []
+    return replace(table, columns=columns, rows=rows, notes=notes + table.notes)
+
+
+def _cache_suffix(label: str) -> str:
+    found = re.search(r" \(cache [0-9a-f]+\)$", label)
+    return found.group(0) if found else ""
+
+
+def plot_backbones(Figure, table: Table, out_dir: Path) -> Path:
+    """`<dataset>-loss_by_backbone.png`: each loss's test mAP (mean, with its std over seeds) per backbone, one
+    marker per backbone on the loss's row; the best loss of each backbone circled."""
+    dataset = table.columns[0].dataset
+    losses = [loss for loss, _ in table.rows if loss != ZERO_SHOT]
+    figure = Figure(figsize=(8, max(3.0, 0.32 * len(losses) + 1.5)))
+    axes = figure.subplots()
+    positions = np.arange(len(losses))[::-1]  # the first loss on top
+    offsets = np.linspace(-0.25, 0.25, len(table.columns)) if len(table.columns) > 1 else [0.0]
+    cells_of = dict(table.rows)
+    for offset, column in zip(offsets, table.columns):
+        found = [(y + offset, cells_of[loss][column.label]) for y, loss in zip(positions, losses)
+                 if column.label in cells_of[loss] and cells_of[loss][column.label].mean is not None]  # n/a: none
+        if not found:
+            continue
+        ys, cells = zip(*found)
+        means = [cell.mean for cell in cells]
+        errors = [cell.std or 0.0 for cell in cells]
+        line = axes.errorbar(means, ys, xerr=errors, fmt="o", markersize=5, capsize=2, label=column.label)
+        best = [(cell.mean, y) for y, cell in found if cell.best]
+        if best:
+            axes.scatter(*zip(*best), s=140, facecolors="none", edgecolors=line[0].get_color(), linewidths=1.5)
+    axes.set_yticks(positions, [f"{loss} (oracle)" if loss in table.oracles else loss for loss in losses],
+                    fontsize=8)
+    axes.set(xlabel="test mAP (mean ± std over seeds)", title=f"{DATASET_LABELS.get(dataset, dataset)}: linear probe"
+             " per loss and backbone\n(circled: each backbone's best single-positive loss)")
+    axes.grid(axis="x", alpha=0.3)
+    # below the axes: inside, it would hide the markers of some loss
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.6 / figure.get_figheight()),
+                ncol=2, frameon=False)
+    figure.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{dataset}-loss_by_backbone.png"
+    replace_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100, bbox_inches="tight"))
+    return path
