@@ -5,6 +5,7 @@ and on the CPU decoding, in worker processes), the trunk (on a GPU fed by feed.p
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -130,14 +131,32 @@ def _bad_image(paths, partial, split, rows, error) -> SpmlError:
     )
 
 
-def run_batches(partial, paths, trunk, *, preprocess: Preprocess, width: int, batch_size, workers, device, precision, skip_bad, label,
-                pad_batches=None, feed_thread=None):  # fmt: skip
-    """Extract every pending row of the partial cache; returns the number of rows computed and, per split,
-    the ids left out because their features were not finite even in fp32. `preprocess`: the backbone's;
-    `width`: the columns of a trunk output row (`Description.row_width`).
+@dataclass(frozen=True)
+class BatchRun:
+    """How the trunk runs over the images: the backbone's `preprocess`, `width` (the columns of a trunk output
+    row, `Description.row_width`), the batch size, reader processes, device, precision, whether a bad image is
+    skipped, the progress bar's label. `pad_batches` (every trunk input padded to the run's batch size) and
+    `feed_thread` (decoding in the feed thread) are on by default on a GPU only; the tests turn them on for the
+    CPU."""
 
-    `pad_batches` (every trunk input padded to the run's batch size) and `feed_thread` (decoding in the
-    feed thread) are on by default on a GPU only; the tests turn them on for the CPU."""
+    preprocess: Preprocess
+    width: int
+    batch_size: int
+    workers: int
+    device: torch.device
+    precision: str
+    skip_bad: bool
+    label: str
+    pad_batches: bool | None = None
+    feed_thread: bool | None = None
+
+
+def run_batches(partial, paths, trunk, run: BatchRun):
+    """Extract every pending row of the partial cache; returns the number of rows computed and, per split,
+    the ids left out because their features were not finite even in fp32."""
+    preprocess, width, batch_size, workers, device = run.preprocess, run.width, run.batch_size, run.workers, run.device
+    precision, skip_bad, label, pad_batches, feed_thread = (run.precision, run.skip_bad, run.label, run.pad_batches,
+                                                             run.feed_thread)
     batches = []
     for name in cache.SPLITS:
         pending = partial.pending(name)

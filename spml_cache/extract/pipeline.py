@@ -35,7 +35,7 @@ import torchvision
 import spml_cache
 from spml_cache import backbones, cache, datasets, protocol
 from spml_cache.extract import shards, writer
-from spml_cache.extract.batches import run_batches
+from spml_cache.extract.batches import BatchRun, run_batches
 from spml_cache.extract.options import ExtractOptions
 from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
@@ -254,13 +254,11 @@ def _run(plan: _Plan, partial, trunk) -> dict:
     paths = {name: [plan.images.path(image_id) for image_id in plan.own[name].ids] for name in cache.SPLITS}
     computing = time.perf_counter()
     try:
-        report.extracted, left_out = run_batches(
-            partial, paths, trunk, preprocess=plan.described.preprocess, width=plan.described.row_width,
-            batch_size=options.batch_size, device=plan.device,
-            workers=default_workers(plan.device) if options.workers is None else options.workers,
-            precision=plan.precision, skip_bad=options.on_bad_image == "skip", label=f"extract {plan.images.dataset}",
-            pad_batches=options.pad_batches, feed_thread=options.feed_thread,
-        )  # fmt: skip
+        report.extracted, left_out = run_batches(partial, paths, trunk, BatchRun(
+            plan.described.preprocess, plan.described.row_width, options.batch_size,
+            default_workers(plan.device) if options.workers is None else options.workers, plan.device,
+            plan.precision, options.on_bad_image == "skip", f"extract {plan.images.dataset}",
+            options.pad_batches, options.feed_thread))
     except KeyboardInterrupt:
         if shard and not shard.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
