@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 SPLIT_SEED = 1200
 OBSERVE_SEED = 1200
 VAL_FRAC = 0.2
-# Mean positives per training image of the fully labelled datasets, as the papers use them (EPR's k, ...).
-EXPECTED_POSITIVES = {"voc": 1.5, "coco": 2.9, "nus": 1.9, "cub": 31.4}
 # The papers' grid (docs/protocol.md, "Training and selection"): every lr x batch size, the best val epoch.
 GRID_LRS = (1e-2, 1e-3, 1e-4, 1e-5)
 GRID_BATCH_SIZES = (8, 16)

@@ -3,6 +3,14 @@
 `read(name, root)` looks for the dataset's layout at `root`, then at `root/<name>` (so one `SPML_DATA` folder
 can hold every dataset, e.g. `$SPML_DATA/voc/VOCdevkit/...`), and returns the official train and test splits
 with full labels. `survey(root)` is what `spml-cache datasets` finds; `survey_table(root)` is the table it prints.
+
+A reader is a module registered in `READERS` (in the order every listing shows): NAME, TITLE, MARKER, LAYOUT,
+ABOUT, `read()` (and `read_areas()` where it has instance areas), and the dataset's values that other parts of the
+pipeline look up by dataset (`values_of`), None where it has none:
+  EXPECTED_POSITIVES   mean positives per training image as the papers use it (EPR's and ROLE's k)
+  PUBLISHED_ID_PREFIX  import-features: what turns the authors' image names into ids under the dataset root
+  REPORT_LABEL         the report's name for its columns (the papers' datasets, in the papers' column order)
+A new dataset is its reader module, imported and registered below, and its test.
 """
 
 from __future__ import annotations
@@ -13,28 +21,36 @@ from typing import TYPE_CHECKING
 
 from spml_cache.datasets import coco, csv as csv_reader, cub, nus, openimages, voc
 from spml_cache.datasets.base import DatasetSurvey, ImageSplit, LabeledImages
-from spml_cache.runtime.errors import SpmlError, unknown_name
+from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.registry import Registry
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = [
     "DatasetSurvey", "ImageSplit", "LabeledImages", "find_layout", "instance_areas", "names", "read", "reader",
-    "resolve_root", "survey", "survey_table",
+    "resolve_root", "survey", "survey_table", "values_of",
 ]
 
-READERS: dict[str, ModuleType] = {module.NAME: module for module in (voc, coco, nus, cub, openimages, csv_reader)}
+READERS: Registry[ModuleType] = Registry("dataset")
+for _module in (voc, coco, nus, cub, openimages, csv_reader):
+    READERS.register(_module, _module.NAME)
 
 
 def names() -> list[str]:
-    return list(READERS)
+    return READERS.names()
 
 
 def reader(name: str) -> ModuleType:
-    """The module that reads `name` (with NAME, TITLE, MARKER, LAYOUT, ABOUT and read())."""
-    if name not in READERS:
-        raise SpmlError(f"{unknown_name('dataset', name, READERS)}; choose one of {', '.join(READERS)}")
-    return READERS[name]
+    """The module that reads `name` (with NAME, TITLE, MARKER, LAYOUT, ABOUT, read() and its values)."""
+    return READERS.get(name)
+
+
+def values_of(value: str) -> dict[str, object]:
+    """`{dataset: its reader's VALUE}` (e.g. `EXPECTED_POSITIVES`), in READERS' order, for the datasets that have
+    one (not None)."""
+    found = {name: getattr(module, value) for name, module in READERS.items()}
+    return {name: one for name, one in found.items() if one is not None}
 
 
 def find_layout(name: str, root: Path) -> Path | None:

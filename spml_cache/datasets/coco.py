@@ -24,6 +24,10 @@ LAYOUT = [
     "annotations/instances_{train,val}2014.json",
 ]
 ABOUT = "80 classes; train2014 -> train + val, val2014 -> test"
+# Its values elsewhere in the pipeline (datasets/__init__.py says what each is for; None: it has none)
+EXPECTED_POSITIVES = 2.9
+PUBLISHED_ID_PREFIX = ""
+REPORT_LABEL = "COCO"
 # our split name -> the official split it comes from
 OFFICIAL = {"train": "train", "test": "val"}
 

@@ -47,6 +47,10 @@ LAYOUT = [
     "paths relative to the CSV's folder",
 ]
 ABOUT = "classes: every label name, sorted; no split column: a RandomState(1200) permutation holds out 20% as test"
+# Its values elsewhere in the pipeline (datasets/__init__.py says what each is for; None: it has none)
+EXPECTED_POSITIVES = None
+PUBLISHED_ID_PREFIX = ""
+REPORT_LABEL = None
 COLUMNS = ("path", "labels", "split")
 SPLITS = ("train", "test")
 HOLDOUT_SEED = 1200

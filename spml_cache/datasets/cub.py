@@ -27,6 +27,10 @@ LAYOUT = [
     "attributes.txt next to CUB_200_2011/, inside it, or in its attributes/",
 ]
 ABOUT = "312 attribute classes; is_train=1 -> train + val, is_train=0 -> test"
+# Its values elsewhere in the pipeline (datasets/__init__.py says what each is for; None: it has none)
+EXPECTED_POSITIVES = 31.4
+PUBLISHED_ID_PREFIX = "CUB_200_2011/images/"
+REPORT_LABEL = "CUB"
 
 
 def attribute_file_candidates(root: Path) -> list[Path]:

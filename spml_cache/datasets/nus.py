@@ -29,6 +29,10 @@ LAYOUT = [
     "ConceptsList/Concepts81.txt",
 ]
 ABOUT = "81 classes; official train -> train + val, official test -> test; missing Flickr images need skip_missing"
+# Its values elsewhere in the pipeline (datasets/__init__.py says what each is for; None: it has none)
+EXPECTED_POSITIVES = 1.9
+PUBLISHED_ID_PREFIX = "Flickr/"
+REPORT_LABEL = "NUS"
 # our split name -> the official split's file-name part
 OFFICIAL = {"train": "Train", "test": "Test"}
 

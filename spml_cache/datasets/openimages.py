@@ -40,6 +40,10 @@ LAYOUT = [
 ]
 ABOUT = ("verified positives and negatives; unverified labels masked (test mAP over verified entries, --observe"
          " given trains on them); official train -> train + val, test -> test")
+# Its values elsewhere in the pipeline (datasets/__init__.py says what each is for; None: it has none)
+EXPECTED_POSITIVES = None
+PUBLISHED_ID_PREFIX = None
+REPORT_LABEL = None
 LABEL_COLUMNS = ("ImageID", "Source", "LabelName", "Confidence")
 SPLIT_FOLDERS = {"train": "train", "test": "test"}
 

@@ -37,6 +37,10 @@ LAYOUT = [
 ]
 ABOUT = "20 classes; official train -> train + val, official val -> test"
 IMAGE_DIR = "VOCdevkit/VOC2012/JPEGImages"
+# Its values elsewhere in the pipeline (datasets/__init__.py says what each is for; None: it has none)
+EXPECTED_POSITIVES = 1.5
+PUBLISHED_ID_PREFIX = f"{IMAGE_DIR}/"
+REPORT_LABEL = "VOC"
 ANNOTATION_DIR = "VOCdevkit/VOC2012/Annotations"
 # our split name -> the official image set it comes from
 OFFICIAL = {"train": "train", "test": "val"}

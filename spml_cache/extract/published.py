@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spml_cache import cache, protocol
+from spml_cache import cache, datasets, protocol
 from spml_cache.datasets import voc
 from spml_cache.extract.pipeline import run_attrs
 from spml_cache.extract.plan import refuse_foreign_file
@@ -35,7 +35,7 @@ FILES = {
     "features": "{split}_features_imagenet_resnet50.npy",
 }
 # Their image names are relative to their image folder; ours are relative to the dataset root.
-ID_PREFIX = {"voc": f"{voc.IMAGE_DIR}/", "coco": "", "nus": "Flickr/", "cub": "CUB_200_2011/images/", "csv": ""}
+ID_PREFIX = datasets.values_of("PUBLISHED_ID_PREFIX")
 RESOLUTION = 448  # the authors' extraction: Resize((448, 448)) of a PIL image
 
 

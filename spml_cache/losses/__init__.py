@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from spml_cache.losses import plugins
-from spml_cache.losses.base import _REGISTRY, Loss, register
+from spml_cache.losses.base import LOSSES, Loss, register
 from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
-from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -48,19 +47,14 @@ _FLAG_TEXTS = {
 def names(similarity: bool = True) -> list[str]:
     """Registered loss names, in the order of docs/losses.md; `similarity=False` (a cache without a text side)
     leaves out the losses that need one (`needs_similarity`)."""
-    return [name for name, cls in _REGISTRY.items() if similarity or not cls.needs_similarity]
+    return [name for name, cls in LOSSES.items() if similarity or not cls.needs_similarity]
 
 
 def get(name: str) -> type[Loss]:
     """The loss class registered as `name`, or the plugin it names (`file.py:Class`, `module:Class`, a loaded
     plugin's or an entry point's name: plugins.py); a clear error listing the valid names otherwise."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        found = plugins.find(name)
-        if found is not None:
-            return found
-        raise SpmlError(f"{unknown_name('loss', name, names())}; valid: {', '.join(names())}") from None
+    found = LOSSES.find(name) or plugins.find(name)
+    return found if found is not None else LOSSES.get(name)
 
 
 def reads_whole_observed(name: str) -> bool:
@@ -96,7 +90,7 @@ def describe(specs: tuple[str, ...] = ()) -> list[dict]:
     `spml-cache losses` prints: name, description, reference, defaults (a default derived at build time shows
     how, e.g. "1/(C-1)"), per-dataset defaults, state, flags and, for a plugin, its origin."""
     rows = []
-    found = {**_REGISTRY, **{cls.name: cls for cls in map(get, [*plugins.installed(), *specs])}}
+    found = {**dict(LOSSES.items()), **{cls.name: cls for cls in map(get, [*plugins.installed(), *specs])}}
     for name, cls in found.items():
         rows.append(
             {

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.registry import Registry
 
 
 class Fidelity(str, Enum):
@@ -316,12 +317,10 @@ class Loss(torch.nn.Module):
         return ", ".join(f"{k}={v}" for k, v in self.hparams.items())
 
 
-_REGISTRY: dict[str, type[Loss]] = {}
+# Every built-in loss, in the order of docs/losses.md (the order the family modules are imported in).
+LOSSES: Registry[type[Loss]] = Registry("loss", listing="valid:")
 
 
 def register(cls: type[Loss]) -> type[Loss]:
     """Class decorator: make a loss available to `build` under `cls.name`."""
-    if cls.name in _REGISTRY:
-        raise ValueError(f"loss name '{cls.name}' registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return LOSSES.register(cls)

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from spml_cache import datasets
 from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
-from spml_cache.protocol import EXPECTED_POSITIVES
 from spml_cache.runtime.errors import SpmlError
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -38,7 +38,7 @@ class _ExpectedPositivesLoss(Loss):
 
     defaults = {"k": None}
     derived = {"k": "the dataset's expected positives per image (else pass --hp k=)"}
-    dataset_defaults = {dataset: {"k": k} for dataset, k in EXPECTED_POSITIVES.items()}
+    dataset_defaults = {dataset: {"k": k} for dataset, k in datasets.values_of("EXPECTED_POSITIVES").items()}
     per_head = ("k",)
 
     def __init__(self, **kwargs):
@@ -47,7 +47,7 @@ class _ExpectedPositivesLoss(Loss):
         if None in values:
             raise SpmlError(
                 f"loss '{self.name}' needs k, the expected positives per image, and dataset '{self.dataset}' has no"
-                f" default (known: {', '.join(EXPECTED_POSITIVES)}): pass --hp k=VALUE"
+                f" default (known: {', '.join(self.dataset_defaults)}): pass --hp k=VALUE"
             )
         for k in values:
             if not 0 < k <= self.num_classes:

@@ -18,7 +18,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from spml_cache.losses.base import _REGISTRY, Loss
+from spml_cache.losses.base import LOSSES, Loss
 from spml_cache.runtime.errors import SpmlError
 
 GROUP = "spml_cache.losses"
@@ -45,7 +45,7 @@ def find(text: str) -> type[Loss] | None:
 
 def lookup(name: str) -> type[Loss] | None:
     """A built-in loss class, else the plugin `name` names; None if neither."""
-    return _REGISTRY.get(name) or find(name)
+    return LOSSES.find(name) or find(name)
 
 
 def canonical(text: str) -> str:
@@ -137,7 +137,7 @@ def _register(spec: str, cls, found: dict) -> type[Loss]:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise SpmlError(f"--loss {spec}: set the class attribute name = \"my_loss\" (letters, digits and _,"
                         f" a letter first); it names the loss's results ({GUIDE})")
-    if name in _REGISTRY:
+    if name in LOSSES:
         raise SpmlError(f"--loss {spec}: its name {name!r} is a built-in loss's; give the plugin another name")
     if cls.forward is Loss.forward:  # torch's placeholder, which raises at the first step
         raise SpmlError(f"--loss {spec}: {cls.__name__} has no forward(logits, observed, *, labels=None,"

@@ -20,7 +20,8 @@ import numpy as np
 from spml_cache.labels import is_sparse
 from spml_cache.observation.keys import DEFAULT_RULE, FLAG
 from spml_cache.protocol import OBSERVE_SEED
-from spml_cache.runtime.errors import SpmlError, unknown_name
+from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,15 @@ class ObservationRule:
                 f" {FLAG} single, uniform, entry, keep-pos or per-class (or given with a label mask)")
 
 
-RULES: dict[str, type[ObservationRule]] = {}
+# Every rule, listed (in refusals, --help, docs/protocol.md's table) as it is written, in registration order.
+RULES: Registry[type[ObservationRule]] = Registry("rule", listing="use one of", shown=lambda _, rule: rule.example)
 
 
 def register(cls: type[ObservationRule]) -> type[ObservationRule]:
     """Class decorator: add a rule to the registry under its `name` (the order of registration is the order
     rules are listed in)."""
-    if cls.name in RULES:
-        raise ValueError(f"observation rule {cls.name!r} is registered twice")
     cls.example = cls.example or cls.name
-    RULES[cls.name] = cls
-    return cls
+    return RULES.register(cls)
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class Rule:
 
     @property
     def entry(self) -> type[ObservationRule]:
-        return RULES[self.name]
+        return RULES.get(self.name)
 
     @property
     def text(self) -> str:
@@ -152,11 +151,7 @@ def parse_rule(text: str, flag: str = FLAG) -> Rule:
     """One rule from its text (`name` or `name:args`, args `value` and/or `key=value`), checked."""
     name, _, arg_text = text.strip().partition(":")
     name = name.strip()
-    if name not in RULES:
-        known = ", ".join(entry.example for entry in RULES.values())
-        raise SpmlError(f"{flag} {text}: {unknown_name('rule', name, RULES)}; use one of {known} (docs/protocol.md,"
-                        " \"Observation rules\")")
-    entry = RULES[name]
+    entry = RULES.get(name, where=f"{flag} {text}: ", hint=' (docs/protocol.md, "Observation rules")')
     params = {param.name: param for param in (*entry.params, SEED)}
     given: dict[str, str] = {}
     for i, arg in enumerate(a.strip() for a in arg_text.split(",") if arg_text.strip()):

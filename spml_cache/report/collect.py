@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from spml_cache import losses
+from spml_cache import datasets, losses
 from spml_cache.backbones import DEFAULT as DEFAULT_BACKBONE
 from spml_cache.backbones import feature_label
 from spml_cache.losses.base import Fidelity
@@ -20,7 +20,8 @@ from spml_cache.runtime.errors import SpmlError
 RUN_FILES = ("config.json", RESULTS, "metrics.jsonl")
 # Fine-tuning from a fresh ImageNet model is another experiment than from the best linear head (LinearInit).
 STAGE_LABELS = {"linear": "linear", "finetune": "fine-tuned", "finetune-imagenet": "fine-tuned from ImageNet"}
-DATASET_LABELS = {"voc": "VOC", "coco": "COCO", "nus": "NUS", "cub": "CUB"}
+# The papers' datasets by their readers' REPORT_LABEL, in the papers' order (report/paper.py's values follow it).
+DATASET_LABELS = datasets.values_of("REPORT_LABEL")
 
 
 @dataclass

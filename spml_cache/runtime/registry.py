@@ -1,0 +1,93 @@
+"""The one registry idiom: losses, observation rules, datasets and backbone families are each a `Registry` of
+entries known by name.
+
+Names are listed in the order they were registered (that order is every listing's: `spml-cache losses`, the
+CLI's help, the docs' tables). An entry is registered as it is (a class, with `register` as a decorator) or
+lazily (`register_lazy`: a loader called on first use, so a backbone family's module and the package it needs
+are imported only when that family is asked for). An unknown name is refused in one line by
+`errors.unknown_name`'s wording, with the closest name and the valid list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from spml_cache.runtime.errors import SpmlError, unknown_name
+
+Entry = TypeVar("Entry")
+
+
+class Registry(Generic[Entry]):
+    """Entries by name. `kind` names them in refusals (`unknown loss 'x'`); `listing` introduces the valid
+    names after a refusal (`valid:`, `choose one of`), each shown by `shown` (its name by default)."""
+
+    def __init__(self, kind: str, listing: str = "choose one of",
+                 shown: Callable[[str, Entry], str] | None = None) -> None:
+        self.kind = kind
+        self.listing = listing
+        self._shown = shown
+        self._entries: dict[str, Entry] = {}
+        self._loaders: dict[str, Callable[[], Entry]] = {}
+        self._order: list[str] = []
+
+    def register(self, entry: Entry, name: str | None = None) -> Entry:
+        """Add `entry` under `name` (default: its `name` attribute); returns it, so that it decorates a class."""
+        name = entry.name if name is None else name
+        self._claim(name)
+        self._entries[name] = entry
+        return entry
+
+    def register_lazy(self, name: str, load: Callable[[], Entry]) -> None:
+        """Add the entry `load()` gives, called when `name` is first asked for (and again if it raised)."""
+        self._claim(name)
+        self._loaders[name] = load
+
+    def _claim(self, name: str) -> None:
+        if name in self._order:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._order.append(name)
+
+    def names(self) -> list[str]:
+        """Every name, in the order of registration."""
+        return list(self._order)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._order
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def find(self, name: str) -> Entry | None:
+        """The entry registered as `name` (loaded now if it is lazy), or None."""
+        if name not in self._order:
+            return None
+        if name not in self._entries:
+            self._entries[name] = self._loaders[name]()
+        return self._entries[name]
+
+    def items(self) -> list[tuple[str, Entry]]:
+        """(name, entry) in order, every lazy entry loaded."""
+        return [(name, self.find(name)) for name in self._order]
+
+    def values(self) -> list[Entry]:
+        return [entry for _, entry in self.items()]
+
+    def unknown(self, name: str) -> str:
+        """`unknown <kind> '<name>'`, with the closest registered name as "did you mean"."""
+        return unknown_name(self.kind, name, self._order)
+
+    def valid(self) -> str:
+        """The valid names as a refusal lists them, after `listing`."""
+        shown = self._order if self._shown is None else [self._shown(n, self.find(n)) for n in self._order]
+        return f"{self.listing} {', '.join(shown)}"
+
+    def get(self, name: str, where: str = "", hint: str = "") -> Entry:
+        """The entry registered as `name`; else one line: `where`, the refusal, the valid names, `hint`."""
+        found = self.find(name)
+        if found is None:
+            raise SpmlError(f"{where}{self.unknown(name)}; {self.valid()}{hint}")
+        return found
