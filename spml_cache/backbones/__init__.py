@@ -26,9 +26,11 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from spml_cache.runtime.errors import SpmlError, unknown_name
+from spml_cache.runtime.registry import Registry
 
 if TYPE_CHECKING:  # the registry's names and defaults stay importable without torch (the report reads them)
     from torch import nn
@@ -46,12 +48,6 @@ PROMPT_SETS = {
 DEFAULT_PROMPTS = "default"
 FEATURES = ("pooled", "last4")  # which activations make the features (layers.py)
 DEFAULT_FEATURES = "pooled"
-# family prefix -> (module, the package it needs, the extra that installs it)
-FAMILIES = {
-    "tv": ("spml_cache.backbones.torchvision_models", "torchvision", None),
-    "timm": ("spml_cache.backbones.timm_models", "timm", "timm"),
-    "clip": ("spml_cache.backbones.clip_models", "open_clip", "clip"),
-}
 
 
 @dataclass(frozen=True)
@@ -124,6 +120,35 @@ def slug(name: str) -> str:
     return re.sub(r"[-:/]", "_", name)
 
 
+def _family(prefix: str, module: str, package: str | None = None, extra: str | None = None):
+    """The loader of a family's module (`module`): imported when the family is used, once `package` (which the
+    extra `extra` installs) is found importable."""
+
+    def load() -> ModuleType:
+        if package is not None:
+            if os.environ.get("SPML_OFFLINE"):  # the project's offline switch is the hub's too (read on its import)
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            try:
+                importlib.import_module(package)
+            except ImportError:
+                raise SpmlError(f"--backbone {prefix}:...: needs the {package} package: pip install"
+                                f' "spml-cache[{extra}]"') from None
+        return importlib.import_module(module)
+
+    return load
+
+
+# The families, each a module with describe() and build(), imported when used (they import torch and their
+# packages); the prefixes a name may start with are every family's but the plugins', which a name reaches as
+# `module:callable` or an entry point's name.
+PLUGIN = "plugin"
+FAMILIES: Registry[ModuleType] = Registry("backbone family")
+FAMILIES.register_lazy("tv", _family("tv", "spml_cache.backbones.torchvision_models", "torchvision"))
+FAMILIES.register_lazy("timm", _family("timm", "spml_cache.backbones.timm_models", "timm", "timm"))
+FAMILIES.register_lazy("clip", _family("clip", "spml_cache.backbones.clip_models", "open_clip", "clip"))
+FAMILIES.register_lazy(PLUGIN, _family(PLUGIN, "spml_cache.backbones.plugins"))
+
+
 def family_of(name: str) -> tuple[str, str]:
     """(family prefix, the name within the family): `timm:x` -> (timm, x), `tv:x` and `x` -> (tv, x), an
     importable `module:callable` -> (plugin, module:callable). A plain name may still be an entry point
@@ -131,10 +156,11 @@ def family_of(name: str) -> tuple[str, str]:
     prefix, colon, rest = name.partition(":")
     if not colon:
         return "tv", name
-    if prefix not in FAMILIES:
+    if prefix not in FAMILIES or prefix == PLUGIN:
         if _plugins().is_spec(name):
-            return "plugin", name
-        raise SpmlError(f"--backbone {name}: {unknown_name('backbone family', prefix, ('timm', 'clip', 'tv'))}, nor"
+            return PLUGIN, name
+        typed = [family for family in FAMILIES if family != PLUGIN]
+        raise SpmlError(f"--backbone {name}: {unknown_name('backbone family', prefix, typed)}, nor"
                         " a module found on the path; use a torchvision name (resnet50, vit_b_16, ...), timm:NAME,"
                         " clip:ARCH/TAG or module:callable (docs/your-own-backbone.md)")
     return prefix, rest
@@ -149,20 +175,8 @@ def origin_text(origin: str) -> str:
 
 
 def _plugins():
-    """plugins.py, imported when first needed (like the families' modules: it imports torch, and this module)."""
-    return importlib.import_module("spml_cache.backbones.plugins")
-
-
-def _module(prefix: str):
-    module, package, extra = FAMILIES[prefix]
-    if os.environ.get("SPML_OFFLINE"):  # the project's offline switch is the hub's too (read when it is imported)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        importlib.import_module(package)
-    except ImportError:
-        raise SpmlError(f"--backbone {prefix}:...: needs the {package} package: pip install"
-                        f' "spml-cache[{extra}]"') from None
-    return importlib.import_module(module)
+    """plugins.py (it imports torch, and this module)."""
+    return FAMILIES.get(PLUGIN)
 
 
 def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | None = None,
@@ -177,7 +191,7 @@ def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | 
         raise SpmlError(f"--clip-features {clip_features}: use post (after the projection) or pre (before it)")
     prefix, rest = family_of(name)
     if prefix == "tv" and ":" not in name and _plugin_named(name):
-        prefix = "plugin"
+        prefix = PLUGIN
     if prefix != "clip" and crops:
         raise SpmlError(f"--crops {crops}: crop embeddings are for clip:ARCH/TAG backbones only")
     if crops and crops < 2:
@@ -185,13 +199,13 @@ def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | 
     if prefix != "clip" and clip_features != DEFAULT_CLIP_FEATURES:
         raise SpmlError(f"--clip-features {clip_features}: only for clip:ARCH/TAG backbones")
     if prefix == "clip":
-        return _module(prefix).describe(rest, weights, resolution, clip_features, crops, features)
-    if prefix == "plugin":
+        return FAMILIES.get(prefix).describe(rest, weights, resolution, clip_features, crops, features)
+    if prefix == PLUGIN:
         if features != DEFAULT_FEATURES:  # the user's callable gives its own vector; its blocks are unknown here
             raise SpmlError(f"--features {features}: {name} is a plugin backbone (its callable gives one"
                             " vector); use --features pooled with it")
         return _plugins().describe(rest, weights, resolution)
-    return _module(prefix).describe(rest, weights, resolution, features)
+    return FAMILIES.get(prefix).describe(rest, weights, resolution, features)
 
 
 def _plugin_named(name: str) -> bool:
@@ -211,9 +225,7 @@ def _plugin_named(name: str) -> bool:
 
 def build(description: Description) -> nn.Module:
     """The trunk, in train mode with gradients on (extraction freezes it); `RandomWeightsWarning` for none."""
-    if description.family == "plugin":
-        return _plugins().build(description)
-    return _module(description.family).build(description)
+    return FAMILIES.get(description.family).build(description)
 
 
 def prompts(choice: str = DEFAULT_PROMPTS) -> list[str]:

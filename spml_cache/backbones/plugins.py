@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spml_cache.backbones import Description
+from spml_cache.backbones import PLUGIN, Description
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.runtime.errors import SpmlError
 
@@ -167,7 +167,7 @@ def describe(name: str, weights: str | None, resolution: int | None) -> Descript
     model, preprocess, width = _checked(result, name, required)
     _output_width(model, preprocess, name, width)
     given = keywords.get("weights", OWN_WEIGHTS)
-    return Description(name, "plugin", given, given, preprocess, width, origin=json.dumps(origin, sort_keys=True),
+    return Description(name, PLUGIN, given, given, preprocess, width, origin=json.dumps(origin, sort_keys=True),
                        extra={"model": model})
 
 

@@ -3,8 +3,8 @@ entries known by name.
 
 Names are listed in the order they were registered (that order is every listing's: `spml-cache losses`, the
 CLI's help, the docs' tables). An entry is registered as it is (a class, with `register` as a decorator) or
-lazily (`register_lazy`: a loader called on first use, so a backbone family's module and the package it needs
-are imported only when that family is asked for). An unknown name is refused in one line by
+lazily (`register_lazy`: a loader called when the entry is asked for, so a backbone family's module and the
+package it needs are imported only when that family is used). An unknown name is refused in one line by
 `errors.unknown_name`'s wording, with the closest name and the valid list.
 """
 
@@ -39,7 +39,8 @@ class Registry(Generic[Entry]):
         return entry
 
     def register_lazy(self, name: str, load: Callable[[], Entry]) -> None:
-        """Add the entry `load()` gives, called when `name` is first asked for (and again if it raised)."""
+        """Add the entry `load()` gives, called each time `name` is asked for: a module import is cached by Python,
+        and the checks around it (is the family's package installed?) stay as live as a plain import."""
         self._claim(name)
         self._loaders[name] = load
 
@@ -63,11 +64,9 @@ class Registry(Generic[Entry]):
 
     def find(self, name: str) -> Entry | None:
         """The entry registered as `name` (loaded now if it is lazy), or None."""
-        if name not in self._order:
-            return None
-        if name not in self._entries:
-            self._entries[name] = self._loaders[name]()
-        return self._entries[name]
+        if name in self._loaders:
+            return self._loaders[name]()
+        return self._entries.get(name)
 
     def items(self) -> list[tuple[str, Entry]]:
         """(name, entry) in order, every lazy entry loaded."""
