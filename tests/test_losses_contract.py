@@ -244,7 +244,8 @@ SWEPT = [name for name in ALL if losses.get(name).per_head]
 
 def other_valid_value(loss_cls, key, value):
     """A second value of `key` inside its bounds (and of k inside (0, C])."""
-    low, high, _ = loss_cls.bounds.get(key, (float("-inf"), float("inf"), "()"))
+    param = loss_cls.constraints().get(key)
+    low, high = (param.low, param.high) if param is not None else (float("-inf"), float("inf"))
     candidate = value * 0.5 if value not in (None, 0) else 0.5
     return min(max(candidate, low + 1e-3 if low > float("-inf") else candidate), high - 1e-3 if high < 1e9 else candidate)
 

@@ -7,6 +7,7 @@ labels only) keep the plain `nl(1 - p)`.
 
 from __future__ import annotations
 
+import math
 import torch
 
 from spml_cache.runtime.errors import SpmlError
@@ -20,6 +21,7 @@ from spml_cache.losses.base import (
     register,
     rows_for_heads,
 )
+from spml_cache.runtime.registry import Param
 
 EM_ALPHA = {"voc": 0.2, "coco": 0.1, "nus": 0.1, "cub": 0.01}
 
@@ -43,7 +45,7 @@ class EntropyMaximization(Loss):
     defaults = {"alpha": 0.1}
     dataset_defaults = {dataset: {"alpha": alpha} for dataset, alpha in EM_ALPHA.items()}
     per_head = ("alpha",)
-    bounds = {"alpha": (0.0, float("inf"), "[)")}
+    params = (Param.between("alpha", 0.0, math.inf, "[)"),)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return mean_over_entries(_em_terms(logits, observed, -self.alpha * entropy(logits, self.log_eps), self.log_eps))
@@ -70,7 +72,7 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
     reference = "Zhou et al., ECCV 2022, Sec. 3.3, Algorithm 1, Eq. 6-8; Table 1 row EM loss+APL"
     defaults = {"alpha": 0.1, "beta": 0.9, "warmup": 5, "theta": 0.9}
     per_head = ("alpha", "beta")
-    bounds = {"alpha": (0.0, float("inf"), "[)"), "beta": (0.0, float("inf"), "[)")}
+    params = (Param.between("alpha", 0.0, math.inf, "[)"), Param.between("beta", 0.0, math.inf, "[)"))
     dataset_defaults = {
         "voc": {"alpha": 0.2, "beta": 0.02, "warmup": 5},
         "coco": {"alpha": 0.1, "beta": 0.9, "warmup": 5},

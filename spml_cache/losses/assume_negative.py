@@ -8,12 +8,14 @@ not smooth it, `entmin` gives it no entropy term.
 
 from __future__ import annotations
 
+import math
 import torch
 
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.losses.base import (
     Loss, as_tensor_like, bce, entropy, head_vector, mean_over_entries, neg_log_1mp, neg_log_p, register,
 )
+from spml_cache.runtime.registry import Param
 
 
 @register
@@ -51,7 +53,7 @@ class AssumeNegativeLabelSmoothing(Loss):
     reference = "Cole et al., CVPR 2021, Eq. 9; Table 1 row L_AN-LS (Zhou et al., Table 1 row LS)"
     defaults = {"ls": 0.1}
     per_head = ("ls",)
-    bounds = {"ls": (0.0, 1.0, "[)")}
+    params = (Param.between("ls", 0.0, 1.0, "[)"),)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return _smoothed_bce(logits, observed, 1.0 - self.ls, self.ls, self.log_eps)
@@ -68,7 +70,7 @@ class AssumeNegativeSmoothNegatives(Loss):
     reference = "Cole et al., CVPR 2021, appendix A, AN-LS(eps_p=0, eps_n) and Table A1 (Zhou et al., Table 1 row N-LS)"
     defaults = {"ls": 0.1}
     per_head = ("ls",)
-    bounds = {"ls": (0.0, 1.0, "[)")}
+    params = (Param.between("ls", 0.0, 1.0, "[)"),)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         smoothed = _smoothed_bce(logits, observed, 1.0, self.ls, self.log_eps, reduce=False)
@@ -88,7 +90,7 @@ class WeakAssumeNegative(Loss):
     defaults = {"gamma": None}
     derived = {"gamma": "1/(C-1)"}
     per_head = ("gamma",)
-    bounds = {"gamma": (0.0, float("inf"), "()")}
+    params = (Param.between("gamma", 0.0, math.inf, "()"),)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -117,7 +119,7 @@ class AssumeNegativeL1(AssumeNegative):
     defaults = {"lam": 1e-4}
     penalises_weight = True
     per_head = ("lam",)
-    bounds = {"lam": (0.0, float("inf"), "[)")}
+    params = (Param.between("lam", 0.0, math.inf, "[)"),)
 
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
         return head_vector(self.lam) * weight.abs().sum(dim=(-2, -1))
@@ -136,7 +138,7 @@ class AssumeNegativeL2(AssumeNegative):
     defaults = {"lam": 1e-4}
     penalises_weight = True
     per_head = ("lam",)
-    bounds = {"lam": (0.0, float("inf"), "[)")}
+    params = (Param.between("lam", 0.0, math.inf, "[)"),)
 
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
         return 0.5 * head_vector(self.lam) * weight.square().sum(dim=(-2, -1))
@@ -153,7 +155,7 @@ class EntropyMinimization(Loss):
     reference = "Zhou et al., ECCV 2022, Sec. 4.1 'Comparing Methods' and Table 1 row EntMin"
     defaults = {"alpha": 0.1}
     per_head = ("alpha",)
-    bounds = {"alpha": (0.0, float("inf"), "[)")}
+    params = (Param.between("alpha", 0.0, math.inf, "[)"),)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         unobserved_term = self.alpha * entropy(logits, self.log_eps)

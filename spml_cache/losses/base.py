@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.runtime.registry import Registry
+from spml_cache.runtime.registry import Param, Registry
 
 
 class Fidelity(str, Enum):
@@ -163,9 +163,11 @@ class Loss(torch.nn.Module):
     authors_defaults: ClassVar[dict[str, float]] = {}  # defaults of the authors' code where they differ from ours
     # Sweeps (`--hp key=v1,v2`): the hyperparameters whose values may differ between the heads of one stack (the
     # loss then holds them as `[K, 1, 1]` tensors and broadcasts them in `forward`); each hyperparameter's valid
-    # range as `(low, high, brackets)` with brackets like "[)" for low <= value < high; and the search space the
-    # paper states, if it states one, with where it says so.
+    # range, declared as observation rules declare theirs (`Param.between("rho", 0, 1, "[)")` for 0 <= rho < 1;
+    # a plugin may give `bounds = {"rho": (0.0, 1.0, "[)")}` instead, read the same way); and the search space
+    # the paper states, if it states one, with where it says so.
     per_head: ClassVar[tuple[str, ...]] = ()
+    params: ClassVar[tuple[Param, ...]] = ()
     bounds: ClassVar[dict[str, tuple[float, float, str]]] = {}
     paper_grid: ClassVar[dict[str, tuple[float, ...]]] = {}
     paper_grid_source: ClassVar[str] = ""
@@ -257,14 +259,17 @@ class Loss(torch.nn.Module):
 
     def check_bound(self, key: str, value) -> None:
         """A value outside the hyperparameter's valid range is a clear error naming the flag."""
-        if value is None or key not in self.bounds:
-            return
-        low, high, brackets = self.bounds[key]
-        above = value >= low if brackets[0] == "[" else value > low
-        below = value <= high if brackets[1] == "]" else value < high
-        if not (above and below):
-            interval = f"{brackets[0]}{low:g}, {high:g}{brackets[1]}"
+        param = self.constraints().get(key)
+        if value is not None and param is not None and not param.valid(value):
+            interval = param.must.removeprefix("in ")
             raise SpmlError(f"--hp {self.name}.{key}={value:g}: outside its valid range {interval}")
+
+    @classmethod
+    def constraints(cls) -> dict[str, Param]:
+        """Each constrained hyperparameter's `Param`: the class's `params`, and a plugin's `bounds` as Params."""
+        found = {param.name: param for param in cls.params}
+        found.update({key: Param.between(key, *bound) for key, bound in cls.bounds.items()})
+        return found
 
     def set_hparam(self, key: str, value: float) -> None:
         """Fill in (or normalise) a resolved hyperparameter, keeping `hparams` and the attribute in step."""

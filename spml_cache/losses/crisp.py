@@ -23,6 +23,7 @@ import torch
 
 from spml_cache.losses.base import Loss, assign_, neg_log_1mp, neg_log_p, register
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.registry import Param
 
 
 def estimate_priors(scores: torch.Tensor, positive: torch.Tensor, delta: float, tau: float) -> torch.Tensor:
@@ -54,7 +55,8 @@ class ClassPriorsRisk(Loss):
     reference = "Liu et al., Can Class-Priors Help Single-Positive Multi-Label Learning?, 2023, Sec. 3 (Eq. of the" \
         " priors estimator and the unbiased risk)"
     defaults = {"warmup": 1, "delta": 0.01, "tau": 0.01}
-    bounds = {"delta": (0.0, 1.0, "()"), "tau": (0.0, float("inf"), "[)"), "warmup": (0.0, float("inf"), "[)")}
+    params = (Param.between("delta", 0.0, 1.0, "()"), Param.between("tau", 0.0, math.inf, "[)"),
+              Param.between("warmup", 0.0, math.inf, "[)"))
     # no per-example state (`state`): the per-class buffers prior [K, C] and estimating [K] (past the warm-up)
 
     def __init__(self, **kwargs):

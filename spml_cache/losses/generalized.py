@@ -10,10 +10,12 @@ negatives (`z = -1`, partial-label setting only, absent from the paper) get its 
 
 from __future__ import annotations
 
+import math
 import torch
 import torch.nn.functional as F
 
 from spml_cache.losses.base import Loss, assign_, mean_over_entries, neg_log_1mp, neg_log_p, register
+from spml_cache.runtime.registry import Param
 
 SCHEDULED = ("w", "b", "mu", "sigma")  # the values the schedules move, from `{key}0` to `{key}T`
 
@@ -43,7 +45,8 @@ class GeneralizedRobust(Loss):
         "q2": 0.01, "q3": 1.0,
     }
     per_head = ("w0", "b0", "mu0", "sigma0", "wT", "bT", "muT", "sigmaT", "q2", "q3")
-    bounds = {"sigma0": (0.0, float("inf"), "()"), "sigmaT": (0.0, float("inf"), "()"), "q2": (0.0, float("inf"), "()"), "q3": (0.0, float("inf"), "()")}
+    params = (Param.between("sigma0", 0.0, math.inf, "()"), Param.between("sigmaT", 0.0, math.inf, "()"),
+              Param.between("q2", 0.0, math.inf, "()"), Param.between("q3", 0.0, math.inf, "()"))
     dataset_defaults = {
         "voc": {"wT": 2.0, "bT": -2.0},
         "coco": {"wT": 10.0, "bT": -8.0},

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from spml_cache.losses.base import Fidelity, Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
+from spml_cache.runtime.registry import Param
 
 
 def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions: torch.Tensor, depth: int):
@@ -47,7 +48,7 @@ class _LargeLoss(Loss):
     defaults = {"delta": 0.002}
     authors_early_stop = ("drop", 3.0)  # Kim et al.: stop once val mAP falls 3 below its best
     per_head = ("delta",)
-    bounds = {"delta": (0.0, 1.0, "()")}
+    params = (Param.between("delta", 0.0, 1.0, "()"),)
     paper_grid = {"delta": (0.001, 0.002, 0.003, 0.004, 0.005)}
     paper_grid_source = ("Kim et al.'s answer to their repository's issue 8 (LargeLossMatters): a grid search over"
                          " delta_rel in {0.1, ..., 0.5} %")

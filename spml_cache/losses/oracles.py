@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from spml_cache.losses.base import Loss, as_tensor_like, bce, mean_over_entries, neg_log_1mp, neg_log_p, register
+from spml_cache.runtime.registry import Param
 
 
 @register
@@ -39,7 +40,7 @@ class FullBCELabelSmoothing(Loss):
     reference = "Cole et al., CVPR 2021, Eq. 5 with the smoothing of Eq. 9; Table 1 row L_BCE-LS"
     defaults = {"ls": 0.1}
     per_head = ("ls",)
-    bounds = {"ls": (0.0, 1.0, "[)")}
+    params = (Param.between("ls", 0.0, 1.0, "[)"),)
     oracle = True
 
     def forward(self, logits, observed, *, labels=None, index=None):

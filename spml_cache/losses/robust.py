@@ -9,10 +9,12 @@ get the same negative term as assumed negatives; SPLC never flips them.
 
 from __future__ import annotations
 
+import math
 import torch
 import torch.nn.functional as F
 
 from spml_cache.losses.base import Fidelity, Loss, mean_over_entries, neg_log_1mp, neg_log_p, register
+from spml_cache.runtime.registry import Param
 
 
 def focal_positive(x: torch.Tensor, g: float) -> torch.Tensor:
@@ -36,7 +38,7 @@ class Focal(Loss):
     reference = "Lin et al., ICCV 2017; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1; Chen et al., Table 2"
     defaults = {"g": 2.0}
     per_head = ("g",)
-    bounds = {"g": (0.0, float("inf"), "[)")}
+    params = (Param.between("g", 0.0, math.inf, "[)"),)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         terms = torch.where(observed == 1, focal_positive(logits, self.g), focal_negative(logits, self.g))
@@ -57,7 +59,8 @@ class AsymmetricLoss(Loss):
     reference = "Ridnik et al., ICCV 2021; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1"
     defaults = {"gp": 0.0, "gn": 4.0, "clip": 0.05}
     per_head = ("gp", "gn")
-    bounds = {"gp": (0.0, float("inf"), "[)"), "gn": (0.0, float("inf"), "[)"), "clip": (0.0, 1.0, "[)")}
+    params = (Param.between("gp", 0.0, math.inf, "[)"), Param.between("gn", 0.0, math.inf, "[)"),
+              Param.between("clip", 0.0, 1.0, "[)"))
 
     def forward(self, logits, observed, *, labels=None, index=None):
         positive = focal_positive(logits, self.gp)
@@ -89,7 +92,7 @@ class Hill(Loss):
     reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B eq. 24, C.3; Table 2"
     defaults = {"lam": 1.5, "m": 1.0, "g": 2.0}
     per_head = ("lam", "m", "g")
-    bounds = {"g": (0.0, float("inf"), "[)")}
+    params = (Param.between("g", 0.0, math.inf, "[)"),)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         p = torch.sigmoid(logits)
@@ -113,7 +116,7 @@ class SPLC(Loss):
     reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B (SPLC, focal margin); Table 2"
     defaults = {"tau": 0.6, "m": 1.0, "g": 2.0}
     per_head = ("tau", "m", "g")
-    bounds = {"tau": (0.0, 1.0, "()"), "g": (0.0, float("inf"), "[)")}
+    params = (Param.between("tau", 0.0, 1.0, "()"), Param.between("g", 0.0, math.inf, "[)"))
     switch_epoch = 2
 
     def __init__(self, **kwargs) -> None:

@@ -9,6 +9,7 @@ pseudo-label, and an observed negative (`z = -1`, partial labels only) is a know
 
 from __future__ import annotations
 
+import math
 import torch
 
 from spml_cache.runtime.errors import SpmlError
@@ -17,6 +18,7 @@ from spml_cache.losses.base import (
 )
 from spml_cache.losses.estimating import _ExpectedPositivesLoss, expected_positive_regularizer
 from spml_cache.losses.generalized import GeneralizedRobust
+from spml_cache.runtime.registry import Param
 
 VLPL_ALPHA = {"voc": 0.2, "coco": 0.1, "nus": 0.1, "cub": 0.01}
 # AEVLP's configs/<dataset>.json (and coco.json): beta = (w0, wT, b0, bT), lam = (lambda1, lambda2), reg, the
@@ -59,8 +61,9 @@ class VisionLanguagePseudoLabels(Loss):
     defaults = {"alpha": 0.1, "beta": 0.7, "rho": 0.9, "temperature": 0.01, "threshold": 0.3}
     dataset_defaults = {dataset: {"alpha": alpha} for dataset, alpha in VLPL_ALPHA.items()}
     per_head = ("alpha", "beta", "rho")
-    bounds = {"alpha": (0.0, float("inf"), "[)"), "beta": (0.0, float("inf"), "[)"), "rho": (0.0, 1.0, "[]"),
-              "temperature": (0.0, float("inf"), "()"), "threshold": (0.0, 1.0, "[)")}
+    params = (Param.between("alpha", 0.0, math.inf, "[)"), Param.between("beta", 0.0, math.inf, "[)"),
+              Param.between("rho", 0.0, 1.0, "[]"), Param.between("temperature", 0.0, math.inf, "()"),
+              Param.between("threshold", 0.0, 1.0, "[)"))
     state = "pseudo_positive [K, N_train, C]: fixed CLIP pseudo-positives"
     row_buffers = ("pseudo_positive",)
 
@@ -135,9 +138,11 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
     dataset_defaults = {dataset: {**values, **_ExpectedPositivesLoss.dataset_defaults.get(dataset, {})}
                         for dataset, values in GPR_DATASETS.items()}
     per_head = GeneralizedRobust.per_head + ("lambda1", "lambda2", "rho", "reg", "k")
-    bounds = {**GeneralizedRobust.bounds, "lambda1": (0.0, 1.0, "[]"), "lambda2": (0.0, 1.0, "[]"),
-              "rho": (0.0, 1.0, "[]"), "reg": (0.0, float("inf"), "[)"), "temperature": (0.0, float("inf"), "()"),
-              "eta": (0.0, 1.0, "[]"), "top_k": (1.0, float("inf"), "[)"), "negative_ratio": (0.0, 1.0, "[)")}
+    params = (*GeneralizedRobust.params, Param.between("lambda1", 0.0, 1.0, "[]"),
+              Param.between("lambda2", 0.0, 1.0, "[]"), Param.between("rho", 0.0, 1.0, "[]"),
+              Param.between("reg", 0.0, math.inf, "[)"), Param.between("temperature", 0.0, math.inf, "()"),
+              Param.between("eta", 0.0, 1.0, "[]"), Param.between("top_k", 1.0, math.inf, "[)"),
+              Param.between("negative_ratio", 0.0, 1.0, "[)"))
     state = "pseudo_label [K, N_train, C]: fixed CLIP pseudo-labels, 1 / -1 / 0"
     row_buffers = ("pseudo_label",)
 

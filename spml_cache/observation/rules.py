@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from spml_cache.labels import is_sparse
 from spml_cache.observation.keys import DEFAULT_RULE, FLAG
 from spml_cache.protocol import OBSERVE_SEED
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.runtime.registry import Registry
+from spml_cache.runtime.registry import Param, Registry
 
 
 @dataclass(frozen=True)
@@ -30,18 +30,6 @@ class Areas:
 
     largest: np.ndarray  # float [N, C]: the area of the class's largest instance in each image
     total: np.ndarray  # float [N, C]: the summed area of the class's instances in each image
-
-
-@dataclass(frozen=True)
-class Param:
-    """One parameter of a rule: its name, its type, what it must satisfy, its default (None: required)."""
-
-    name: str
-    kind: type  # int or float
-    valid: Callable[[float], bool]
-    must: str  # what a bad value is told, e.g. "in (0, 1]"
-    default: float | None = None
-    all_is: int | None = None  # the number that "all" stands for (uniform's -1)
 
 
 # numpy seeds are 32-bit, and a per-split rule draws val with seed + 1

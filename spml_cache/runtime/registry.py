@@ -10,12 +10,41 @@ package it needs are imported only when that family is used). An unknown name is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from spml_cache.runtime.errors import SpmlError, unknown_name
 
 Entry = TypeVar("Entry")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a registry's entry (an observation rule's, a loss's hyperparameter): its name, its type,
+    what it must satisfy (`valid`, and `must`, what a bad value is told), its default (None: required or derived)."""
+
+    name: str
+    kind: type  # int or float
+    valid: Callable[[float], bool]
+    must: str  # e.g. "in (0, 1]"
+    default: float | None = None
+    all_is: int | None = None  # the number that "all" stands for (uniform's -1)
+    low: float = -math.inf  # the interval `valid` checks, where it is one (`between`)
+    high: float = math.inf
+
+    @classmethod
+    def between(cls, name: str, low: float, high: float, brackets: str = "[]", kind: type = float) -> "Param":
+        """A parameter in an interval, each end closed `[` `]` or open `(` `)`: `between("rho", 0, 1, "[)")`."""
+        if len(brackets) != 2 or brackets[0] not in "[(" or brackets[1] not in "])":
+            raise ValueError(f"parameter {name}: brackets {brackets!r} must be two of [ ( and ] )")
+
+        def valid(value: float) -> bool:
+            above = value >= low if brackets[0] == "[" else value > low
+            return above and (value <= high if brackets[1] == "]" else value < high)
+
+        return cls(name, kind, valid, f"in {brackets[0]}{low:g}, {high:g}{brackets[1]}", low=low, high=high)
 
 
 class Registry(Generic[Entry]):
