@@ -18,6 +18,12 @@ def test_help_lists_every_dataset_and_every_rule(tmp_path):
         assert rule.example in extract and rule.example in linear, rule.example
 
 
+def test_import_features_help_lists_the_datasets_whose_readers_give_a_published_id_prefix(tmp_path):
+    text = " ".join(run_cli("import-features", "--help", cwd=tmp_path).stdout.split())
+    known = [name for name in datasets.names() if datasets.reader(name).PUBLISHED_ID_PREFIX is not None]
+    assert ", ".join(known[:-1]) + f" or {known[-1]}" in text
+
+
 def test_docs_losses_has_a_section_for_every_built_in_loss_and_no_other():
     text = (REPO / "docs" / "losses.md").read_text(encoding="utf-8")
     sections = re.findall(r"^### `([a-z0-9_]+)`", text, flags=re.MULTILINE)

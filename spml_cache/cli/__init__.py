@@ -51,7 +51,13 @@ _debug = {"on": bool(os.environ.get("SPML_DEBUG"))}
 
 
 # Help texts list what the registries hold, so that a new dataset or rule appears in --help by itself.
-DATASETS_HELP = ", ".join(datasets.names()[:-1]) + f" or {datasets.names()[-1]}"
+def _either(names: list[str]) -> str:
+    """`a, b or c`: a registry's names as a help text lists them."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}"
+
+
+DATASETS_HELP = _either(datasets.names())
+PUBLISHED_HELP = _either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows
 RULES_HELP = ", ".join(rule.example for rule in observation.RULES.values())
 
 
@@ -164,7 +170,7 @@ def extract_command(
 @app.command("import-features")
 def import_features_command(
     folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy, metadata/metadata_{i}.parquet)."),
-    dataset: str = typer.Option(..., "--dataset", help="voc, coco, nus, cub or csv (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root)."),
+    dataset: str = typer.Option(..., "--dataset", help=f"{PUBLISHED_HELP} (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root)."),
     root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say)."),
     classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
