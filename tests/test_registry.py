@@ -129,3 +129,26 @@ def test_a_new_reader_is_listed_and_its_values_read_without_touching_another_fil
     monkeypatch.setattr(datasets, "READERS", registry)
     assert datasets.names()[-1] == "toy" and datasets.values_of("EXPECTED_POSITIVES")["toy"] == 4.0
     assert "toy" not in datasets.values_of("PUBLISHED_ID_PREFIX")  # None: the reader has none
+
+
+def test_a_losses_params_and_a_plugins_bounds_shorthand_constrain_alike():
+    from spml_cache.losses import Loss
+    from spml_cache.runtime.registry import Param
+
+    class Declared(Loss):
+        params = (Param.between("w", 0.0, 1.0, "(]"),)
+
+    class Shorthand(Loss):
+        bounds = {"w": (0.0, 1.0, "(]")}
+
+    def inside(value):  # (0, 1], restated
+        return 0.0 < value <= 1.0
+
+    for cls in (Declared, Shorthand):
+        param = cls.constraints()["w"]
+        assert [param.valid(v) for v in (-1.0, 0.0, 0.5, 1.0, 1.5)] == [inside(v) for v in (-1.0, 0.0, 0.5, 1.0, 1.5)]
+        assert param.must == "in (0, 1]" and (param.low, param.high) == (0.0, 1.0)
+    with pytest.raises(SpmlError, match=r"--hp an_ls\.ls=1: outside its valid range \[0, 1\)"):
+        losses.build("an_ls", num_classes=3, ls=1.0)
+    with pytest.raises(ValueError, match="brackets"):
+        Param.between("w", 0.0, 1.0, "[")
