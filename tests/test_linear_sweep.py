@@ -10,7 +10,7 @@ from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache
 from spml_cache.linear import run_linear
-from spml_cache.linear.engine import LinearData, SeedRun
+from spml_cache.linear.engine import LinearData, SeedGrid, SeedRun
 from spml_cache.runs import newest_run, read_linear_head
 from spml_cache.runtime.errors import SpmlError
 
@@ -57,10 +57,10 @@ def test_each_swept_head_is_the_head_of_a_run_with_that_value(tmp_path, tiny_cac
 def test_per_head_values_share_one_stack(tiny_cache):
     data = LinearData.from_features(cache.load(tiny_cache), torch.device("cpu"))
     combos = [{"delta": d} for d in (0.01, 0.02, 0.03)]
-    run = SeedRun("ll_r", combos, 0, [1e-2, 1e-3], [8], 1, data)
+    run = SeedRun("ll_r", combos, 0, SeedGrid([1e-2, 1e-3], [8], 1), data)
     (stack,) = run.stacks
     assert stack.num_heads == 6 and [r.hparams for r in stack.records][:2] == [{"delta": 0.01}, {"delta": 0.01}]
-    per_stack = SeedRun("em_apl", [{"warmup": 1}, {"warmup": 2}], 0, [1e-2], [8], 1, data)
+    per_stack = SeedRun("em_apl", [{"warmup": 1}, {"warmup": 2}], 0, SeedGrid([1e-2], [8], 1), data)
     assert len(per_stack.stacks) == 2
 
 

@@ -32,6 +32,28 @@ from spml_cache.observation import DEFAULT_RULE
 from spml_cache.selection import HeadRecord, stops_early
 
 
+@dataclass(frozen=True)
+class StackHeads:
+    """Each head of one stack: its hyperparameters, lr and weight decay (None: the grid has no such axis), and
+    the keys swept over the whole grid (what its records name)."""
+
+    hparams: list[dict]
+    lrs: list[float]
+    wds: list[float] | None = None
+    swept: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SeedGrid:
+    """The grid one seed's stacks train: every lr (beside every weight decay, None: no such axis) at every batch
+    size, for `epochs`."""
+
+    lrs: list[float]
+    batch_sizes: list[int]
+    epochs: int
+    wds: list[float] | None = None
+
+
 class HeadStack:
     """The heads of one (loss, seed, batch size): one for each (lr, weight decay) (and each combination of swept hyperparameters
     the loss takes per head), trained as one stacked tensor.
@@ -41,14 +63,12 @@ class HeadStack:
     `HeadMatrix.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
     """
 
-    def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_size: int,
-                 data: LinearData, start: StartHead | None = None, fidelity: Fidelity | None = None,
-                 swept: tuple[str, ...] = (), wds: list[float] | None = None) -> None:
-        """`hparams`: the loss's, or one dict per head (beside `lrs`, one lr per head): a key whose heads'
-        values differ is handed to the loss as a list (one of its `per_head` keys). `swept`: the keys whose
-        values the records name. `wds`: one weight decay per head (None: the grid has no such axis)."""
+    def __init__(self, name: str, heads: StackHeads, seed: int, batch_size: int, data: LinearData,
+                 start: StartHead | None = None, fidelity: Fidelity | None = None) -> None:
+        """`heads`: one hyperparameter dict, lr and weight decay per head: a key whose heads' values differ is
+        handed to the loss as a list (one of its `per_head` keys)."""
         device = data.device
-        per_head = hparams if isinstance(hparams, list) else [hparams] * len(lrs)
+        per_head, lrs, wds, swept = heads.hparams, heads.lrs, heads.wds, heads.swept
         varying = loss_registry.varying_keys(per_head)
         hparams = {key: [h[key] for h in per_head] if key in varying else per_head[0][key] for key in per_head[0]}
         self.batch_size, self.num_heads = batch_size, len(lrs)
@@ -241,20 +261,20 @@ class SeedRun:
                 start: StartHead | None) -> "SeedRun":
         """A job of a run with `settings`: its loss's hyperparameter combinations, its rule's data and starting
         head given."""
-        run = cls(job.loss, hparams, job.seed, list(job.lrs) or settings.lrs, list(job.batch_sizes), settings.epochs,
-                  data, start, settings.fidelity, settings.wd_axis)
+        grid = SeedGrid(list(job.lrs) or settings.lrs, list(job.batch_sizes), settings.epochs, settings.wd_axis)
+        run = cls(job.loss, hparams, job.seed, grid, data, start, settings.fidelity)
         for record in run.records:
             record.rule = job.rule
         return run
 
-    def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_sizes: list[int],
-                 epochs: int, data: LinearData, start: StartHead | None = None,
-                 fidelity: Fidelity | None = None, wds: list[float] | None = None) -> None:
+    def __init__(self, name: str, hparams: dict | list[dict], seed: int, grid: SeedGrid, data: LinearData,
+                 start: StartHead | None = None, fidelity: Fidelity | None = None) -> None:
         """`hparams`: the loss's, or a list of combinations (a sweep: every lr of every combination is a head).
-        `wds`: the weight decays (None: no such axis), each beside every lr in the same stack.
+        `grid.wds`: the weight decays (None: no such axis), each beside every lr in the same stack.
         Combinations that differ only in hyperparameters the loss takes per head share a stack, the others get
         stacks of their own. `start`: the one head every head starts from
         (`linear --from`)."""
+        lrs, batch_sizes, epochs, wds = grid.lrs, grid.batch_sizes, grid.epochs, grid.wds
         self.data, self.epochs = data, epochs
         combos = hparams if isinstance(hparams, list) else [hparams]
         swept = tuple(loss_registry.varying_keys(combos))
@@ -264,9 +284,10 @@ class SeedRun:
             groups.setdefault(tuple(repr(combo[key]) for key in swept if key not in per_head), []).append(combo)
         decays = wds or [None]
         self.stacks = [  # head order in a stack: combination, lr, weight decay
-            HeadStack(name, [combo for combo in group for _ in lrs for _ in decays], seed,
-                      [lr for _ in group for lr in lrs for _ in decays], batch_size, data, start, fidelity, swept,
-                      None if wds is None else [wd for _ in group for _ in lrs for wd in wds])
+            HeadStack(name, StackHeads([combo for combo in group for _ in lrs for _ in decays],
+                                       [lr for _ in group for lr in lrs for _ in decays],
+                                       None if wds is None else [wd for _ in group for _ in lrs for wd in wds], swept),
+                      seed, batch_size, data, start, fidelity)
             for group in groups.values() for batch_size in batch_sizes
         ]
         if data.streams_train:
