@@ -24,7 +24,7 @@ from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
-from spml_cache.losses import plugins
+from spml_cache.losses import Combination, plugins
 from spml_cache.runtime.children import die_with_parent, ignore_interrupts, interrupts_held_back
 from spml_cache.runtime.errors import SpmlError, check_stop
 from spml_cache.runtime.memory import give_back_freed
@@ -75,7 +75,7 @@ class JobPlan:
 
     settings: LinearSettings
     units: dict[str, tuple[str, str]]
-    used: dict[str, list[dict]]
+    used: dict[str, list[Combination]]
     starts: dict[str, StartHead]
     features: cache_file.FeatureSet
     data: dict[str, LinearData]
@@ -223,7 +223,7 @@ def _start_worker(source, device: str, val_labels: str, progress, parent_pid: in
     _worker.update(data=source, progress=progress)
 
 
-def _run_job(job: Job, settings: LinearSettings, hparams: list[dict],
+def _run_job(job: Job, settings: LinearSettings, hparams: list[Combination],
              start: StartHead | None) -> tuple[Part, list[dict]]:
     """One job in a worker process: the same training as in-process, progress through the queue."""
     begin = time.perf_counter()

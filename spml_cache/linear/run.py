@@ -31,6 +31,7 @@ from spml_cache.runtime.devices import resolve_device
 from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
 from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
                                        stored_settings)
+from spml_cache.losses import Combination
 from spml_cache.metrics import mean_average_precision
 from spml_cache.protocol import check_train_test, check_val_split
 from spml_cache.runtime.progress import console as progress_console
@@ -281,13 +282,12 @@ def _train_and_select(run_dir, plan: JobPlan, kept: dict[tuple, Part], console, 
     settings, units, used, data, features = plan.settings, plan.units, plan.used, plan.data, plan.features
     jobs, workers = plan.jobs(kept, ranks)
 
-    swept = {name: [{key: combo[key] for key in loss_registry.varying_keys(combos)} for combo in combos]
-             for name, combos in used.items()}
+    positions = {name: {combo.swept: index for index, combo in enumerate(combos)} for name, combos in used.items()}
 
     def grid_order(record) -> tuple:  # seed, lr, wd, batch size, swept values: selection breaks ties in this order
         wd = 0 if record.wd is None else settings.wds.index(record.wd)
         return (record.seed, settings.lrs.index(record.lr), wd, settings.batch_sizes.index(record.batch_size),
-                swept[record.loss].index(record.hparams))
+                positions[record.loss][record.swept])
 
     parts = {key: {part: done for part, done in kept.items() if part[0] == key} for key in units}
     expected = len(settings.seeds) * len(settings.batch_sizes)
@@ -361,7 +361,7 @@ def head_scores(state: dict, features: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(torch.addmm(state["bias"].to(features.device), features, weight.t()))
 
 
-def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: list[dict], data: LinearData,
+def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: list[Combination], data: LinearData,
                 seconds: float) -> tuple[dict, dict | None]:
     """Select one loss's config (under one rule: `name` is its result key) and write its `scores/<name>.npz`;
     its `results.json` and `best.pt` entries.
@@ -372,7 +372,7 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: lis
     selection = select_config(records)
     if selection is None:
         return loss_results(records, None, loss_registry.merged(combos), [], seconds), None
-    hparams = next(c for c in combos if all(c[key] == value for key, value in selection.hparams.items()))
+    hparams = {combo.swept: combo for combo in combos}[selection.representative.swept].values
     best = selection.representative
     if data.scores_at_once and not data.streams_train:
         labels = dense_targets(data.train_labels, data.num_train, data.device)

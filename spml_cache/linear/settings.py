@@ -15,7 +15,7 @@ from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.labels import observed_for_loss
 from spml_cache.linear.options import LinearOptions
-from spml_cache.losses import Overrides
+from spml_cache.losses import Combination, Overrides
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
 from spml_cache.protocol import GRID_WDS, check_grid, check_wds
@@ -152,20 +152,20 @@ def resolve_losses(names: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(resolved))
 
 
-def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[dict]]:
+def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[Combination]]:
     """Per loss, every combination of hyperparameters its heads train with (one without a sweep), each checked
     by building the loss once."""
     text = features.train_similarities() if any(
         loss_registry.get(name).needs_similarity for name in settings.losses) else {}
     return {
-        name: [
+        name: Combination.of([
             loss_registry.resolve_hparams(
                 name, combo, num_classes=len(features.classes), dataset=features.dataset,
                 train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
                 expected_positives=features.attrs.get("expected_positives"), **text,
             )
             for combo in settings.overrides.combinations(name)
-        ]
+        ])
         for name in settings.losses
     }
 
