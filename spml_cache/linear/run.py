@@ -14,16 +14,16 @@ from dataclasses import dataclass, fields
 from itertools import chain
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import cache_id, find_cache, verify
 
 from spml_cache.linear.data import LinearData
-from spml_cache.linear.jobs import JobEvent, JobPlan, merged_progress, train_jobs
+from spml_cache.linear.gather import Gathering
+from spml_cache.linear.jobs import JobEvent, JobPlan, train_jobs
 from spml_cache.linear.live import LiveTable
-from spml_cache.linear.out_of_core import dense_targets, load_within, train_map
+from spml_cache.linear.out_of_core import load_within
 from spml_cache.linear.options import LinearOptions, LinearPlacement
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.runtime import locks, memory
@@ -31,12 +31,10 @@ from spml_cache.runtime.devices import resolve_device
 from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
 from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
                                        stored_settings)
-from spml_cache.losses import Combination
 from spml_cache.metrics import mean_average_precision
 from spml_cache.protocol import check_train_test, check_val_split
 from spml_cache.runtime.progress import console as progress_console
 from spml_cache.runtime.ranks import PeerLost, Ranks, current as current_ranks
-from spml_cache.selection import HeadRecord, loss_results, select_config
 
 # --- the run ---------------------------------------------------------------------------------------------
 
@@ -279,60 +277,18 @@ def _train_and_select(run_dir, plan: JobPlan, kept: dict[tuple, Part], console, 
     rule)}), select each once its every part is done, write the results (`rules`: results.json's summary of
     each rule, when the run has others than `single`; `reference`: the zero-shot scores). Under torchrun this is
     rank 0, and the other processes' parts arrive at the end."""
-    settings, units, used, data, features = plan.settings, plan.units, plan.used, plan.data, plan.features
+    settings, units = plan.settings, plan.units
     jobs, workers = plan.jobs(kept, ranks)
-
-    positions = {name: {combo.swept: index for index, combo in enumerate(combos)} for name, combos in used.items()}
-
-    def grid_order(record) -> tuple:  # seed, lr, wd, batch size, swept values: selection breaks ties in this order
-        wd = 0 if record.wd is None else settings.wds.index(record.wd)
-        return (record.seed, settings.lrs.index(record.lr), wd, settings.batch_sizes.index(record.batch_size),
-                positions[record.loss][record.swept])
-
-    parts = {key: {part: done for part, done in kept.items() if part[0] == key} for key in units}
-    expected = len(settings.seeds) * len(settings.batch_sizes)
-    entries, checkpoints, progress = {}, {}, {}
     with LiveTable(list(units), len(settings.seeds), settings.epochs, console or progress_console) as live:
-
-        def finish(key: str) -> None:
-            done, (name, rule) = parts.pop(key), units[key]
-            records = sorted((record for part in done.values() for record in part.records), key=grid_order)
-            seconds = sum(part.seconds for part in done.values())  # training time, summed over the loss's parts
-            entry, best = select_loss(run_dir, key, records, used[name], data[rule], seconds)
-            entries[key] = entry if rule == observation.DEFAULT_RULE else {"loss": name, "rule": rule, **entry}
-            if best is not None:
-                checkpoints[key] = best
-            live.loss_done(key, entries[key])
-
-        for key in [key for key in units if len(parts[key]) == expected]:
-            finish(key)
-        keeping, groups = KeptParts(run_dir), {}  # groups: the lr groups of a part trained so far
-        for event in chain(train_jobs(plan, jobs, workers),
-                           _from_other_ranks(ranks)):
-            job, key = event.job, observation.result_key(event.job.loss, event.job.rule)
-            runs.append_metrics(run_dir, event.lines)
-            if event.progress is not None and key in parts:  # an epoch of a job of an unfinished loss
-                progress.setdefault((key, job.seed_index), {})[job.batch_sizes] = event.progress
-                live.epoch(key, job.seed_index, *merged_progress(progress[(key, job.seed_index)].values()))
-            if event.done is None:
-                continue
-            for size in job.batch_sizes:  # kept as one part per batch size (a resume may split a job)
-                part, slot = event.done.of_batch_size(size), (key, job.seed, size)
-                if job.lrs:  # one lr group of the part (its best states to disk now): kept once every lr is trained
-                    part = keeping.spill(key, part)
-                    part = groups[slot] = groups[slot].merged(part) if slot in groups else part
-                    if len(part.records) < len(settings.lrs) * len(settings.wds) * len(used[job.loss]):
-                        continue
-                    del groups[slot]
-                parts[key][slot] = part
-                keeping.keep(key, job.seed, size, part)
-            if len(parts[key]) == expected:
-                finish(key)
+        gathering = Gathering(run_dir, plan, kept, live)
+        for event in chain(train_jobs(plan, jobs, workers), _from_other_ranks(ranks)):
+            gathering.take(event)
+    entries, checkpoints = gathering.entries, gathering.checkpoints
     return runs.finish_run(
-        run_dir, stage="linear", features=features, losses={key: entries[key] for key in units},
+        run_dir, stage="linear", features=plan.features, losses={key: entries[key] for key in units},
         checkpoints={key: checkpoints[key] for key in units if key in checkpoints},
         fidelity=settings.fidelity, **({"rules": rules} if rules else {}),
-        **_partial_test_labels(data), **({"reference": reference} if reference else {}),
+        **_partial_test_labels(plan.data), **({"reference": reference} if reference else {}),
     )
 
 
@@ -352,40 +308,3 @@ def zero_shot(features) -> dict | None:
                                                    getattr(features, split).label_mask)
             for split in ("val", "test")}
     return {"zero_shot": {**maps, "backbone": features.attrs.get("backbone")}}
-
-
-@torch.no_grad()
-def head_scores(state: dict, features: torch.Tensor) -> torch.Tensor:
-    """Sigmoid scores `[N, C]` of one head in `nn.Linear` layout."""
-    weight = state["weight"].to(features.device)
-    return torch.sigmoid(torch.addmm(state["bias"].to(features.device), features, weight.t()))
-
-
-def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: list[Combination], data: LinearData,
-                seconds: float) -> tuple[dict, dict | None]:
-    """Select one loss's config (under one rule: `name` is its result key) and write its `scores/<name>.npz`;
-    its `results.json` and `best.pt` entries.
-
-    The selected head (the best seed of the selected config) goes to best.pt with its `num_heads=1` loss state;
-    train mAP is measured against the full training labels.
-    """
-    selection = select_config(records)
-    if selection is None:
-        return loss_results(records, None, loss_registry.merged(combos), [], seconds), None
-    hparams = {combo.swept: combo for combo in combos}[selection.representative.swept].values
-    best = selection.representative
-    if data.scores_at_once and not data.streams_train:
-        labels = dense_targets(data.train_labels, data.num_train, data.device)
-        train_maps = [mean_average_precision(head_scores(r.best_state["head"], data.train_features), labels)
-                      for r in selection.records]
-        train = head_scores(best.best_state["head"], data.train_features)
-        evaluated = head_scores(best.best_state["head"], data.eval_features)
-        runs.write_scores(run_dir, name, train=train, val=evaluated[: data.num_val], test=evaluated[data.num_val :])
-    else:  # no [N, C] scores: train mAP a block of classes at a time (unmeasured when the train rows stream)
-        train_maps = [None if data.streams_train else train_map(r.best_state["head"], data)
-                      for r in selection.records]
-    checkpoint = {
-        "head": best.best_state["head"], "loss_state": best.best_state["loss_state"], "lr": best.lr, **best.wd_entry(),
-        "batch_size": best.batch_size, "seed": best.seed, "epoch": best.best_epoch, "hparams": hparams,
-    }
-    return loss_results(records, selection, hparams, train_maps, seconds), checkpoint
