@@ -64,7 +64,7 @@ class HeadRecord:
 
     @property
     def swept(self) -> tuple:
-        """Its hyperparameter combination's swept values as `losses.Combination.swept` holds them (hashable)."""
+        """Its hyperparameter combination's swept values as `losses.overrides.Combination.swept` holds them (hashable)."""
         return tuple(self.hparams.items())
 
     def wd_entry(self) -> dict:

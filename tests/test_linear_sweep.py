@@ -11,7 +11,7 @@ from linear_support import quiet, write_synthetic_cache
 from spml_cache import cache
 from spml_cache.linear import run_linear
 from spml_cache.linear.engine import LinearData, SeedGrid, SeedRun
-from spml_cache.losses import Combination
+from spml_cache.losses.overrides import Combination
 from spml_cache.runs import newest_run, read_linear_head
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.selection import HeadRecord

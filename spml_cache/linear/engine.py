@@ -26,7 +26,7 @@ from spml_cache.linear.out_of_core import (
     Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets,
 )
 from spml_cache.linear.settings import LinearSettings, StartHead
-from spml_cache.losses import Combination
+from spml_cache.losses.overrides import Combination
 from spml_cache.losses.base import Fidelity
 from spml_cache.metrics import average_precision
 from spml_cache.observation import DEFAULT_RULE

@@ -15,7 +15,7 @@ from spml_cache.linear.jobs import JobEvent, JobPlan, merged_progress
 from spml_cache.linear.live import LiveTable
 from spml_cache.linear.out_of_core import dense_targets, train_map
 from spml_cache.linear.parts import KeptParts, Part
-from spml_cache.losses import Combination
+from spml_cache.losses.overrides import Combination
 from spml_cache.metrics import mean_average_precision
 from spml_cache.selection import HeadRecord, loss_results, select_config
 

@@ -24,7 +24,8 @@ from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
-from spml_cache.losses import Combination, plugins
+from spml_cache.losses import plugins
+from spml_cache.losses.overrides import Combination
 from spml_cache.runtime.children import die_with_parent, ignore_interrupts, interrupts_held_back
 from spml_cache.runtime.errors import SpmlError, check_stop
 from spml_cache.runtime.memory import give_back_freed

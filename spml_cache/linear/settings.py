@@ -15,7 +15,8 @@ from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.labels import observed_for_loss
 from spml_cache.linear.options import LinearOptions
-from spml_cache.losses import Combination, Overrides
+from spml_cache.losses import Overrides
+from spml_cache.losses.overrides import Combination
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
 from spml_cache.protocol import GRID_WDS, check_grid, check_wds

@@ -8,7 +8,7 @@ import torch
 
 from spml_cache.losses import plugins
 from spml_cache.losses.base import _REGISTRY, Loss, register
-from spml_cache.losses.overrides import Combination, Overrides, combinations, merged, varying_keys
+from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
 from spml_cache.runtime.errors import SpmlError, unknown_name
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
 )
 
 __all__ = [
-    "Combination", "Loss", "Overrides", "build", "canonical", "combinations", "describe", "describe_table", "get", "merged", "names",
+    "Loss", "Overrides", "build", "canonical", "combinations", "describe", "describe_table", "get", "merged", "names",
     "register", "resolve_hparams", "varying_keys",
 ]
 
