@@ -62,6 +62,11 @@ class HeadRecord:
         best_test_ap = state["best_test_ap"]
         return cls(**{**state, "best_test_ap": None if best_test_ap is None else best_test_ap.numpy()})
 
+    @property
+    def swept(self) -> tuple:
+        """Its hyperparameter combination's swept values as `losses.overrides.Combination.swept` holds them (hashable)."""
+        return tuple(self.hparams.items())
+
     def wd_entry(self) -> dict:
         """`{"wd": value}` where the grid has a weight decay axis, else nothing (the papers' files unchanged)."""
         return {} if self.wd is None else {"wd": self.wd}
@@ -120,7 +125,7 @@ def select_config(records: list[HeadRecord]) -> Selection | None:
     None when every head diverged at once."""
     configs: dict[tuple, list[HeadRecord]] = {}
     for record in records:  # grid order: lr, weight decay, then batch size (then the swept values), as given
-        key = (record.lr, record.wd, record.batch_size, repr(sorted(record.hparams.items())))
+        key = (record.lr, record.wd, record.batch_size, record.swept)
         configs.setdefault(key, []).append(record)
     chosen, best = None, -math.inf
     for (lr, wd, batch_size, _), heads in configs.items():

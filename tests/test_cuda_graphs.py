@@ -16,7 +16,7 @@ from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache, losses
 from spml_cache.linear import run_linear
-from spml_cache.linear.engine import HeadStack, LinearData, SeedRun
+from spml_cache.linear.engine import HeadStack, LinearData, SeedGrid, SeedRun
 from spml_cache.linear.graphs import Lockstep
 from spml_cache.selection import select_config
 
@@ -41,7 +41,8 @@ def data(tiny_cache):
 
 
 def seed_runs(names, data, fidelity="exact"):
-    return [SeedRun(name, dict(PHASES.get(name, {})), seed, [1e-2, 1e-3], [8, 16], EPOCHS, data, fidelity=fidelity)
+    return [SeedRun(name, dict(PHASES.get(name, {})), seed, SeedGrid([1e-2, 1e-3], [8, 16], EPOCHS), data,
+                    fidelity=fidelity)
             for name in names for seed in (0, 1)]
 
 

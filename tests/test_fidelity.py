@@ -19,7 +19,7 @@ from rich.console import Console
 from linear_support import write_synthetic_cache
 from spml_cache import cache, losses
 from spml_cache.linear import run_linear
-from spml_cache.linear.engine import LinearData, SeedRun
+from spml_cache.linear.engine import LinearData, SeedGrid, SeedRun
 
 EPS = 1e-5  # Cole et al.'s LOG_EPSILON
 EPOCHS = 8
@@ -103,7 +103,7 @@ def reference_loop(data: LinearData, name: str, lr: float, batch_size: int, seed
 @pytest.mark.parametrize("name", ["an", "role"])
 def test_the_engine_in_authors_mode_is_the_authors_loop(data, name):
     """A few hundred steps (8 epochs of 25 batches): the same logits up to float rounding."""
-    run = SeedRun(name, {}, 2, [1e-2, 1e-3], [8], EPOCHS, data, fidelity="authors")
+    run = SeedRun(name, {}, 2, SeedGrid([1e-2, 1e-3], [8], EPOCHS), data, fidelity="authors")
     for epoch in range(1, EPOCHS + 1):
         run.run_epoch(epoch)
     (stack,) = run.stacks
@@ -111,7 +111,7 @@ def test_the_engine_in_authors_mode_is_the_authors_loop(data, name):
     for k, lr in enumerate([1e-2, 1e-3]):
         expected = reference_loop(data, name, lr, 8, seed=2)
         torch.testing.assert_close(logits[k], expected, rtol=0, atol=2e-6 * expected.abs().max().item())
-    exact = SeedRun(name, {}, 2, [1e-2], [8], EPOCHS, data)
+    exact = SeedRun(name, {}, 2, SeedGrid([1e-2], [8], EPOCHS), data)
     for epoch in range(1, EPOCHS + 1):
         exact.run_epoch(epoch)
     # the exact mode trains the partial batch too: a different model, so the comparison above can fail
@@ -121,7 +121,7 @@ def test_the_engine_in_authors_mode_is_the_authors_loop(data, name):
 def test_authors_evaluation_scores_all_but_the_last_partial_batch(data):
     from spml_cache.metrics import average_precision
 
-    run = SeedRun("an", {}, 0, [1e-3], [16], 1, data, fidelity="authors")
+    run = SeedRun("an", {}, 0, SeedGrid([1e-3], [16], 1), data, fidelity="authors")
     (line,) = run.run_epoch(1)
     (stack,) = run.stacks
     scores = torch.sigmoid(stack.heads.logits(data.eval_features))[0]
@@ -207,7 +207,7 @@ def test_only_the_losses_whose_authors_drop_the_last_batch_drop_it(data):
     """Cole et al.'s loaders drop it; Zhou et al.'s (em) keep it: 203 rows in batches of 8 are 25 or 26 steps."""
     steps = {}
     for name in ("an", "em"):
-        run = SeedRun(name, {}, 0, [1e-3], [8], 1, data, fidelity="authors")
+        run = SeedRun(name, {}, 0, SeedGrid([1e-3], [8], 1), data, fidelity="authors")
         run.run_epoch(1)
         steps[name] = run.stacks[0].heads.steps
     assert steps == {"an": 25, "em": 26}

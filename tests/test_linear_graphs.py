@@ -20,7 +20,7 @@ from trace_support import first_difference, record
 
 from spml_cache import cache, losses
 from spml_cache.linear.adam_kernel import fused_adam_available
-from spml_cache.linear.engine import LinearData, SeedRun
+from spml_cache.linear.engine import LinearData, SeedGrid, SeedRun
 from spml_cache.linear.graphs import Lockstep
 from spml_cache.runtime.devices import to_host
 from spml_cache.runtime.errors import SpmlError
@@ -96,7 +96,7 @@ def data(tmp_path_factory):
 
 def seed_run(name, data, fidelity="exact"):
     hparams = {**PHASES.get(name, {})}
-    return SeedRun(name, hparams, 0, [3e-1, 1e-2], [4, 8], EPOCHS, data, fidelity=fidelity)
+    return SeedRun(name, hparams, 0, SeedGrid([3e-1, 1e-2], [4, 8], EPOCHS), data, fidelity=fidelity)
 
 
 def histories(run):
@@ -122,7 +122,7 @@ def test_lockstep_replays_train_every_loss_as_the_eager_engine_does(name, data):
 def test_lockstep_replays_weight_decay_heads_as_the_eager_engine_does(name, data):
     """`--wd`: the decay's term is part of the captured step, and replays bit for bit."""
     def run():
-        return SeedRun(name, {}, 0, [3e-1, 1e-2], [4, 8], EPOCHS, data, wds=[0.0, 0.5])
+        return SeedRun(name, {}, 0, SeedGrid([3e-1, 1e-2], [4, 8], EPOCHS, [0.0, 0.5]), data)
 
     eager = run()
     expected = [eager.run_epoch(epoch) for epoch in range(1, EPOCHS + 1)]
@@ -164,7 +164,7 @@ def test_graphs_are_captured_anew_once_after_a_head_stops_and_not_in_later_epoch
     """The head at lr 1e38 diverges in epoch 1: its columns are frozen from epoch 2, so each stack captures its
     graphs again in epoch 2, and then never again (the stopped heads have not changed)."""
     epochs = 5
-    run = SeedRun("an", {}, 0, [1e-2, 1e38], [4, 8], epochs, data)
+    run = SeedRun("an", {}, 0, SeedGrid([1e-2, 1e38], [4, 8], epochs), data)
     together = Lockstep([run], unroll=2, backend=ReplayChecked)
     per_epoch = []
     for epoch in range(1, epochs + 1):
@@ -182,7 +182,7 @@ def test_graphs_are_captured_anew_once_after_a_head_stops_and_not_in_later_epoch
 def test_scoring_an_epoch_reads_the_device_once_and_keeps_best_heads_there_until_the_end(data):
     """Between epochs every stack's APs, diverged heads and mean losses come to the host in one copy (one wait for
     the GPU per run and epoch, devices.to_host), and a new best head is copied on the device, not to the host."""
-    run = SeedRun("an", {}, 0, [3e-1, 1e-2], [4, 8], 2, data)
+    run = SeedRun("an", {}, 0, SeedGrid([3e-1, 1e-2], [4, 8], 2), data)
     run._train(1)
     lines, recorder = record(lambda: run.score(1))
     reads = [read.split(" at ")[0] for read in recorder.forbidden]

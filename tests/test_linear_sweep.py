@@ -10,9 +10,11 @@ from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache
 from spml_cache.linear import run_linear
-from spml_cache.linear.engine import LinearData, SeedRun
+from spml_cache.linear.engine import LinearData, SeedGrid, SeedRun
+from spml_cache.losses.overrides import Combination
 from spml_cache.runs import newest_run, read_linear_head
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.selection import HeadRecord
 
 GRID = dict(lrs=[1e-1, 1e-2], batch_sizes=[4, 8], epochs=3)
 
@@ -57,11 +59,24 @@ def test_each_swept_head_is_the_head_of_a_run_with_that_value(tmp_path, tiny_cac
 def test_per_head_values_share_one_stack(tiny_cache):
     data = LinearData.from_features(cache.load(tiny_cache), torch.device("cpu"))
     combos = [{"delta": d} for d in (0.01, 0.02, 0.03)]
-    run = SeedRun("ll_r", combos, 0, [1e-2, 1e-3], [8], 1, data)
+    run = SeedRun("ll_r", combos, 0, SeedGrid([1e-2, 1e-3], [8], 1), data)
     (stack,) = run.stacks
     assert stack.num_heads == 6 and [r.hparams for r in stack.records][:2] == [{"delta": 0.01}, {"delta": 0.01}]
-    per_stack = SeedRun("em_apl", [{"warmup": 1}, {"warmup": 2}], 0, [1e-2], [8], 1, data)
+    per_stack = SeedRun("em_apl", [{"warmup": 1}, {"warmup": 2}], 0, SeedGrid([1e-2], [8], 1), data)
     assert len(per_stack.stacks) == 2
+
+
+def test_a_combination_is_known_by_its_swept_values():
+    """The swept keys are found once for a loss's combinations; a combination hashes and compares by its swept
+    values alone (what a head record names), so selection finds it from a record's `hparams`."""
+    resolved = [{"delta": d, "mode": "x", "table": [1, 2]} for d in (0.01, 0.02)]
+    combos = Combination.of(resolved)
+    assert [combo.swept for combo in combos] == [(("delta", 0.01),), (("delta", 0.02),)]
+    assert [combo.values for combo in combos] == resolved  # every value kept, unhashable ones included
+    record = HeadRecord("ll_r", 1e-2, 8, 0, hparams={"delta": 0.02})
+    assert {combo: index for index, combo in enumerate(combos)}[Combination(record.swept, {})] == 1
+    (alone,) = Combination.of([{"delta": 0.01}])  # no sweep: nothing swept, records name nothing
+    assert alone.swept == () and alone.swept_values == {}
 
 
 def test_the_papers_grid_sweeps_what_a_paper_states(tmp_path, tiny_cache):

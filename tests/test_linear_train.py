@@ -12,7 +12,7 @@ from sklearn.metrics import average_precision_score
 
 from linear_support import write_synthetic_cache
 from spml_cache import cache, losses
-from spml_cache.linear.engine import LinearData, SeedRun
+from spml_cache.linear.engine import LinearData, SeedGrid, SeedRun
 
 EPOCHS = 3
 
@@ -61,7 +61,7 @@ def train_alone_with_torch(data, name, lr, batch_size, seed, wd=0.0):
 
 
 def train_stacked(data, name, lrs, batch_sizes, seed=0):
-    run = SeedRun(name, {}, seed, lrs, batch_sizes, EPOCHS, data)
+    run = SeedRun(name, {}, seed, SeedGrid(lrs, batch_sizes, EPOCHS), data)
     for epoch in range(1, EPOCHS + 1):
         run.run_epoch(epoch)
     return run
@@ -115,7 +115,7 @@ def test_weight_decay_heads_share_the_stack_and_are_torch_adam_with_weight_decay
     """`--wd`: one head per (lr, wd) in the stack of each batch size, each the plain recipe with
     torch.optim.Adam(weight_decay=wd) on the head's weight; a wd of 0 is the head without decay."""
     wds = [0.0, 0.3, 3.0]
-    run = SeedRun(name, {}, 3, [1e-2, 1e-3], [8, 16], EPOCHS, data, wds=wds)
+    run = SeedRun(name, {}, 3, SeedGrid([1e-2, 1e-3], [8, 16], EPOCHS, wds), data)
     assert [stack.num_heads for stack in run.stacks] == [6, 6]
     assert [(r.lr, r.wd) for r in run.stacks[0].records] == [(lr, wd) for lr in (1e-2, 1e-3) for wd in wds]
     for epoch in range(1, EPOCHS + 1):
@@ -134,9 +134,9 @@ def test_weight_decay_heads_share_the_stack_and_are_torch_adam_with_weight_decay
 
 
 def test_batch_order_depends_on_seed_and_epoch_only(data):
-    first = SeedRun("an", {}, 0, [1e-3], [8], EPOCHS, data).permutations
-    other_grid = SeedRun("an", {}, 0, [1e-2, 1e-4], [16, 4], EPOCHS, data).permutations
-    other_seed = SeedRun("an", {}, 1, [1e-3], [8], EPOCHS, data).permutations
+    first = SeedRun("an", {}, 0, SeedGrid([1e-3], [8], EPOCHS), data).permutations
+    other_grid = SeedRun("an", {}, 0, SeedGrid([1e-2, 1e-4], [16, 4], EPOCHS), data).permutations
+    other_seed = SeedRun("an", {}, 1, SeedGrid([1e-3], [8], EPOCHS), data).permutations
     assert torch.equal(first, other_grid)
     assert not torch.equal(first, other_seed)
     assert not torch.equal(first[0], first[1])

@@ -15,7 +15,7 @@ from linear_support import quiet, write_synthetic_cache
 from spml_cache import cache, datasets, observation, protocol, runs
 from spml_cache.demo.data import make_demo_data
 from spml_cache.extract import extract
-from spml_cache.linear import run_linear
+from spml_cache.linear import LinearOptions, LinearSettings, run_linear
 from spml_cache.linear.parts import KeptParts
 from spml_cache.observation import Areas, parse_rules
 from spml_cache.runtime.errors import Interrupted, SpmlError
@@ -152,8 +152,8 @@ def test_a_loss_that_needs_a_positive_is_refused_when_named_and_left_out_of_all(
         run_linear(cache=tiny, losses=["an", "pr"], out=tmp_path, observe=parse_rules("entry:0.2"), console=quiet(),
                    **GRID)
     assert not tmp_path.joinpath("voc").exists()
-    settings_all = run_linear.__globals__["LinearSettings"].check("all", [1e-2], [8], 1, 1, {}, "clean",
-                                                                  observe=parse_rules("single,entry:0.2"))
+    settings_all = LinearSettings.of(LinearOptions(losses="all", lrs=[1e-2], batch_sizes=[8], epochs=1, seeds=1,
+                                                   observe=parse_rules("single,entry:0.2")))
     features = cache.load(tiny)
     units, notes = settings_all.units(observation.for_cache(features, settings_all.rules), features.train.labels)
     assert "pr" in units and "pr@entry:0.2" not in units and "an@entry:0.2" in units

@@ -283,19 +283,19 @@ def linear_command(
 
     rules = None if observe is None else parse_rules(observe)  # before the heavy imports: a typo fails at once
     budget = parse_size(memory_budget)
-    from spml_cache.linear import run_linear, summary_table
+    from spml_cache.linear import LinearOptions, LinearPlacement, run_linear_options, summary_table
 
     if loss is None and resume is None:
         raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN)", param_hint="--loss")
-    run = run_linear(  # what is not given is None: run_linear's defaults, or a resumed run's own settings
+    options = LinearOptions(  # what is not given is None: the defaults, or a resumed run's own settings
         cache=cache, dataset=dataset, losses=None if loss is None else parse_names(loss),
         lrs=None if lr is None else parse_list(lr, "--lr", float), epochs=epochs, seeds=seeds,
         wds=None if wd is None else parse_list(wd, "--wd", float),
         batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int),
-        val_labels=val_labels, hparams=parse_hparams(hp) if hp else None, device=device, out=out, workers=workers,
-        from_run=from_run, resume=resume, fidelity=fidelity, hp_grid=hp_grid, graphs=not no_graphs, observe=rules,
-        memory_budget=budget, chunk_rows=chunk_rows,
+        val_labels=val_labels, hparams=parse_hparams(hp) if hp else None, from_run=from_run, resume=resume,
+        fidelity=fidelity, hp_grid=hp_grid, observe=rules, memory_budget=budget, chunk_rows=chunk_rows,
     )
+    run = run_linear_options(options, LinearPlacement(device=device, out=out, workers=workers, graphs=not no_graphs))
     if run is None:  # under torchrun, rank 0 reports for every process
         return
     console.print(summary_table(run.results))

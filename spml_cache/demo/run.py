@@ -25,7 +25,7 @@ from spml_cache.cache import default_path
 from spml_cache.demo.data import make_demo_data
 from spml_cache.extract import extract
 from spml_cache.finetune import finetune
-from spml_cache.linear import LinearSettings, run_linear
+from spml_cache.linear import LinearOptions, LinearSettings, run_linear
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS
 from spml_cache.runs import best_loss
 from spml_cache.runtime.devices import resolve_device
@@ -73,7 +73,7 @@ def run_demo(
 ) -> DemoResult:
     """Generate the data, extract features, train every loss, print the tables, write the plots."""
     console = console or Console()
-    LinearSettings.check("all", lrs, batch_sizes, epochs, 1, {}, "clean")  # refuse bad flags before any work
+    LinearSettings.of(LinearOptions(lrs=lrs, batch_sizes=batch_sizes, epochs=epochs))  # refuse bad flags first
     resolve_device(device)
     out = Path(out)
     data_root = out / "data"

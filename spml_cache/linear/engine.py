@@ -26,10 +26,32 @@ from spml_cache.linear.out_of_core import (
     Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets,
 )
 from spml_cache.linear.settings import LinearSettings, StartHead
+from spml_cache.losses.overrides import Combination
 from spml_cache.losses.base import Fidelity
 from spml_cache.metrics import average_precision
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.selection import HeadRecord, stops_early
+
+
+@dataclass(frozen=True)
+class StackHeads:
+    """Each head of one stack: its hyperparameter combination, lr and weight decay (None: the grid has no such
+    axis)."""
+
+    combinations: list[Combination]
+    lrs: list[float]
+    wds: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class SeedGrid:
+    """The grid one seed's stacks train: every lr (beside every weight decay, None: no such axis) at every batch
+    size, for `epochs`."""
+
+    lrs: list[float]
+    batch_sizes: list[int]
+    epochs: int
+    wds: list[float] | None = None
 
 
 class HeadStack:
@@ -41,14 +63,12 @@ class HeadStack:
     `HeadMatrix.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
     """
 
-    def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_size: int,
-                 data: LinearData, start: StartHead | None = None, fidelity: Fidelity | None = None,
-                 swept: tuple[str, ...] = (), wds: list[float] | None = None) -> None:
-        """`hparams`: the loss's, or one dict per head (beside `lrs`, one lr per head): a key whose heads'
-        values differ is handed to the loss as a list (one of its `per_head` keys). `swept`: the keys whose
-        values the records name. `wds`: one weight decay per head (None: the grid has no such axis)."""
+    def __init__(self, name: str, heads: StackHeads, seed: int, batch_size: int, data: LinearData,
+                 start: StartHead | None = None, fidelity: Fidelity | None = None) -> None:
+        """`heads`: one hyperparameter dict, lr and weight decay per head: a key whose heads' values differ is
+        handed to the loss as a list (one of its `per_head` keys)."""
         device = data.device
-        per_head = hparams if isinstance(hparams, list) else [hparams] * len(lrs)
+        per_head, lrs, wds = [combo.values for combo in heads.combinations], heads.lrs, heads.wds
         varying = loss_registry.varying_keys(per_head)
         hparams = {key: [h[key] for h in per_head] if key in varying else per_head[0][key] for key in per_head[0]}
         self.batch_size, self.num_heads = batch_size, len(lrs)
@@ -85,8 +105,8 @@ class HeadStack:
         self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
         self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
-        self.records = [HeadRecord(name, lr, batch_size, seed, hparams={key: h[key] for key in swept}, wd=wd)
-                        for lr, h, wd in zip(lrs, per_head, wds or [None] * len(lrs))]
+        self.records = [HeadRecord(name, lr, batch_size, seed, hparams=combo.swept_values, wd=wd)
+                        for lr, combo, wd in zip(lrs, heads.combinations, wds or [None] * len(lrs))]
 
     def start_epoch(self, epoch: int, num_epochs: int, order: torch.Tensor, data: LinearData) -> None:
         train_logits = None
@@ -237,36 +257,38 @@ class SeedRun:
     """Every (lr, batch size) head of one loss and one seed; `run_epoch` trains and scores one epoch."""
 
     @classmethod
-    def for_job(cls, job: Job, settings: LinearSettings, hparams: list[dict], data: LinearData,
+    def for_job(cls, job: Job, settings: LinearSettings, hparams: list[Combination], data: LinearData,
                 start: StartHead | None) -> "SeedRun":
         """A job of a run with `settings`: its loss's hyperparameter combinations, its rule's data and starting
         head given."""
-        run = cls(job.loss, hparams, job.seed, list(job.lrs) or settings.lrs, list(job.batch_sizes), settings.epochs,
-                  data, start, settings.fidelity, settings.wd_axis)
+        grid = SeedGrid(list(job.lrs) or settings.lrs, list(job.batch_sizes), settings.epochs, settings.wd_axis)
+        run = cls(job.loss, hparams, job.seed, grid, data, start, settings.fidelity)
         for record in run.records:
             record.rule = job.rule
         return run
 
-    def __init__(self, name: str, hparams: dict | list[dict], seed: int, lrs: list[float], batch_sizes: list[int],
-                 epochs: int, data: LinearData, start: StartHead | None = None,
-                 fidelity: Fidelity | None = None, wds: list[float] | None = None) -> None:
+    def __init__(self, name: str, hparams: dict | list[dict] | list[Combination], seed: int, grid: SeedGrid,
+                 data: LinearData, start: StartHead | None = None, fidelity: Fidelity | None = None) -> None:
         """`hparams`: the loss's, or a list of combinations (a sweep: every lr of every combination is a head).
-        `wds`: the weight decays (None: no such axis), each beside every lr in the same stack.
+        `grid.wds`: the weight decays (None: no such axis), each beside every lr in the same stack.
         Combinations that differ only in hyperparameters the loss takes per head share a stack, the others get
         stacks of their own. `start`: the one head every head starts from
         (`linear --from`)."""
+        lrs, batch_sizes, epochs, wds = grid.lrs, grid.batch_sizes, grid.epochs, grid.wds
         self.data, self.epochs = data, epochs
         combos = hparams if isinstance(hparams, list) else [hparams]
-        swept = tuple(loss_registry.varying_keys(combos))
+        if not all(isinstance(combo, Combination) for combo in combos):  # resolved dicts (tests, scripts)
+            combos = Combination.of(combos)
         per_head = set(loss_registry.get(name).per_head)
-        groups: dict[tuple, list[dict]] = {}
+        groups: dict[tuple, list[Combination]] = {}
         for combo in combos:
-            groups.setdefault(tuple(repr(combo[key]) for key in swept if key not in per_head), []).append(combo)
+            groups.setdefault(tuple(item for item in combo.swept if item[0] not in per_head), []).append(combo)
         decays = wds or [None]
         self.stacks = [  # head order in a stack: combination, lr, weight decay
-            HeadStack(name, [combo for combo in group for _ in lrs for _ in decays], seed,
-                      [lr for _ in group for lr in lrs for _ in decays], batch_size, data, start, fidelity, swept,
-                      None if wds is None else [wd for _ in group for _ in lrs for wd in wds])
+            HeadStack(name, StackHeads([combo for combo in group for _ in lrs for _ in decays],
+                                       [lr for _ in group for lr in lrs for _ in decays],
+                                       None if wds is None else [wd for _ in group for _ in lrs for wd in wds]),
+                      seed, batch_size, data, start, fidelity)
             for group in groups.values() for batch_size in batch_sizes
         ]
         if data.streams_train:

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +25,7 @@ from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
 from spml_cache.losses import plugins
+from spml_cache.losses.overrides import Combination
 from spml_cache.runtime.children import die_with_parent, ignore_interrupts, interrupts_held_back
 from spml_cache.runtime.errors import SpmlError, check_stop
 from spml_cache.runtime.memory import give_back_freed
@@ -65,15 +66,55 @@ def merged_progress(parts) -> tuple[int, dict | None]:
     return min(epoch for epoch, _ in parts), max(bests, key=lambda best: best["val_map"], default=None)
 
 
-def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSettings, data: dict[str, LinearData],
-               features, workers: int, starts: dict[str, StartHead], graphs: bool = True, observed: dict | None = None):
-    """Train every job (`used`: each loss's hyperparameter combinations, `data`: each rule's training data,
-    `starts`: each loss's starting head, `observed`: each rule's `observation.Observed`, for spawned workers);
-    yields `JobEvent`s. On a GPU (unless not `graphs`) every job trains at once, in lockstep."""
+@dataclass(frozen=True)
+class JobPlan:
+    """What a run's jobs train and on what: its units (`{result key: (loss, rule text)}`), each loss's
+    hyperparameter combinations (`used`) and starting head (`starts`), each rule's training data (`data`) and
+    `observation.Observed` (`observed`, for spawned workers), the device and workers, whether stacks may train
+    in lockstep as CUDA graphs (`graphs`), and `lrs_at_once` (a count when the memory budget splits the lrs into
+    groups trained in turn)."""
+
+    settings: LinearSettings
+    units: dict[str, tuple[str, str]]
+    used: dict[str, list[Combination]]
+    starts: dict[str, StartHead]
+    features: cache_file.FeatureSet
+    data: dict[str, LinearData]
+    observed: dict
+    target: torch.device
+    workers: int = 1
+    graphs: bool = True
+    lrs_at_once: int | None = None
+
+    def jobs(self, kept, ranks=None) -> tuple[list[Job], int]:
+        """The jobs this process trains (what `kept`, the keys of the kept parts, lacks) and its worker processes:
+        a job per (loss, rule, seed) with all its batch sizes, or one per batch size when processes share them
+        (`ranks`: torchrun's), or one per batch size and group of `lrs_at_once` lrs when the grid's heads do not
+        fit the memory budget at once."""
+        settings = self.settings
+        whole = [Job(name, index, seed, tuple(size for size in settings.batch_sizes if (key, seed, size) not in kept),
+                     rule) for key, (name, rule) in self.units.items() for index, seed in enumerate(settings.seeds)]
+        whole = [job for job in whole if job.batch_sizes]
+        split = [replace(job, batch_sizes=(size,)) for job in whole for size in job.batch_sizes]
+        if ranks:  # every lr group of a part on the same process
+            split = ranks.share(split)
+        if self.lrs_at_once:
+            at_once = self.lrs_at_once
+            groups = [tuple(settings.lrs[i : i + at_once]) for i in range(0, len(settings.lrs), at_once)]
+            return [replace(job, lrs=group) for job in split for group in groups], 1
+        work = len(self.features.train) * settings.epochs * len(whole)
+        workers = resolve_workers(self.workers, self.target, len(split), work)
+        return (split if workers > 1 or ranks else whole), workers
+
+
+def train_jobs(plan: JobPlan, jobs: list[Job], workers: int):
+    """Train every job of `plan`; yields `JobEvent`s. On a GPU (unless not `plan.graphs`) every job trains at
+    once, in lockstep."""
+    settings, used, data, starts = plan.settings, plan.used, plan.data, plan.starts
     first = next(iter(data.values()))
     device = first.device
     grouped = any(job.lrs for job in jobs)  # the heads do not fit the memory budget at once: one job at a time
-    if workers == 1 and graphs and graphs_available(device) and first.dense_in_memory and not grouped:
+    if workers == 1 and plan.graphs and graphs_available(device) and first.dense_in_memory and not grouped:
         yield from _in_lockstep(jobs, used, settings, data, starts)
         return
     if workers == 1:
@@ -92,11 +133,19 @@ def train_jobs(jobs: list[Job], used: dict[str, list[dict]], settings: LinearSet
             yield JobEvent(job, (settings.epochs, best_so_far(records)), lines,
                            Part(records, time.perf_counter() - start))
         return
+    yield from _in_workers(plan, jobs, workers)
+
+
+def _in_workers(plan: JobPlan, jobs: list[Job], workers: int):
+    """Every job in `workers` worker processes, forked or spawned."""
+    settings, used, data, starts, observed = plan.settings, plan.used, plan.data, plan.starts, plan.observed
+    device = next(iter(data.values())).device
     # A fork is unsafe once CUDA is initialised (autograd's device threads, the CUDA context): spawn then.
     forking = device.type == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized()
     context = multiprocessing.get_context("fork" if forking else "spawn")
     progress = context.Queue()
-    source = data if forking else (str(features.path), {rule: (o.train, o.val) for rule, o in (observed or {}).items()})
+    source = data if forking else (str(plan.features.path),
+                                   {rule: (o.train, o.val) for rule, o in (observed or {}).items()})
     sys.stdout.flush()  # a forked worker flushes what it inherited when it exits
     sys.stderr.flush()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
@@ -175,7 +224,7 @@ def _start_worker(source, device: str, val_labels: str, progress, parent_pid: in
     _worker.update(data=source, progress=progress)
 
 
-def _run_job(job: Job, settings: LinearSettings, hparams: list[dict],
+def _run_job(job: Job, settings: LinearSettings, hparams: list[Combination],
              start: StartHead | None) -> tuple[Part, list[dict]]:
     """One job in a worker process: the same training as in-process, progress through the queue."""
     begin = time.perf_counter()

@@ -10,22 +10,21 @@ those of an uninterrupted run.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from itertools import chain
 from pathlib import Path
-from typing import Sequence
 
-import torch
 from rich.console import Console
 
 from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import cache_id, find_cache, verify
 
 from spml_cache.linear.data import LinearData
-from spml_cache.linear.engine import Job
-from spml_cache.linear.jobs import JobEvent, merged_progress, resolve_workers, train_jobs
+from spml_cache.linear.gather import Gathering
+from spml_cache.linear.jobs import JobEvent, JobPlan, train_jobs
 from spml_cache.linear.live import LiveTable
-from spml_cache.linear.out_of_core import dense_targets, load_within, train_map
+from spml_cache.linear.out_of_core import load_within
+from spml_cache.linear.options import LinearOptions, LinearPlacement
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.runtime import locks, memory
 from spml_cache.runtime.devices import resolve_device
@@ -33,11 +32,9 @@ from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_st
 from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
                                        stored_settings)
 from spml_cache.metrics import mean_average_precision
-from spml_cache.observation import Rule
-from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS, check_train_test, check_val_split
+from spml_cache.protocol import check_train_test, check_val_split
 from spml_cache.runtime.progress import console as progress_console
 from spml_cache.runtime.ranks import PeerLost, Ranks, current as current_ranks
-from spml_cache.selection import HeadRecord, loss_results, select_config
 
 # --- the run ---------------------------------------------------------------------------------------------
 
@@ -48,16 +45,17 @@ class LinearRun:
     results: dict
 
 
-def run_linear(
-    *, cache: Path | str | None = None, dataset: str | None = None, cache_dir: Path | str | None = None,
-    losses: str | Sequence[str] | None = None, lrs: Sequence[float] | None = None,
-    batch_sizes: Sequence[int] | None = None, epochs: int | None = None, seeds: int | None = None,
-    hparams: dict[str, float] | None = None, device: str = "auto", out: Path | str = "runs",
-    val_labels: str | None = None, workers: int = 0, from_run: Path | str | None = None,
-    resume: Path | str | None = None, fidelity: str | None = None, hp_grid: str | None = None, graphs: bool = True,
-    observe: Sequence[Rule] | None = None, memory_budget: str | int | None = None, chunk_rows: int | None = None,
-    console: Console | None = None, wds: Sequence[float] | None = None,
-) -> LinearRun | None:
+def run_linear(*, console: Console | None = None, **keywords) -> LinearRun | None:
+    """`run_linear_options` by keywords, for the Python API: each keyword a field of `LinearOptions` (what the run
+    trains) or of `LinearPlacement` (where it runs), e.g. `run_linear(cache=..., losses=["an", "role"])`."""
+    placement = {name: keywords.pop(name) for name in PLACEMENT_FIELDS if name in keywords}
+    return run_linear_options(LinearOptions(**keywords), LinearPlacement(console=console, **placement))
+
+
+PLACEMENT_FIELDS = tuple(option.name for option in fields(LinearPlacement) if option.name != "console")
+
+
+def run_linear_options(options: LinearOptions, placement: LinearPlacement = LinearPlacement()) -> LinearRun | None:
     """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
 
     A job trains every lr of one (loss, seed) and its batch sizes; with `workers` > 1 each batch size is its
@@ -84,94 +82,106 @@ def run_linear(
     `wds`: the probe's L2 weight decays (None: 0 alone, the papers' grid), a grid axis beside the lrs: one head
     per (lr, weight decay) in the same stacks, selected on val like the rest.
     """
-    given = dict(cache=cache, dataset=dataset, losses=losses, lrs=lrs, batch_sizes=batch_sizes, epochs=epochs,
-                 seeds=seeds, hparams=hparams, val_labels=val_labels, from_run=from_run, fidelity=fidelity,
-                 hp_grid=hp_grid, observe=observe, memory_budget=memory_budget, chunk_rows=chunk_rows, wds=wds)
     with stops_deferred():
-        return _run(given, cache_dir, device, out, workers, resume, graphs, console)
+        ranks = current_ranks()  # under torchrun: this process's share of the parts
+        planned = _plan(options, placement, ranks)
+        if ranks and not ranks.main:
+            return _train_other_rank(ranks, planned.jobs)
+        resume = options.resume
+        run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out, planned)
+        binding = [memory.FLAG, memory.flag_text(planned.budget)] if planned.budget_binds else []  # it shaped the run
+        going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
+        with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
+            try:
+                results = _train_in(run_dir, resume is not None, ranks, placement.console, planned.jobs)
+            except (KeyboardInterrupt, PeerLost) as stop:
+                raise _interrupted(run_dir, planned.jobs, stop, going_on) from None
+            except DiskFull as full:  # what was kept before is kept
+                raise full.going_on(f"go on with: {going_on}") from None
+            KeptParts(run_dir).remove()
+        if ranks:
+            ranks.leave()
+        return LinearRun(run_dir, results)
 
 
-def _given_settings(given: dict, resume: Path | str | None, cache_dir):
+@dataclass(frozen=True)
+class _Planned:
+    """A run as planned, before its directory exists: its jobs, its memory budget and the chunk plan it streams
+    under (`budget_binds`: the budget shaped the run), and the data as loaded."""
+
+    jobs: JobPlan
+    budget: int
+    chunks: object  # out_of_core's plan
+    budget_binds: bool
+    whole: LinearData
+
+
+def _interrupted(run_dir: Path, plan: JobPlan, stop: BaseException, going_on: str) -> Interrupted:
+    """What a stopped run says: the parts kept, and the command that goes on."""
+    settings = plan.settings
+    parts = len(plan.units) * len(settings.seeds) * len(settings.batch_sizes)
+    what = "(loss, rule, seed, batch size)" if _several(settings) else "(loss, seed, batch size)"
+    lost = f"another process of this torchrun command ended ({stop}): " if isinstance(stop, PeerLost) else ""
+    return Interrupted(f"{lost}{len(KeptParts(run_dir).read())} of {parts} {what} parts are kept in {run_dir}",
+                       going_on)
+
+
+def _given_settings(options: LinearOptions, cache_dir):
     """The run's settings, `(config or None, settings, from_run, cache path, budget or None, chunk_rows or None)`:
     a resumed run's own (a flag that contradicts them refused), else those given (the protocol's defaults where
     not given)."""
+    resume = options.resume
     if resume is not None:
         config, settings, from_run = stored_settings(Path(resume))
-        refuse_contradictions(Path(resume), config, settings, given)
-        if given["cache"] is not None or given["dataset"] is not None:
-            named = find_cache(given["cache"], given["dataset"], cache_dir).resolve()
+        refuse_contradictions(Path(resume), config, settings, options.given())
+        if options.cache is not None or options.dataset is not None:
+            named = find_cache(options.cache, options.dataset, cache_dir).resolve()
             if named != Path(config["cache"]).resolve():
-                flag = "--cache" if given["cache"] is not None else "--dataset"
+                flag = "--cache" if options.cache is not None else "--dataset"
                 raise SpmlError(f"--resume {resume}: {flag} names {named}, but the run trains on {config['cache']}:"
                                 f" leave out {flag}, or start a new run with it")
-        budget = config.get("memory_budget", memory.parse_size(given["memory_budget"]))
+        budget = config.get("memory_budget", options.memory_budget)
         return config, settings, from_run, config["cache"], budget, (config.get("out_of_core") or {}).get("chunk_rows")
-    defaults = dict(losses="all", lrs=GRID_LRS, batch_sizes=GRID_BATCH_SIZES, epochs=LINEAR_EPOCHS, seeds=1,
-                    hparams={}, val_labels="clean")
-    grid = {key: default if given[key] is None else given[key] for key, default in defaults.items()}
-    settings = LinearSettings.check(grid["losses"], grid["lrs"], grid["batch_sizes"], grid["epochs"], grid["seeds"],
-                                    grid["hparams"], grid["val_labels"], given["fidelity"], given["hp_grid"],
-                                    given["observe"], given["wds"])
-    chunk_rows = given["chunk_rows"]
-    if chunk_rows is not None and (isinstance(chunk_rows, bool) or int(chunk_rows) != chunk_rows or chunk_rows < 1):
-        raise SpmlError(f"--chunk-rows {chunk_rows}: give a whole number of rows, at least 1")
-    path = find_cache(given["cache"], given["dataset"], cache_dir)
-    return None, settings, given["from_run"], path, memory.parse_size(given["memory_budget"]), chunk_rows
+    settings = LinearSettings.of(options)
+    path = find_cache(options.cache, options.dataset, cache_dir)
+    return None, settings, options.from_run, path, options.memory_budget, options.chunk_rows
 
 
-def _run(given: dict, cache_dir, device: str, out, workers: int, resume, graphs: bool, console) -> LinearRun | None:
-    """`run_linear` once its arguments are gathered: plan, load, check, then train under the run's lock."""
-    config, settings, from_run, cache_path, budget, chunk_rows = _given_settings(given, resume, cache_dir)
-    ranks = current_ranks()  # under torchrun: this process's share of the parts
-    target = ranks.device(resolve_device(device)) if ranks else resolve_device(device)
+def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | None) -> _Planned:
+    """Plan, load and check what the run trains, before anything is written."""
+    config, settings, from_run, cache_path, budget, chunk_rows = _given_settings(options, placement.cache_dir)
+    target = ranks.device(resolve_device(placement.device)) if ranks else resolve_device(placement.device)
     budget = memory.budget(budget, target)
-    features, plan, lrs_at_once = load_within(cache_path, budget, settings.heads_at_once(), target, chunk_rows,
-                                              settings.heads_per_lr())
+    features, chunks, lrs_at_once = load_within(cache_path, budget, settings.heads_at_once(), target, chunk_rows,
+                                                settings.heads_per_lr())
     check_stop()
     lrs_at_once = lrs_at_once and min(lrs_at_once, len(settings.lrs))
-    if plan.streams or lrs_at_once:  # the budget binds: transient buffers must not stay with the allocator
+    if chunks.streams or lrs_at_once:  # the budget binds: transient buffers must not stay with the allocator
         memory.keep_within()
-    if not plan.train_in_memory or lrs_at_once:
-        workers = _streaming(settings, workers) if not plan.train_in_memory else 1
+    workers = placement.workers
+    if not chunks.train_in_memory or lrs_at_once:
+        workers = _streaming(settings, workers) if not chunks.train_in_memory else 1
     check_train_test(len(features.train), features.test.labels, features.test.label_mask, str(features.path))
     check_val_split(features.val.labels, str(features.path))
     # what goes on, or starts from a head and its state, must read the very same arrays
-    unverified = verify(features) if resume is not None or from_run is not None else None
+    unverified = verify(features) if options.resume is not None or from_run is not None else None
     settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
     observation.refuse_unobserved(observed, features.path)
     units, notes = settings.units(observed, features.train.labels)
     used = resolved_hparams(settings, features)
     starts = start_heads(from_run, settings.losses, features)
-    if resume is not None and config["cache_id"] != cache_id(features.attrs):
-        raise SpmlError(f"--resume {resume}: {features.path} was rebuilt since that run began; start a new run")
+    if options.resume is not None and config["cache_id"] != cache_id(features.attrs):
+        raise SpmlError(f"--resume {options.resume}: {features.path} was rebuilt since that run began; start a new run")
     if ranks is None or ranks.main:
-        _print_notes(console, [unverified, observation.drawn_note(observed, features.path), *text_notes, *notes,
-                               plan.streams and plan.describe(), lrs_at_once and _grouped_note(lrs_at_once)])
-    whole = LinearData.from_features(features, target, settings.val_labels, plan)
+        _print_notes(placement.console, [unverified, observation.drawn_note(observed, features.path), *text_notes,
+                                         *notes, chunks.streams and chunks.describe(),
+                                         lrs_at_once and _grouped_note(lrs_at_once)])
+    whole = LinearData.from_features(features, target, settings.val_labels, chunks)
     data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
-    trained = (settings, units, used, starts, features, data, target, workers, graphs, observed, lrs_at_once)
-    if ranks and not ranks.main:
-        return _train_other_rank(ranks, *trained)
-    run_dir = Path(resume) if resume is not None else _start_run_dir(
-        out, settings, used, starts, features, whole, target, workers, budget, plan)
-    binding = [memory.FLAG, memory.flag_text(budget)] if plan.streams or lrs_at_once else []  # it shaped the run
-    going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
-    with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
-        try:
-            results = _train_in(run_dir, resume is not None, ranks, console, *trained)
-        except (KeyboardInterrupt, PeerLost) as stop:
-            parts = len(units) * len(settings.seeds) * len(settings.batch_sizes)
-            what = "(loss, rule, seed, batch size)" if _several(settings) else "(loss, seed, batch size)"
-            lost = f"another process of this torchrun command ended ({stop}): " if isinstance(stop, PeerLost) else ""
-            raise Interrupted(f"{lost}{len(KeptParts(run_dir).read())} of {parts} {what} parts are kept in {run_dir}",
-                              going_on) from None
-        except DiskFull as full:  # what was kept before is kept
-            raise full.going_on(f"go on with: {going_on}") from None
-        KeptParts(run_dir).remove()
-    if ranks:
-        ranks.leave()
-    return LinearRun(run_dir, results)
+    jobs = JobPlan(settings, units, used, starts, features, data, observed, target, workers, placement.graphs,
+                   lrs_at_once)
+    return _Planned(jobs, budget, chunks, bool(chunks.streams or lrs_at_once), whole)
 
 
 def _several(settings: LinearSettings) -> bool:
@@ -190,47 +200,45 @@ def _print_notes(console, notes: list) -> None:
             (console or progress_console).print(note, markup=False, highlight=False, soft_wrap=True)
 
 
-def _start_run_dir(out, settings: LinearSettings, used, starts, features, whole: LinearData, target, workers: int,
-                   budget: int, plan) -> Path:
+def _start_run_dir(out, planned: _Planned) -> Path:
     """A new run's directory and config.json: the grid, and the memory budget and chunk plan it trains under
     (what `--resume` reads back)."""
+    plan, whole = planned.jobs, planned.whole
+    settings, used, starts, features = plan.settings, plan.used, plan.starts, plan.features
     plugins = [name for name in settings.losses if name not in loss_registry.names()]
     label = "+".join(["all", *plugins] if settings.every_loss else settings.losses)
     grid = runs.Grid(settings.losses, settings.lrs, settings.batch_sizes, settings.epochs, settings.seeds,
                      {name: loss_registry.merged(combos) for name, combos in used.items()}, settings.val_labels,
                      settings.fidelity)
     return runs.start_run(
-        out, stage="linear", label=label, features=features, device=target, grid=grid, workers=workers,
+        out, stage="linear", label=label, features=features, device=plan.target, grid=grid, workers=plan.workers,
         num_train=whole.num_train, num_val=whole.num_val, num_test=len(features.test),
         feature_dim=whole.train_features.shape[1],
         **{"from": {name: s.source for name, s in starts.items()} or None},
         **({"observe": [rule.text for rule in settings.rules]} if _several(settings) else {}),
         **({"wds": settings.wd_axis} if settings.wd_axis else {}),
-        memory_budget=budget,
-        **({"out_of_core": {"chunk_rows": plan.chunk_rows}} if not plan.train_in_memory else {}),
+        memory_budget=planned.budget,
+        **({"out_of_core": {"chunk_rows": planned.chunks.chunk_rows}} if not planned.chunks.train_in_memory else {}),
     )
 
 
-def _train_other_rank(ranks: Ranks, settings, units, used, starts, features, data, target, workers, graphs,
-                      observed, lrs_at_once) -> None:
+def _train_other_rank(ranks: Ranks, plan: JobPlan) -> None:
     """Under torchrun, a process other than rank 0: its share of the parts, handed to rank 0 at the end. Stopped,
     it leaves the word to rank 0, which says what was kept."""
     try:
-        jobs, workers = _jobs(settings, units, ranks.broadcast(None), len(features.train), target, workers, ranks,
-                              lrs_at_once)
+        jobs, workers = plan.jobs(ranks.broadcast(None), ranks)
         ranks.gather([JobEvent(event.job, lines=event.lines, done=event.done) for event in
-                      train_jobs(jobs, used, settings, data, features, workers, starts, graphs, observed)
-                      if event.lines or event.done])
+                      train_jobs(plan, jobs, workers) if event.lines or event.done])
     except (KeyboardInterrupt, PeerLost):
         raise SystemExit(stop_exit_code()) from None
     ranks.leave()
     return None
 
 
-def _train_in(run_dir: Path, resuming: bool, ranks, console, settings, units, used, starts, features, data, target,
-              workers, graphs, observed, lrs_at_once) -> dict:
+def _train_in(run_dir: Path, resuming: bool, ranks, console, plan: JobPlan) -> dict:
     """Train what `run_dir` has not kept, select, and write its results."""
-    several = _several(settings)
+    features, observed = plan.features, plan.observed
+    several = _several(plan.settings)
     # first: report's figures need it, whatever happens next (dense label matrices only)
     if not (run_dir / "labels.npz").exists():
         runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
@@ -242,8 +250,7 @@ def _train_in(run_dir: Path, resuming: bool, ranks, console, settings, units, us
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rebuilt: the kept parts' lines, then the new ones
     runs.append_metrics(run_dir, [line for part in kept.values() for r in part.records for line in r.metric_lines()])
     rules = {text: found.summary(features.train.labels) for text, found in observed.items()} if several else None
-    return _train_and_select(run_dir, settings, units, used, starts, features, data, target, workers, kept, console,
-                             graphs, observed, rules, ranks, zero_shot(features), lrs_at_once)
+    return _train_and_select(run_dir, plan, kept, console, ranks, rules, zero_shot(features))
 
 
 def _streaming(settings: LinearSettings, workers: int) -> int:
@@ -258,91 +265,30 @@ def _streaming(settings: LinearSettings, workers: int) -> int:
     return 1
 
 
-def _jobs(settings: LinearSettings, units: dict[str, tuple[str, str]], kept, num_train: int, target, workers: int,
-          ranks: Ranks | None, lrs_at_once: int | None = None):
-    """The jobs this process trains (what `kept`, the keys of the kept parts, lacks) and its worker processes: a
-    job per (loss, rule, seed) with all its batch sizes, or one per batch size when processes share them, or one
-    per batch size and group of `lrs_at_once` lrs when the grid's heads do not fit the memory budget at once."""
-    whole = [Job(name, index, seed, tuple(size for size in settings.batch_sizes if (key, seed, size) not in kept), rule)
-             for key, (name, rule) in units.items() for index, seed in enumerate(settings.seeds)]
-    whole = [job for job in whole if job.batch_sizes]
-    split = [replace(job, batch_sizes=(size,)) for job in whole for size in job.batch_sizes]
-    if ranks:  # every lr group of a part on the same process
-        split = ranks.share(split)
-    if lrs_at_once:
-        groups = [tuple(settings.lrs[i : i + lrs_at_once]) for i in range(0, len(settings.lrs), lrs_at_once)]
-        return [replace(job, lrs=group) for job in split for group in groups], 1
-    workers = resolve_workers(workers, target, len(split), num_train * settings.epochs * len(whole))
-    return (split if workers > 1 or ranks else whole), workers
-
-
 def _from_other_ranks(ranks: Ranks | None):
     """On rank 0, once its own jobs are done: the other processes' finished jobs."""
     for events in (ranks.gather([]) or [])[1:] if ranks else []:
         yield from events
 
 
-def _train_and_select(run_dir, settings, units: dict[str, tuple[str, str]], used, starts, features, data, target,
-                      workers, kept: dict[tuple, Part], console, graphs=True, observed=None, rules=None,
-                      ranks: Ranks | None = None, reference: dict | None = None, lrs_at_once: int | None = None) -> dict:
+def _train_and_select(run_dir, plan: JobPlan, kept: dict[tuple, Part], console, ranks: Ranks | None,
+                      rules: dict | None, reference: dict | None) -> dict:
     """Train what is not in `kept` ({(result key, seed, batch size): Part}) of every unit ({result key: (loss,
     rule)}), select each once its every part is done, write the results (`rules`: results.json's summary of
-    each rule, when the run has others than `single`). Under torchrun this is rank 0, and the other processes'
-    parts arrive at the end."""
-    jobs, workers = _jobs(settings, units, kept, len(features.train), target, workers, ranks, lrs_at_once)
-
-    swept = {name: [{key: combo[key] for key in loss_registry.varying_keys(combos)} for combo in combos]
-             for name, combos in used.items()}
-
-    def grid_order(record) -> tuple:  # seed, lr, wd, batch size, swept values: selection breaks ties in this order
-        wd = 0 if record.wd is None else settings.wds.index(record.wd)
-        return (record.seed, settings.lrs.index(record.lr), wd, settings.batch_sizes.index(record.batch_size),
-                swept[record.loss].index(record.hparams))
-
-    parts = {key: {part: done for part, done in kept.items() if part[0] == key} for key in units}
-    expected = len(settings.seeds) * len(settings.batch_sizes)
-    entries, checkpoints, progress = {}, {}, {}
+    each rule, when the run has others than `single`; `reference`: the zero-shot scores). Under torchrun this is
+    rank 0, and the other processes' parts arrive at the end."""
+    settings, units = plan.settings, plan.units
+    jobs, workers = plan.jobs(kept, ranks)
     with LiveTable(list(units), len(settings.seeds), settings.epochs, console or progress_console) as live:
-
-        def finish(key: str) -> None:
-            done, (name, rule) = parts.pop(key), units[key]
-            records = sorted((record for part in done.values() for record in part.records), key=grid_order)
-            seconds = sum(part.seconds for part in done.values())  # training time, summed over the loss's parts
-            entry, best = select_loss(run_dir, key, records, used[name], data[rule], seconds)
-            entries[key] = entry if rule == observation.DEFAULT_RULE else {"loss": name, "rule": rule, **entry}
-            if best is not None:
-                checkpoints[key] = best
-            live.loss_done(key, entries[key])
-
-        for key in [key for key in units if len(parts[key]) == expected]:
-            finish(key)
-        keeping, groups = KeptParts(run_dir), {}  # groups: the lr groups of a part trained so far
-        for event in chain(train_jobs(jobs, used, settings, data, features, workers, starts, graphs, observed),
-                           _from_other_ranks(ranks)):
-            job, key = event.job, observation.result_key(event.job.loss, event.job.rule)
-            runs.append_metrics(run_dir, event.lines)
-            if event.progress is not None and key in parts:  # an epoch of a job of an unfinished loss
-                progress.setdefault((key, job.seed_index), {})[job.batch_sizes] = event.progress
-                live.epoch(key, job.seed_index, *merged_progress(progress[(key, job.seed_index)].values()))
-            if event.done is None:
-                continue
-            for size in job.batch_sizes:  # kept as one part per batch size (a resume may split a job)
-                part, slot = event.done.of_batch_size(size), (key, job.seed, size)
-                if job.lrs:  # one lr group of the part (its best states to disk now): kept once every lr is trained
-                    part = keeping.spill(key, part)
-                    part = groups[slot] = groups[slot].merged(part) if slot in groups else part
-                    if len(part.records) < len(settings.lrs) * len(settings.wds) * len(used[job.loss]):
-                        continue
-                    del groups[slot]
-                parts[key][slot] = part
-                keeping.keep(key, job.seed, size, part)
-            if len(parts[key]) == expected:
-                finish(key)
+        gathering = Gathering(run_dir, plan, kept, live)
+        for event in chain(train_jobs(plan, jobs, workers), _from_other_ranks(ranks)):
+            gathering.take(event)
+    entries, checkpoints = gathering.entries, gathering.checkpoints
     return runs.finish_run(
-        run_dir, stage="linear", features=features, losses={key: entries[key] for key in units},
+        run_dir, stage="linear", features=plan.features, losses={key: entries[key] for key in units},
         checkpoints={key: checkpoints[key] for key in units if key in checkpoints},
         fidelity=settings.fidelity, **({"rules": rules} if rules else {}),
-        **_partial_test_labels(data), **({"reference": reference} if reference else {}),
+        **_partial_test_labels(plan.data), **({"reference": reference} if reference else {}),
     )
 
 
@@ -362,40 +308,3 @@ def zero_shot(features) -> dict | None:
                                                    getattr(features, split).label_mask)
             for split in ("val", "test")}
     return {"zero_shot": {**maps, "backbone": features.attrs.get("backbone")}}
-
-
-@torch.no_grad()
-def head_scores(state: dict, features: torch.Tensor) -> torch.Tensor:
-    """Sigmoid scores `[N, C]` of one head in `nn.Linear` layout."""
-    weight = state["weight"].to(features.device)
-    return torch.sigmoid(torch.addmm(state["bias"].to(features.device), features, weight.t()))
-
-
-def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: list[dict], data: LinearData,
-                seconds: float) -> tuple[dict, dict | None]:
-    """Select one loss's config (under one rule: `name` is its result key) and write its `scores/<name>.npz`;
-    its `results.json` and `best.pt` entries.
-
-    The selected head (the best seed of the selected config) goes to best.pt with its `num_heads=1` loss state;
-    train mAP is measured against the full training labels.
-    """
-    selection = select_config(records)
-    if selection is None:
-        return loss_results(records, None, loss_registry.merged(combos), [], seconds), None
-    hparams = next(c for c in combos if all(c[key] == value for key, value in selection.hparams.items()))
-    best = selection.representative
-    if data.scores_at_once and not data.streams_train:
-        labels = dense_targets(data.train_labels, data.num_train, data.device)
-        train_maps = [mean_average_precision(head_scores(r.best_state["head"], data.train_features), labels)
-                      for r in selection.records]
-        train = head_scores(best.best_state["head"], data.train_features)
-        evaluated = head_scores(best.best_state["head"], data.eval_features)
-        runs.write_scores(run_dir, name, train=train, val=evaluated[: data.num_val], test=evaluated[data.num_val :])
-    else:  # no [N, C] scores: train mAP a block of classes at a time (unmeasured when the train rows stream)
-        train_maps = [None if data.streams_train else train_map(r.best_state["head"], data)
-                      for r in selection.records]
-    checkpoint = {
-        "head": best.best_state["head"], "loss_state": best.best_state["loss_state"], "lr": best.lr, **best.wd_entry(),
-        "batch_size": best.batch_size, "seed": best.seed, "epoch": best.best_epoch, "hparams": hparams,
-    }
-    return loss_results(records, selection, hparams, train_maps, seconds), checkpoint

@@ -14,7 +14,9 @@ import torch
 from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.labels import observed_for_loss
+from spml_cache.linear.options import LinearOptions
 from spml_cache.losses import Overrides
+from spml_cache.losses.overrides import Combination
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
 from spml_cache.protocol import GRID_WDS, check_grid, check_wds
@@ -41,16 +43,17 @@ class LinearSettings:
     wds: list[float] = field(default_factory=lambda: list(GRID_WDS))  # the probe's weight decays (`--wd`)
 
     @classmethod
-    def check(cls, losses_: str | Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int], epochs: int,
-              seeds: int, hparams: Mapping | Overrides, val_labels: str, fidelity: Fidelity | str | None = None,
-              hp_grid: str | None = None, observe: Sequence[Rule] | None = None,
-              wds: Sequence[float] | None = None) -> "LinearSettings":
-        """`losses_`: "all", or loss names; `hparams`: `{key: value}` or `{"loss.key": value}` (`--hp`), a value a
-        list to sweep it, or the `Overrides` of a resumed run; `hp_grid="paper"`: every loss's own search space
-        where its paper states one; `observe`: the observation rules (None: `single`); `wds`: the weight decays,
-        each trained beside every lr (None: `GRID_WDS`, none)."""
-        names = resolve_losses(losses_)
-        lrs, batch_sizes = check_grid(lrs, batch_sizes)
+    def of(cls, options: LinearOptions) -> "LinearSettings":
+        """The grid `options` give (the protocol's defaults where not given), checked. `losses`: "all", or loss
+        names; `hparams`: `{key: value}` or `{"loss.key": value}` (`--hp`), a value a list to sweep it, or the
+        `Overrides` of a resumed run; `hp_grid="paper"`: every loss's own search space where its paper states one;
+        `observe`: the observation rules (None: `single`); `wds`: the weight decays, each trained beside every lr
+        (None: `GRID_WDS`, none)."""
+        epochs, seeds, val_labels, hparams = (options.value(name) for name in ("epochs", "seeds", "val_labels",
+                                                                              "hparams"))
+        hp_grid, observe, wds = options.hp_grid, options.observe, options.wds
+        names = resolve_losses(options.value("losses"))
+        lrs, batch_sizes = check_grid(options.value("lrs"), options.value("batch_sizes"))
         wds = check_wds(GRID_WDS if wds is None else wds)
         if epochs < 1:
             raise SpmlError(f"--epochs {epochs}: must be at least 1")
@@ -58,7 +61,7 @@ class LinearSettings:
             raise SpmlError(f"--seeds {seeds}: must be at least 1 (seeds 0..N-1 are run)")
         if val_labels not in ("clean", "observed"):
             raise SpmlError(f"--val-labels {val_labels!r}: use clean (full val labels) or observed")
-        fidelity = Fidelity.check(fidelity)
+        fidelity = Fidelity.check(options.fidelity)
         if hp_grid not in (None, "paper"):
             raise SpmlError(f"--hp-grid {hp_grid!r}: use paper (each loss's own search space, see spml-cache losses)")
         overrides = hparams if isinstance(hparams, Overrides) else Overrides.given(names, hparams)
@@ -150,20 +153,20 @@ def resolve_losses(names: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(resolved))
 
 
-def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[dict]]:
+def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[Combination]]:
     """Per loss, every combination of hyperparameters its heads train with (one without a sweep), each checked
     by building the loss once."""
     text = features.train_similarities() if any(
         loss_registry.get(name).needs_similarity for name in settings.losses) else {}
     return {
-        name: [
+        name: Combination.of([
             loss_registry.resolve_hparams(
                 name, combo, num_classes=len(features.classes), dataset=features.dataset,
                 train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
                 expected_positives=features.attrs.get("expected_positives"), **text,
             )
             for combo in settings.overrides.combinations(name)
-        ]
+        ])
         for name in settings.losses
     }
 
@@ -207,9 +210,10 @@ def stored_settings(run_dir: Path) -> tuple[dict, LinearSettings, Path | None]:
     config = runs.open_for_resume(run_dir, "linear")
     grid = runs.Grid.from_config(config)
     rules = observation.parse_rules(config["observe"]) if config.get("observe") else None
-    settings = LinearSettings.check(grid.losses, grid.lrs, grid.batch_sizes, grid.epochs, len(grid.seeds),
-                                    Overrides.stored(grid.hparams), grid.val_labels, grid.fidelity, observe=rules,
-                                    wds=config.get("wds"))
+    settings = LinearSettings.of(LinearOptions(
+        losses=grid.losses, lrs=grid.lrs, batch_sizes=grid.batch_sizes, epochs=grid.epochs, seeds=len(grid.seeds),
+        hparams=Overrides.stored(grid.hparams), val_labels=grid.val_labels, fidelity=grid.fidelity, observe=rules,
+        wds=config.get("wds")))
     starts = config.get("from") or {}
     from_run = next((Path(start["run"]) for start in starts.values() if start), None)
     return config, settings, from_run

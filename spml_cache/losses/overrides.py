@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from spml_cache.losses import plugins
@@ -84,12 +84,34 @@ def combinations(hparams: Mapping) -> list[dict]:
     return [{**fixed, **dict(zip(swept, values))} for values in itertools.product(*(hparams[k] for k in swept))]
 
 
+@dataclass(frozen=True)
+class Combination:
+    """One combination of a loss's resolved hyperparameters, known (hashed, compared) by its values of the keys
+    swept over the grid: what a head record names (`HeadRecord.hparams`) and selection finds it by."""
+
+    swept: tuple[tuple[str, object], ...]  # (key, value) of each swept key, in the loss's key order
+    values: dict = field(compare=False)  # every hyperparameter, as the loss is built with
+
+    @classmethod
+    def of(cls, resolved: Sequence[Mapping]) -> list["Combination"]:
+        """Each of a loss's resolved combinations, its swept keys (those whose values differ) found once."""
+        swept = varying_keys(list(resolved))
+        return [cls(tuple((key, values[key]) for key in swept), dict(values)) for values in resolved]
+
+    @property
+    def swept_values(self) -> dict:
+        """`{key: value}` of the swept keys: what records, metrics.jsonl and results.json name."""
+        return dict(self.swept)
+
+
 def varying_keys(combos: list[dict]) -> list[str]:
-    """The keys whose values differ between the dicts (all sharing the first one's keys)."""
+    """The keys whose values differ between the dicts (all sharing the first one's keys); compared by `repr`, as
+    a key the grid does not sweep may hold an unhashable value."""
     return [key for key in combos[0] if len({repr(combo[key]) for combo in combos}) > 1]
 
 
-def merged(combos: list[dict]) -> dict:
+def merged(combos: list[dict] | list[Combination]) -> dict:
     """Combinations as one dict, the inverse of `combinations`: a varying key's values as a list, in order."""
+    combos = [combo.values if isinstance(combo, Combination) else combo for combo in combos]
     varying = varying_keys(combos)
     return {key: list(dict.fromkeys(c[key] for c in combos)) if key in varying else combos[0][key] for key in combos[0]}
