@@ -8,7 +8,7 @@ import pytest
 from cli_support import run_cli
 
 from spml_cache import losses
-from spml_cache.demo.run import run_demo
+from spml_cache.demo.run import DemoSizes, run_demo
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -76,5 +76,5 @@ def test_demo_never_replaces_a_real_dataset(tmp_path):
 
 def test_demo_refuses_bad_flags_before_any_work(tmp_path):
     with pytest.raises(SpmlError, match="--lr is empty"):
-        run_demo(tmp_path / "out", lrs=[])
+        run_demo(tmp_path / "out", DemoSizes(lrs=()))
     assert not (tmp_path / "out").exists()

@@ -121,8 +121,8 @@ def parse_markdown(text):
 @pytest.mark.parametrize("fmt", ["csv", "md", "json"])
 def test_file_formats_round_trip(runs, tmp_path, fmt):
     output = tmp_path / "out" / f"table.{fmt}"
-    report.report_command([], runs_root=runs, paper=True, fmt=None, output=output, plots_dir=None, compare=None,
-                          console=Console(file=io.StringIO()))
+    report.report_command(report.ReportOptions([], runs_root=runs, paper=True, output=output),
+                          Console(file=io.StringIO()))
     text = output.read_text()
     assert list(output.parent.iterdir()) == [output]  # no temporary file left behind
     expected = {"an": (85.0, 0.8165, 84.2), "role": (87.0, 0.8165, 86.5), "bce": (90.0, 0.0, 86.7)}
@@ -398,8 +398,8 @@ def test_missing_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch):
     with pytest.raises(SpmlError, match="--plots needs matplotlib"):
         report.write_plots([runs], tmp_path / "figures")
     with pytest.raises(SpmlError, match="--plots needs matplotlib"):
-        report.report_command([], runs_root=runs, paper=False, fmt="csv", output=tmp_path / "t.csv",
-                              plots_dir=tmp_path / "figures", compare=None, console=Console(file=io.StringIO()))
+        report.report_command(report.ReportOptions([], runs_root=runs, fmt="csv", output=tmp_path / "t.csv",
+                                                   plots_dir=tmp_path / "figures"), Console(file=io.StringIO()))
     assert not (tmp_path / "figures").exists() and not (tmp_path / "t.csv").exists()
 
 

@@ -58,8 +58,8 @@ def test_plots_say_nothing_of_figures_not_asked_for_and_once_of_one_asked_for(tm
     make_run(root, "coco", "linear", {"an": [60.0]}, stamp="20240101-120000")  # one loss: no per-class pair
     for compare, expected in ((None, []), ("an,role", ["no per_class_ap figure of an vs role for COCO linear"])):
         console = Console(file=io.StringIO(), width=400)
-        report.report_command([], runs_root=root, paper=False, fmt=None, output=None, compare=compare,
-                              plots_dir=tmp_path / "figures", console=console)
+        report.report_command(report.ReportOptions([], runs_root=root, compare=compare, plots_dir=tmp_path / "figures"),
+                              console)
         said = [line for line in console.file.getvalue().splitlines() if not line.startswith("wrote ")]
         assert [line.split(" (")[0] for line in said if "figure" in line] == expected
 

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from spml_cache import backbones
 from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's API, tested as cli.parse_*)
-    ERR_CONSOLE as err_console,
+    CONSOLE as console,
+    DATASETS_HELP,
+    RULES_HELP,
     default_data_root,
     extract_report,
     finetune_summary,
@@ -32,8 +34,16 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     parse_names,
     require_root,
 )
-from spml_cache import backbones, datasets, observation  # registries the help texts list (no torch)
 from spml_cache.cli.check_loss import check_loss_command
+from spml_cache.cli.tools import (
+    datasets_command,
+    demo_command,
+    export_command,
+    import_features_command,
+    losses_command,
+    make_demo_data_command,
+    report_command,
+)
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
 
@@ -46,19 +56,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-console = Console()
 _debug = {"on": bool(os.environ.get("SPML_DEBUG"))}
-
-
-# Help texts list what the registries hold, so that a new dataset or rule appears in --help by itself.
-def _either(names: list[str]) -> str:
-    """`a, b or c`: a registry's names as a help text lists them."""
-    return ", ".join(names[:-1]) + f" or {names[-1]}"
-
-
-DATASETS_HELP = _either(datasets.names())
-PUBLISHED_HELP = _either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows
-RULES_HELP = ", ".join(rule.example for rule in observation.RULES.values())
 
 
 @app.callback()
@@ -70,49 +68,8 @@ def _options(
 
 
 # --- datasets, make-demo-data (datasets helper) ---
-
-
-@app.command("datasets")
-def datasets_command(
-    root: Optional[Path] = typer.Option(None, "--root", help="A data folder to look in (default: $SPML_DATA)."),
-) -> None:
-    """Supported datasets, the layout each expects and, given a root, what was found there or what is missing.
-
-    A dataset may sit at the root itself or in root/<name> (e.g. $SPML_DATA/voc/VOCdevkit). A dataset that is
-    found is read in full, so this takes as long as reading its annotations.
-
-    Example: spml-cache datasets --root ~/data
-    """
-    from spml_cache import datasets
-
-    root = root or default_data_root()
-    console.print(datasets.survey_table(root))
-    if root is None:
-        console.print("[dim]pass --root DIR or set SPML_DATA to see what is found there[/dim]")
-
-
-@app.command("make-demo-data")
-def make_demo_data_command(
-    folder: Path = typer.Argument(..., help="Where to write the dataset (it will hold VOCdevkit/)."),
-    num_train: int = typer.Option(400, "--train", help="Images in VOC's train set (our train + val)."),
-    num_test: int = typer.Option(200, "--test", help="Images in VOC's val set (our test split)."),
-    size: int = typer.Option(128, "--size", help="Image side in pixels."),
-    seed: int = typer.Option(0, "--seed", help="Random seed of the drawing."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing FOLDER/VOCdevkit."),
-) -> None:
-    """Write a small synthetic dataset in the real PASCAL VOC 2012 layout: coloured shapes, 20 VOC classes.
-
-    1-3 objects per image, each class its own (colour, shape) look, ~10% of objects "difficult" (flag 0).
-
-    Example: spml-cache make-demo-data demo-data --train 400 --test 200
-    """
-    from spml_cache.demo.data import make_demo_data
-
-    root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
-    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {escape(str(root))}")
-    next_command = shlex.join(["spml-cache", "extract", "voc", "--root", str(root), "--weights", "none",
-                               "--resolution", str(size)])
-    console.print(f"[dim]next: {escape(next_command)}[/dim]")
+app.command("datasets")(datasets_command)
+app.command("make-demo-data")(make_demo_data_command)
 
 
 # --- extract, import-features (extract helper) ---
@@ -167,75 +124,12 @@ def extract_command(
         extract_report(report, console)
 
 
-@app.command("import-features")
-def import_features_command(
-    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy, metadata/metadata_{i}.parquet)."),
-    dataset: str = typer.Option(..., "--dataset", help=f"{PUBLISHED_HELP} (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root)."),
-    root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say)."),
-    classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing cache at --out."),
-) -> None:
-    """Turn features computed elsewhere into a project cache: the authors' published features (their `val` = the
-    official test split), or embeddings in the clip-retrieval layout matched to a dataset's images.
-
-    Authors' files: our val split is drawn from their train rows, their observed labels kept. clip-retrieval
-    layout: splits and single positives drawn from the dataset under --root, as extract draws them.
-
-    Example: spml-cache import-features data/pascal --dataset voc
-    """
-    from spml_cache.extract import import_features
-
-    report = import_features(folder, dataset=dataset, root=root or default_data_root(), out=out,
-                             classes_file=classes, force=force)
-    counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
-    console.print(f"wrote {escape(str(report.path))} ({counts})")
-    for note in report.notes:
-        console.print(f"[dim]{escape(note)}[/dim]")
-
-
-@app.command("export")
-def export_command(
-    cache_file: Path = typer.Argument(..., help="The cache to export (an .h5 file)."),
-    out: Path = typer.Option(..., "--out", help="A new (or empty) folder to write the clip-retrieval layout into."),
-) -> None:
-    """Write a cache's features in the clip-retrieval layout for other tools: img_emb/img_emb_{0,1,2}.npy (train,
-    val, test) beside metadata/metadata_{i}.parquet (id, image_path, split, labels, observed), spml_cache.json.
-
-    Example: spml-cache export cache/voc-resnet50-448.h5 --out voc-embeddings
-    """
-    from spml_cache.cache.embeddings import export
-
-    report = export(cache_file, out)
-    counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
-    console.print(f"wrote {escape(str(report.folder))} ({counts} rows)")
+app.command("import-features")(import_features_command)
+app.command("export")(export_command)
 
 
 # --- losses (losses helper) ---
-
-
-@app.command("losses")
-def losses_command(
-    specs: Optional[List[str]] = typer.Argument(None, help="Plugin losses to list too: path/to/file.py:Class or package.module:Class."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON array (one object per loss) instead of a table."),
-) -> None:
-    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags; then
-    the installed plugins (entry-point group spml_cache.losses) and the plugins named, with their origin.
-
-    Override any default in training with --hp name=value. Your own loss: docs/your-own-loss.md.
-
-    Example: spml-cache losses --json
-    Example: spml-cache losses examples/masked_focal.py:MaskedFocal
-    """
-    import json
-
-    from spml_cache import losses
-
-    rows = losses.describe(tuple(specs or ()))
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    console.print(losses.describe_table(rows))
+app.command("losses")(losses_command)
 
 
 app.command("check-loss")(check_loss_command)
@@ -302,32 +196,7 @@ def linear_command(
     console.print(f"run directory: {escape(str(run.run_dir))}")
 
 
-@app.command("demo")
-def demo_command(
-    out: Path = typer.Option(Path("demo"), "--out", help="Folder for the demo's data, cache, runs and plots."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    num_train: Optional[int] = typer.Option(None, "--train", hidden=True),
-    num_test: Optional[int] = typer.Option(None, "--test", hidden=True),
-    size: Optional[int] = typer.Option(None, "--size", hidden=True),
-    resolution: Optional[int] = typer.Option(None, "--resolution", hidden=True),
-    epochs: Optional[int] = typer.Option(None, "--epochs", hidden=True),
-    lr: Optional[str] = typer.Option(None, "--lr", hidden=True),
-    batch_size: Optional[str] = typer.Option(None, "--batch-size", hidden=True),
-) -> None:
-    """The whole pipeline on a generated VOC-style dataset, in one to two minutes on two CPU cores.
-
-    Generates images, extracts ResNet-50 features, trains every loss, fine-tunes the best head for one epoch,
-    prints the table and writes the figures.
-
-    Example: spml-cache demo --out demo
-    """
-    from spml_cache.demo.run import run_demo
-
-    # The hidden size flags (for tests) override the demo's measured defaults only when given.
-    sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution, "epochs": epochs,
-             "lrs": None if lr is None else parse_list(lr, "--lr", float),
-             "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int)}
-    run_demo(out, device=device, console=console, **{k: v for k, v in sizes.items() if v is not None})
+app.command("demo")(demo_command)
 
 
 # --- finetune (finetune helper) ---
@@ -383,34 +252,7 @@ def finetune_command(
 
 
 # --- report (report helper) ---
-
-
-@app.command("report")
-def report_command(
-    run_dirs: Optional[List[Path]] = typer.Argument(
-        None, help="Run directories or folders of them (default: every run under --runs)."
-    ),
-    runs: Path = typer.Option(Path("runs"), "--runs", help="Where to look for runs when none are named."),
-    paper: bool = typer.Option(False, "--paper", help="Add the papers' published numbers and our difference."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="csv, md or json instead of the terminal table."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix)."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG figures into DIR (needs matplotlib)."),
-    compare: Optional[str] = typer.Option(None, "--compare", help="Two losses for the per-class AP figure, e.g. an,role (default: the best two)."),
-    pivot: Optional[str] = typer.Option(None, "--pivot", help="backbone: one dataset's linear runs as losses x backbones (with their feature kind); --plots then draws that table."),
-) -> None:
-    """Table-1 style table of test mAP (mean ± std over seeds) per loss, dataset and stage, and figures.
-
-    When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
-
-    Example: spml-cache report --paper --plots figures --format md --out table1.md
-    Example: spml-cache report runs/voc --pivot backbone --plots figures
-    """
-    from spml_cache import report
-
-    report.report_command(
-        run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots,
-        compare=compare, console=console, pivot=pivot,
-    )
+app.command("report")(report_command)
 
 
 def main() -> None:

@@ -14,9 +14,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from spml_cache import datasets, observation  # registries the help texts list (no torch)
 from spml_cache.cli.stopping import under_torchrun
 from spml_cache.runtime.errors import SpmlError
 
+CONSOLE = Console()  # what the commands print
 ERR_CONSOLE = Console(stderr=True, soft_wrap=True)  # one red (or yellow) line per error or warning
 
 
@@ -150,3 +152,14 @@ def last_line(line: Text, code: int) -> None:
         except OSError:  # the report then links to torchrun's docs, as without it
             pass
     sys.exit(code)
+
+
+# Help texts list what the registries hold, so that a new dataset or rule appears in --help by itself.
+def _either(names: list[str]) -> str:
+    """`a, b or c`: a registry's names as a help text lists them."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}"
+
+
+DATASETS_HELP = _either(datasets.names())
+PUBLISHED_HELP = _either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows
+RULES_HELP = ", ".join(rule.example for rule in observation.RULES.values())

@@ -66,13 +66,26 @@ def _check_data_folder(data_root: Path) -> None:
             raise SpmlError(f"{data_root / 'VOCdevkit'} is not demo data; pass another --out folder")
 
 
-def run_demo(
-    out: Path | str = "demo", *, num_train: int = DEMO_TRAIN, num_test: int = DEMO_TEST, size: int = DEMO_SIZE,
-    resolution: int = DEMO_RESOLUTION, epochs: int = LINEAR_EPOCHS, lrs=GRID_LRS,
-    batch_sizes=GRID_BATCH_SIZES, device: str = "auto", console: Console | None = None,
-) -> DemoResult:
+@dataclass(frozen=True)
+class DemoSizes:
+    """How big the demo is: its images (count, side), the cache's resolution and stage two's grid. The defaults are
+    measured to finish in a couple of minutes on two CPU cores; the tests make it smaller."""
+
+    num_train: int = DEMO_TRAIN
+    num_test: int = DEMO_TEST
+    size: int = DEMO_SIZE
+    resolution: int = DEMO_RESOLUTION
+    epochs: int = LINEAR_EPOCHS
+    lrs: tuple = tuple(GRID_LRS)
+    batch_sizes: tuple = tuple(GRID_BATCH_SIZES)
+
+
+def run_demo(out: Path | str = "demo", sizes: DemoSizes = DemoSizes(), *, device: str = "auto",
+             console: Console | None = None) -> DemoResult:
     """Generate the data, extract features, train every loss, print the tables, write the plots."""
     console = console or Console()
+    num_train, num_test, size, resolution = sizes.num_train, sizes.num_test, sizes.size, sizes.resolution
+    epochs, lrs, batch_sizes = sizes.epochs, list(sizes.lrs), list(sizes.batch_sizes)
     LinearSettings.of(LinearOptions(lrs=lrs, batch_sizes=batch_sizes, epochs=epochs))  # refuse bad flags first
     resolve_device(device)
     out = Path(out)

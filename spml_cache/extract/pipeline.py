@@ -286,9 +286,9 @@ def _join(plan: _Plan, text, left_out) -> tuple[Path, dict] | None:
     done = {"extracted": report.extracted, "left_out": report.left_out, "resumed": report.resumed,
             "seconds": report.seconds, "not_finite": left_out}
     with locks.held(plan.path, f"the cache {plan.path}") if shard.main else nullcontext():
-        joined = shards.join(shard, plan.path, plan.settings, plan.rows, plan.described.row_shapes(),
-                             run_attrs(plan.device, plan.described.family), done,
-                             plan.rule_store.for_finalise(plan.rows), text, plan.label_format)
+        joined = shards.join(shard, plan.path, shards.Joined(
+            plan.settings, plan.rows, plan.described.row_shapes(), run_attrs(plan.device, plan.described.family),
+            plan.rule_store.for_finalise(plan.rows), text, plan.label_format), done)
     shard.ranks.leave()
     if joined is None:
         return None

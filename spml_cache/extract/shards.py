@@ -96,15 +96,27 @@ def refuse_other_layouts(final: Path, shard: Shard | None, force: bool) -> None:
                     " --force to start over")
 
 
-def join(shard: Shard, final: Path, settings: dict, rows: dict[str, cache.SplitRows], feature_dim,
-         attrs: dict, done: dict, rule_masks=None, text: dict | None = None,
-         labels: str = DEFAULT_FORMAT) -> tuple[Path, dict, dict, dict] | None:
+@dataclass(frozen=True)
+class Joined:
+    """What the joined cache is made of, as `PartialCache.create` takes it: its settings attrs, every row, the
+    trunk output's row shapes (a CLIP cache's embeddings travel with the features), its text side and the label
+    matrices' storage; and what `PartialCache.finalise` stores: the run's attrs and the rules' masks."""
+
+    settings: dict
+    rows: dict[str, cache.SplitRows]
+    feature_dim: object
+    attrs: dict
+    rule_masks: object = None
+    text: dict | None = None
+    labels: str = DEFAULT_FORMAT
+
+
+def join(shard: Shard, final: Path, joined: Joined, done: dict) -> tuple[Path, dict, dict, dict] | None:
     """Once every rank is done: rank 0 copies the shards into the cache `final` and removes them. `done` is this
     rank's {extracted, left_out, resumed, seconds, not_finite}; returns (cache path, ids dropped per split, rows
-    recomputed in fp32 per split, the totals of every rank) on rank 0, None on the others. `rule_masks`: what
-    `PartialCache.finalise` stores beside `single` (extract/rules.py). `feature_dim` and `text`: as
-    `PartialCache.create` takes them (a CLIP cache's embeddings travel with the features); `labels`: the label
-    matrices' storage, likewise."""
+    recomputed in fp32 per split, the totals of every rank) on rank 0, None on the others."""
+    settings, rows, feature_dim, attrs = joined.settings, joined.rows, joined.feature_dim, joined.attrs
+    rule_masks, text, labels = joined.rule_masks, joined.text, joined.labels
     every = shard.ranks.gather(done)  # also the barrier: every shard is complete and closed
     if not shard.main:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -21,13 +22,26 @@ def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console 
     print_table(build_table(collect_runs(run_dirs), paper=paper), console or Console())
 
 
-def report_command(
-    paths: list[Path], *, runs_root: Path, paper: bool, fmt: str | None, output: Path | None,
-    plots_dir: Path | None, compare: str | None, console: Console, pivot: str | None = None,
-) -> None:
-    """`spml-cache report`: check every flag first, then the table (terminal or file), then the figures.
-    `pivot="backbone"`: the loss x backbone table of one dataset (pivot.py), and with `plots_dir` its figure
-    alone."""
+@dataclass(frozen=True)
+class ReportOptions:
+    """The flags of `spml-cache report`: which runs (`paths`, [] means `runs_root`), the table's format and file,
+    the figures' folder, the per-class figure's pair of losses, and `pivot="backbone"` (the loss x backbone table
+    of one dataset, pivot.py; with `plots_dir` its figure alone)."""
+
+    paths: list[Path] = field(default_factory=list)
+    runs_root: Path = Path("runs")
+    paper: bool = False
+    fmt: str | None = None
+    output: Path | None = None
+    plots_dir: Path | None = None
+    compare: str | None = None
+    pivot: str | None = None
+
+
+def report_command(options: ReportOptions, console: Console) -> None:
+    """`spml-cache report`: check every flag first, then the table (terminal or file), then the figures."""
+    paths, runs_root, paper, fmt, output = options.paths, options.runs_root, options.paper, options.fmt, options.output
+    plots_dir, compare, pivot = options.plots_dir, options.compare, options.pivot
     check_pivot(pivot)
     if output is not None and fmt is None:
         fmt = {".csv": "csv", ".md": "md", ".json": "json"}.get(output.suffix.lower())
