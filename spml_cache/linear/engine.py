@@ -20,10 +20,10 @@ from spml_cache import losses as loss_registry
 from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.head_matrix import HeadMatrix
-from spml_cache.runtime.devices import to_host
+from spml_cache.runtime.devices import flushing_denormals, single_threaded, to_host
 from spml_cache.runtime.errors import check_stop
 from spml_cache.linear.out_of_core import (
-    Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets,
+    Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets, epoch_permutations,
 )
 from spml_cache.linear.settings import LinearSettings, StartHead
 from spml_cache.losses.overrides import Combination
@@ -384,42 +384,3 @@ class SeedRun:
 def class_mean(ap: np.ndarray, scored: np.ndarray | None) -> float:
     """One head's mAP (0..100) from its per-class AP: over every class, or the `scored` ones (partial labels)."""
     return 100 * float(ap.mean() if scored is None else ap[scored].mean() if scored.any() else 0.0)
-
-
-@contextmanager
-def single_threaded(device: torch.device):
-    """On the CPU, one intra-op thread while heads train and score.
-
-    Each step's tensors are a few hundred KB: splitting an op across threads costs more than it saves, and on
-    a busy machine waiting threads slow every op down by an order of magnitude (measured: 30x on 2 shared
-    cores). Training the stacks in parallel threads does not pay either: a step is ~50 small ops, and
-    their dispatch holds the GIL.
-    """
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@contextmanager
-def flushing_denormals(device: torch.device):
-    """Saturated heads make gradients denormal, which x86 handles ~10x slower unless they are flushed to zero
-    (values below ~1e-38; the flag belongs to the calling thread)."""
-    flushing = device.type == "cpu" and torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        if flushing:
-            torch.set_flush_denormal(False)
-
-
-def epoch_permutations(num_rows: int, seed: int, epochs: int) -> torch.Tensor:
-    """The batch order `[epochs, num_rows]`: a function of (seed, epoch) only, the same for every batch size
-    and device (drawn on the CPU)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(num_rows, generator=generator) for _ in range(epochs)])

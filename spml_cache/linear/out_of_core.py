@@ -93,6 +93,13 @@ def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, head
     return MemoryPlan(budget, train_in_memory, eval_in_memory, int(chunk_rows), class_block, short)
 
 
+def epoch_permutations(num_rows: int, seed: int, epochs: int) -> torch.Tensor:
+    """The batch order `[epochs, num_rows]`: a function of (seed, epoch) only, the same for every batch size
+    and device (drawn on the CPU)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_rows, generator=generator) for _ in range(epochs)])
+
+
 def chunked_permutations(num_rows: int, chunk_rows: int, seed: int, epochs: int) -> torch.Tensor:
     """The batch order `[epochs, num_rows]` out of core: per epoch a seeded permutation of the chunks (of
     `chunk_rows` consecutive rows, the last one shorter) and a seeded shuffle of each chunk's rows; a function
