@@ -234,6 +234,12 @@ def for_loss(observed, whole: bool) -> np.ndarray | None:
     return np.asarray(observed)
 
 
+def for_figures(matrix) -> np.ndarray | None:
+    """A label matrix as report's figures read it (`labels.npz`): a dense one as it is; None for a sparse one, which
+    is never made dense for them (a cache of many classes: it would be [N, C] of them)."""
+    return None if is_sparse(matrix) else np.asarray(matrix)
+
+
 def hide_unannotated(observed, mask):
     """`observed` with every unannotated entry (mask 0) unknown: a rule never observes a label nobody annotated
     (its 0 is not a known negative). Sparse observed labels stay sparse (a sparse mask is never made dense)."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from spml_cache.cache import FeatureSet, cache_id
-from spml_cache.labels import is_sparse
+from spml_cache.labels import for_figures
 from spml_cache.losses import plugins
 from spml_cache.losses.base import Fidelity
 from spml_cache.runs.files import save_checkpoint, write_json, write_npz
@@ -140,8 +140,8 @@ def write_labels(run_dir: Path | str, *, train_labels, train_observed, val_label
                  rules: dict[str, np.ndarray] | None = None) -> Path | None:
     """`labels.npz`: the labels the scores are judged against (what report's figures need); `rules`: other
     observation rules' training masks, as `train_observed@<rule>`. Sparse label matrices (a cache of many
-    classes) are not written (None): report's figures read dense matrices, which would be [N, C] of them."""
-    if is_sparse(train_labels):
+    classes) are not written (None: `labels.for_figures`)."""
+    if for_figures(train_labels) is None:
         return None
     others = {f"train_observed@{rule}": observed for rule, observed in (rules or {}).items()}
     return write_npz(Path(run_dir) / "labels.npz", train_labels=train_labels, train_observed=train_observed,
