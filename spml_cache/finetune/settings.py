@@ -7,7 +7,6 @@ is resumed. `Setup` adds what the run needs besides (the cache, the image rows, 
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from spml_cache.labels import take
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key, split_key
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, check_grid, check_val_split
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, closest
 
 DEFAULT_LRS = (1e-5, 1e-4)
 INITS = ("best", "imagenet")  # LinearInit (the default), or a fresh head on the ImageNet trunk
@@ -265,7 +264,7 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
 
 def _misspelt(name: str) -> bool:
     """A name that is no built-in loss but close to one (a plugin's name is known only once a run recorded it)."""
-    return name not in losses.names() and bool(difflib.get_close_matches(name, losses.names(), n=1, cutoff=0.6))
+    return name not in losses.names() and closest(name, losses.names()) is not None
 
 
 def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):

@@ -21,8 +21,14 @@ def unknown_name(kind: str, name: str, valid: Iterable[str]) -> str:
     """`unknown <kind> '<name>'`, with the closest of the `valid` names as a suggestion when one is close
     (`rolee` -> ` (did you mean role?)`): the one wording of every registry's refusal (losses, observation rules,
     backbones, datasets), which each follows with its own list of valid names."""
+    close = closest(name, valid)
+    return f"unknown {kind} '{name}'" + (f" (did you mean {close}?)" if close else "")
+
+
+def closest(name: str, valid: Iterable[str]) -> str | None:
+    """The one of `valid` that `name` is likely a misspelling of, or None."""
     close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
-    return f"unknown {kind} '{name}'" + (f" (did you mean {close[0]}?)" if close else "")
+    return close[0] if close else None
 
 
 class DiskFull(SpmlError):
