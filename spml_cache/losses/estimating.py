@@ -13,6 +13,7 @@ import torch
 
 from spml_cache import datasets
 from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
+from spml_cache.losses.slopes import reduced, sigmoid_slope
 from spml_cache.runtime.errors import SpmlError
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -25,6 +26,13 @@ def expected_positive_regularizer(p: torch.Tensor, k: float) -> torch.Tensor:
     num_rows, num_classes = p.shape[-2:]
     k_hat = p.sum(dim=(-2, -1)) / num_rows
     return ((k_hat - k) / num_classes) ** 2
+
+
+def expected_positive_terms(p: torch.Tensor, k) -> tuple[torch.Tensor, torch.Tensor]:
+    """R_k(P) (`[...]`) and its gradient with respect to the logits, `2 (k_hat - k) / (B C^2) (1 - p) p`."""
+    num_rows, num_classes = p.shape[-2:]
+    gap = (p.sum(dim=(-2, -1)) / num_rows - k) / num_classes
+    return gap**2, (2 * gap / (num_classes * num_rows)).unsqueeze(-1).unsqueeze(-1) * sigmoid_slope(p)
 
 
 def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor, eps: float | None = None) -> torch.Tensor:
@@ -68,6 +76,12 @@ class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
     def forward(self, logits, observed, *, labels=None, index=None):
         regularizer = expected_positive_regularizer(torch.sigmoid(logits), head_vector(self.k))
         return mean_over_entries(observed_label_terms(logits, observed)) + regularizer
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        p, target, known = torch.sigmoid(logits), (observed == 1).to(logits.dtype), observed != 0
+        value, grad = reduced(bce(logits, target) * known, (p - target) * known)  # observed_label_terms
+        regularizer, slopes = expected_positive_terms(p, head_vector(self.k))
+        return value + regularizer, grad + slopes
 
 
 @register
