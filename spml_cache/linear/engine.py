@@ -104,6 +104,7 @@ class HeadStack:
         self.stopped = None  # `active` once a head has stopped: the optimisers then leave that head alone
         self.frozen = None  # the stopped heads' columns of `heads` (HeadMatrix.frozen_columns)
         self.stopped_heads: tuple[int, ...] = ()  # which heads have stopped, on the host
+        self.gathered: dict[int, Batch] = {}  # per batch size: the tensors a step gathers its batch into
         self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
         self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
@@ -130,7 +131,9 @@ class HeadStack:
         With dense arrays in memory nothing in it waits on the GPU or copies from the host, and what changes
         between steps lives in tensors updated in place: a CUDA graph of it replays correctly (graphs.py); the
         Python step counters it advances are `step_counts`."""
-        batch = batch or data.batch(rows, self.loss.oracle)
+        if batch is None:  # gathered into this batch size's buffers (made by its first step: the eager warm-up)
+            batch = data.batch(rows, self.loss.oracle, into=self.gathered.get(len(rows)))
+            self.gathered.setdefault(len(rows), batch)
         if self.closed_form:
             grads = closed_form_gradients(self.loss, self.heads, batch, rows)
         else:
