@@ -73,6 +73,21 @@ def step(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, we
     return per_head, grads
 
 
+def closed_step(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor):
+    """The step stage two takes for a loss that states its gradient (`loss_and_grad`, and `penalty_and_grad` when it
+    has one): per-head values and the gradients w.r.t. the logits and, for a penalty, the weight."""
+    values, grad = loss.loss_and_grad(logits.detach(), data.observed.index_select(0, rows),
+                                      labels=data.labels.index_select(0, rows) if loss.oracle else None, index=rows)
+    if not loss.penalises_weight:
+        return values, (grad,)
+    if type(loss).closed_form_penalty():
+        penalty, weight_grad = loss.penalty_and_grad(weight.detach())
+    else:
+        penalty = loss.penalty(weight)
+        (weight_grad,) = torch.autograd.grad(penalty.sum(), [weight])
+    return values + penalty, (grad, weight_grad)
+
+
 def inputs(seed: int, size: int, heads: int = K, scale: float = 3.0, dtype=torch.float32):
     """A batch's rows, logits `[heads, size, C]` and head weight `[heads, D, C]`, both requiring gradients."""
     generator = torch.Generator().manual_seed(seed)
@@ -188,6 +203,47 @@ def check_gradient(cls: type[Loss]) -> str:
             f" (up to {worst:.1e})")
 
 
+def check_closed_form(cls: type[Loss]) -> str:
+    if not cls.closed_form():
+        return "no closed form (loss_and_grad): stage two differentiates it by autograd"
+    data = problem()
+    loss = build(cls, data).double()
+    worst = 0.0
+    for epoch in range(1, EPOCHS + 1):
+        every = train_logits(loss, epoch)
+        loss.start_epoch(epoch, EPOCHS, None if every is None else every.double())
+        for size in BATCHES:
+            rows, logits, weight = inputs(100 * epoch + size, size, dtype=torch.float64)
+            extreme = torch.where(logits.detach() > 0, EXTREME, -EXTREME).to(logits.dtype).requires_grad_()
+            for what, z in ((f"epoch {epoch}", logits), (f"epoch {epoch}, |z| = {EXTREME:g}", extreme)):
+                worst = max(worst, _same_as_autograd(loss, data, rows, z, weight, what))
+    return f"loss_and_grad gives forward's value and autograd's gradient in float64 (up to {worst:.1e} relative)"
+
+
+def _same_as_autograd(loss: Loss, data: Problem, rows, logits, weight, what: str) -> float:
+    """The worst relative difference of the closed form's values and gradients from autograd's, on one step from
+    one state (a loss that writes state writes it alike); a failure past 1e-6."""
+    kept = {key: value.clone() for key, value in loss.state_dict().items()}
+    values, grads = step(loss, data, rows, logits, weight)
+    written = {key: value.clone() for key, value in loss.state_dict().items()}
+    loss.load_state_dict(kept)
+    closed_values, closed_grads = closed_step(loss, data, rows, logits, weight)
+    worst = 0.0
+    pairs = [("value", values.detach(), closed_values), ("gradient", grads[0], closed_grads[0])]
+    pairs += [("penalty's gradient", grads[-1], closed_grads[-1])] if loss.penalises_weight else []
+    for name, expected, got in pairs:
+        finite = ~expected.isnan()  # autograd's NaN where a torch.where's unchosen branch has an infinite slope
+        error = ((got - expected).abs() / expected.abs().clamp(min=1e-300))[finite]
+        worst = max(worst, error.max().item() if error.numel() else 0.0)
+        if not torch.allclose(got[finite], expected[finite], rtol=1e-6, atol=0):
+            raise Failed(f"{what}: loss_and_grad's {name} differs from autograd of forward by up to"
+                         f" {worst:.1e} relative; state the derivative of forward's terms exactly (losses/slopes.py"
+                         " gives the built-ins'), or leave loss_and_grad out: stage two then uses autograd")
+    if any(not torch.equal(value, written[key]) for key, value in loss.state_dict().items()):
+        raise Failed(f"{what}: loss_and_grad leaves the loss's state otherwise than forward does")
+    return worst
+
+
 def check_stacked(cls: type[Loss]) -> str:
     data = problem()
     stacked = build(cls, data)
@@ -229,21 +285,22 @@ def check_capture_safe(cls: type[Loss]) -> str:
     for size in BATCHES:  # the eager warm-up of each shape, before any capture
         rows, logits, weight = inputs(size, size)
         step(loss, data, rows, logits, weight)
-    traces: dict[int, list] = {size: [] for size in BATCHES}
+    steps = [step] + ([closed_step] if cls.closed_form() else [])  # stage two runs the closed form's
+    traces: dict[tuple, list] = {(size, way): [] for size in BATCHES for way in steps}
     for epoch in range(1, EPOCHS + 2):
         if epoch > 1:
             loss.start_epoch(epoch, EPOCHS + 1, train_logits(loss, epoch))
-        for size in BATCHES:
+        for size, way in traces:
             rows, logits, weight = inputs(100 * epoch + size, size)
-            _, recorder = record(lambda: step(loss, data, rows, logits, weight),
+            _, recorder = record(lambda: way(loss, data, rows, logits, weight),
                                  {"logits": logits, "index": rows, "weight": weight},
                                  {value.untyped_storage().data_ptr(): key for key, value in loss.state_dict().items()})
             if recorder.forbidden:
                 raise Failed(f"epoch {epoch}: {recorder.forbidden[0]}; a captured step cannot wait on the device or"
                              " copy from the host: no .item(), bool(tensor), torch.tensor(...), nonzero or boolean"
                              " indexing in a step (use torch.where, and buffers updated in start_epoch)")
-            traces[size].append(recorder.trace)
-    for size, by_epoch in traces.items():
+            traces[size, way].append(recorder.trace)
+    for (size, _), by_epoch in traces.items():
         for epoch, trace in enumerate(by_epoch[1:], start=2):
             if trace != by_epoch[0]:
                 where = first_difference(by_epoch[0], trace, ("epoch 1", f"epoch {epoch}")).replace("\n", " ")
@@ -279,7 +336,8 @@ def check_rules(cls: type[Loss]) -> str:
 
 
 CHECKS: tuple[Callable[[type[Loss]], str], ...] = (
-    check_finite, check_gradient, check_stacked, check_capture_safe, check_deterministic, check_rules)
+    check_finite, check_gradient, check_closed_form, check_stacked, check_capture_safe, check_deterministic,
+    check_rules)
 
 
 def run_checks(cls: type[Loss]) -> Iterator[tuple[bool, str]]:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from spml_cache.losses.base import bce, mean_over_entries, neg_log_1mp, neg_log_p
+from spml_cache.losses.base import bce, mean_over_entries
 
 
 class Logs(NamedTuple):
@@ -39,8 +39,9 @@ def logs_of(x: torch.Tensor, eps: float | None = None) -> Logs:
     """Both logs of `x` and their slopes: `-sigmoid(-x)` and `p`; with `eps`, -(1 - p) p / (p + eps) and
     (1 - p) p / (1 - p + eps)."""
     p = torch.sigmoid(x)
-    if eps is None:
-        return Logs(p, neg_log_p(x), neg_log_1mp(x), -torch.sigmoid(-x), p)
+    if eps is None:  # nl(p) = softplus(-x) = -logsigmoid(x): softplus keeps the logits' memory layout, which the
+        minus_x = -x  # heads' gradient then reads without a copy (logsigmoid's output is always contiguous)
+        return Logs(p, F.softplus(minus_x), F.softplus(x), -torch.sigmoid(minus_x), p)
     shifted_p, shifted_1mp, slope = p + eps, 1 - p + eps, sigmoid_slope(p)
     return Logs(p, -torch.log(shifted_p), -torch.log(shifted_1mp), -slope / shifted_p, slope / shifted_1mp)
 
@@ -67,12 +68,12 @@ def entropy_terms(x: torch.Tensor, logs: Logs, eps: float | None = None) -> tupl
 
 def focal_terms(u: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor]:
     """The focal positive term `(1 - p)^g nl(p)` at logit `u` (robust.focal_positive) and its slope with respect
-    to `u`, `(1 - p)^g [g p log p - (1 - p)]` (autograd's chain through the weight, which is not detached). The
+    to `u`, `-(1 - p)^g [g p nl(p) + (1 - p)]` (autograd's chain through the weight, which is not detached). The
     focal negative term at `x` is the positive one at `-x`, so one evaluation serves both sides of a loss."""
     minus_u = -u
-    log_p = F.logsigmoid(u)
-    weight = torch.exp(g * F.logsigmoid(minus_u))
-    return weight * -log_p, weight * (g * torch.sigmoid(u) * log_p - torch.sigmoid(minus_u))
+    nl_p = F.softplus(minus_u)  # -logsigmoid(u), in the logits' memory layout (as `logs_of`)
+    weight = torch.exp(-g * F.softplus(u))  # (1 - p)^g = e^(g log(1 - p))
+    return weight * nl_p, -weight * (g * torch.sigmoid(u) * nl_p + torch.sigmoid(minus_u))
 
 
 def power_slope(base: torch.Tensor, exponent) -> torch.Tensor:
