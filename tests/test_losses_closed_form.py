@@ -60,9 +60,19 @@ def compare(name: str, loss: losses.Loss, logits: torch.Tensor, rows: torch.Tens
     (expected_grad,) = torch.autograd.grad(expected.sum(), z)
     after = {key: value.clone() for key, value in loss.state_dict().items()}
     loss.load_state_dict(kept)
-    value, grad = loss.loss_and_grad(logits.clone(), observed, labels=labels, index=rows)
+    value, grad, *row_grads = loss.loss_and_grad(logits.clone(), observed, labels=labels, index=rows)
     assert not value.requires_grad and not grad.requires_grad, f"{name}: the closed form built an autograd graph"
     torch.testing.assert_close(value, expected.detach(), rtol=RTOL, atol=0, msg=lambda m: f"{name}, {what}: {m}")
+    if row_grads:  # per-row parameters (role's theta): their rows' gradients, autograd's of the whole parameter
+        params = dict(loss.named_parameters())
+        assert set(row_grads[0]) == set(params) == set(type(loss).row_params)
+        wrt = [z] + list(params.values())
+        expected_grads = torch.autograd.grad(loss(*wrt[:1], observed, labels=labels, index=rows).sum(), wrt)
+        loss.load_state_dict(kept)
+        for key, whole in zip(params, expected_grads[1:]):
+            torch.testing.assert_close(row_grads[0][key], whole[:, rows], rtol=RTOL, atol=0,
+                                       msg=lambda m: f"{name} {key}'s gradient, {what}: {m}")
+            assert not whole.index_fill(1, rows, 0.0).any()  # nothing outside the batch's rows
     # Where autograd's gradient is NaN (asl in authors mode at p = 1: a torch.where's unchosen branch has the slope
     # 0 * inf there, which its backward multiplies by 0), the closed form, which chooses first, need not be.
     finite = ~expected_grad.isnan()
@@ -117,9 +127,9 @@ def test_the_closed_form_penalty_is_autograd_of_penalty(name, per_head):
 
 
 def test_the_built_in_closed_forms():
-    """The losses that state their gradient, and those that train by autograd (trainable state, or a
-    log-determinant whose gradient is no simpler by hand)."""
-    assert set(losses.names()) - set(CLOSED) == {"role", "opml_sp"}
+    """The losses that state their gradient, and the one that trains by autograd (a log-determinant whose
+    gradient is no simpler by hand)."""
+    assert set(losses.names()) - set(CLOSED) == {"opml_sp"}
     assert PENALISED == ["l1r", "l2r"]
 
 

@@ -96,9 +96,9 @@ class HeadStack:
             self.adam.add_param(param, getattr(param, "lr_mult", 1.0), lazy_rows=id(param) in lazy)
         self.lazy = bool(self.row_params)
         self.rows_only = self.lazy and not loss_type.row_buffers and len(self.row_params) == len(self.params)
-        # The loss's value and gradient in one pass, no autograd graph (gradients.py): its own parameters, if any,
-        # are differentiated by autograd.
-        self.closed_form = loss_type.closed_form() and not self.params
+        # The loss's value and gradient in one pass, no autograd graph (gradients.py), where it states them: with
+        # trainable parameters only per-row ones, whose rows' gradients it gives (ROLE's theta)
+        self.closed_form = loss_type.closed_form() and (not self.params or self.rows_only)
         self.active = torch.ones(len(lrs), dtype=torch.bool, device=device)  # false once a head has diverged
         self.active_at_start = self.active
         self.stopped = None  # `active` once a head has stopped: the optimisers then leave that head alone

@@ -34,9 +34,12 @@ class StepGradients:
 
 
 def closed_form_gradients(loss: Loss, heads: HeadMatrix, batch: Batch, rows: torch.Tensor) -> StepGradients:
-    """The gradients of a loss with `loss_and_grad` (and no trainable parameters); its penalty's in closed form
-    when it states one (`penalty_and_grad`), else by autograd of the penalty alone."""
-    values, grad_logits = loss.loss_and_grad(heads(batch.features), batch.observed, labels=batch.labels, index=rows)
+    """The gradients of a loss with `loss_and_grad` (its per-row parameters' on the batch's rows, in the order of
+    `row_params`); its penalty's in closed form when it states one (`penalty_and_grad`), else by autograd of the
+    penalty alone."""
+    values, grad_logits, *row_grads = loss.loss_and_grad(heads(batch.features), batch.observed,
+                                                         labels=batch.labels, index=rows)
+    params = tuple(row_grads[0][name] for name in type(loss).row_params) if row_grads else ()
     weight_grad = None
     if type(loss).penalises_weight:
         if type(loss).closed_form_penalty():
@@ -47,7 +50,7 @@ def closed_form_gradients(loss: Loss, heads: HeadMatrix, batch: Batch, rows: tor
             (weight_grad,) = torch.autograd.grad(penalty.sum(), [weight])
             penalty = penalty.detach()
         values = values + penalty
-    return StepGradients(values, grad_logits, weight_grad, ())
+    return StepGradients(values, grad_logits, weight_grad, params)
 
 
 def autograd_gradients(loss: Loss, heads: HeadMatrix, batch: Batch, index, params: list) -> StepGradients:

@@ -132,7 +132,9 @@ class Loss(torch.nn.Module):
     `loss_and_grad(logits, observed, *, labels=None, index=None)`, returning `forward`'s value `[K]` and that
     gradient `[K, B, C]` from one pass (and `penalty_and_grad(weight)` likewise beside `penalty`): stage two
     then takes no autograd graph for the loss (`closed_form`). It must agree with autograd of `forward`
-    (`check-loss` checks it in float64); a loss with trainable parameters trains by autograd.
+    (`check-loss` checks it in float64). A loss whose trainable parameters are all `row_params` returns a third
+    item, `{name: gradient with respect to the rows index selects, [K, B, ...]}`; one with other trainable
+    parameters trains by autograd.
     Hyperparameters become attributes (`self.alpha`), resolved as: class `defaults`, then
     `dataset_defaults[dataset]`, then the caller's overrides. A default of `None` is derived at build time
     (from the class count, the dataset, ...); `derived` says how, for `spml-cache losses`, and the subclass

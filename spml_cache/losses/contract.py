@@ -75,17 +75,21 @@ def step(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, we
 
 def closed_step(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor):
     """The step stage two takes for a loss that states its gradient (`loss_and_grad`, and `penalty_and_grad` when it
-    has one): per-head values and the gradients w.r.t. the logits and, for a penalty, the weight."""
-    values, grad = loss.loss_and_grad(logits.detach(), data.observed.index_select(0, rows),
-                                      labels=data.labels.index_select(0, rows) if loss.oracle else None, index=rows)
+    has one): per-head values and the gradients as `step` orders them: the logits', the per-row parameters' (their
+    rows placed in the whole parameter, zero elsewhere, as autograd gives it) and, for a penalty, the weight's."""
+    values, grad, *row_grads = loss.loss_and_grad(logits.detach(), data.observed.index_select(0, rows),
+                                                  labels=data.labels.index_select(0, rows) if loss.oracle else None,
+                                                  index=rows)
+    grads = [grad] + [torch.zeros_like(param).index_copy_(1, rows, row_grads[0][name])
+                      for name, param in loss.named_parameters() if row_grads]
     if not loss.penalises_weight:
-        return values, (grad,)
+        return values, tuple(grads)
     if type(loss).closed_form_penalty():
         penalty, weight_grad = loss.penalty_and_grad(weight.detach())
     else:
         penalty = loss.penalty(weight)
         (weight_grad,) = torch.autograd.grad(penalty.sum(), [weight])
-    return values + penalty, (grad, weight_grad)
+    return values + penalty, (*grads, weight_grad)
 
 
 def inputs(seed: int, size: int, heads: int = K, scale: float = 3.0, dtype=torch.float32):
@@ -230,6 +234,9 @@ def _same_as_autograd(loss: Loss, data: Problem, rows, logits, weight, what: str
     closed_values, closed_grads = closed_step(loss, data, rows, logits, weight)
     worst = 0.0
     pairs = [("value", values.detach(), closed_values), ("gradient", grads[0], closed_grads[0])]
+    penalised = int(loss.penalises_weight)
+    pairs += [(f"{name}'s gradient", grads[1 + i], closed) for i, ((name, _), closed) in
+              enumerate(zip(loss.named_parameters(), closed_grads[1 : len(closed_grads) - penalised]))]
     pairs += [("penalty's gradient", grads[-1], closed_grads[-1])] if loss.penalises_weight else []
     for name, expected, got in pairs:
         finite = ~expected.isnan()  # autograd's NaN where a torch.where's unchosen branch has an infinite slope

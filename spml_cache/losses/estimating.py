@@ -13,7 +13,7 @@ import torch
 
 from spml_cache import datasets
 from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
-from spml_cache.losses.slopes import reduced, sigmoid_slope
+from spml_cache.losses.slopes import bce_terms, logs_of, reduced, sigmoid_slope
 from spml_cache.runtime.errors import SpmlError
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -140,3 +140,24 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
         k = head_vector(self.k)
         regularizer = 0.5 * (expected_positive_regularizer(p, k) + expected_positive_regularizer(q, k))
         return mean_over_entries(terms) + regularizer
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        """`forward`'s value, its gradient with respect to the logits and, by name, to theta's rows `index`
+        (`[K, B, C]`): each side a masked BCE to the observed labels and a BCE to the other side's probability,
+        held fixed, plus half of its R_k."""
+        theta_batch = rows_for_heads(self.theta, index, logits).detach().to(logits.dtype)
+        eps, known, target = self.log_eps, observed != 0, (observed == 1).to(logits.dtype)
+        sides = (logits, theta_batch)
+        logs = [torch.sigmoid(side) if eps is None else logs_of(side, eps) for side in sides]  # p alone, or both logs
+        probabilities = logs if eps is None else [side_logs.p for side_logs in logs]
+        own = [bce_terms(side, target, eps, side_logs) for side, side_logs in zip(sides, logs)]
+        cross = [bce_terms(side, other, eps, side_logs) for side, side_logs, other in
+                 zip(sides, logs, probabilities[::-1])]
+        terms = 0.5 * (own[0][0] * known + own[1][0] * known) + 0.5 * (cross[0][0] + cross[1][0])
+        regularizers = [expected_positive_terms(p, head_vector(self.k)) for p in probabilities]
+        value = mean_over_entries(terms) + 0.5 * (regularizers[0][0] + regularizers[1][0])
+        scale = 0.5 / (logits.shape[-2] * logits.shape[-1])
+        grad_logits, grad_theta = ((own_slope * known + cross_slope) * scale + 0.5 * regularizer_slope
+                                   for (_, own_slope), (_, cross_slope), (_, regularizer_slope)
+                                   in zip(own, cross, regularizers))
+        return value, grad_logits, {"theta": grad_theta}

@@ -46,12 +46,13 @@ def logs_of(x: torch.Tensor, eps: float | None = None) -> Logs:
     return Logs(p, -torch.log(shifted_p), -torch.log(shifted_1mp), -slope / shifted_p, slope / shifted_1mp)
 
 
-def bce_terms(x: torch.Tensor, target, eps: float | None = None, logs: Logs | None = None):
+def bce_terms(x: torch.Tensor, target, eps: float | None = None, logs: Logs | torch.Tensor | None = None):
     """bce(x, target) (base.py) and its slope, for a target that does not depend on `x`: `p - target` (torch's fused
-    BCE backward); with `eps`, the slopes of its two logs weighted by the target. `logs`: `logs_of(x, eps)`, if
-    the caller has them."""
+    BCE backward); with `eps`, the slopes of its two logs weighted by the target. `logs`: `logs_of(x, eps)` if the
+    caller has them (without `eps`, `p` alone will do)."""
     if eps is None:
-        return bce(x, target), (torch.sigmoid(x) if logs is None else logs.p) - target
+        p = torch.sigmoid(x) if logs is None else logs if isinstance(logs, torch.Tensor) else logs.p
+        return bce(x, target), p - target
     logs = logs_of(x, eps) if logs is None else logs
     return target * logs.nl_p + (1 - target) * logs.nl_1mp, target * logs.d_nl_p + (1 - target) * logs.d_nl_1mp
 
