@@ -156,8 +156,11 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
         terms = 0.5 * (own[0][0] * known + own[1][0] * known) + 0.5 * (cross[0][0] + cross[1][0])
         regularizers = [expected_positive_terms(p, head_vector(self.k)) for p in probabilities]
         value = mean_over_entries(terms) + 0.5 * (regularizers[0][0] + regularizers[1][0])
+        # each term's slope at its own scale, then their sum, as autograd accumulates them: theta's slope is a
+        # difference of near-equal probabilities where q ~ p, which Adam's normalisation then magnifies
         scale = 0.5 / (logits.shape[-2] * logits.shape[-1])
-        grad_logits, grad_theta = ((own_slope * known + cross_slope) * scale + 0.5 * regularizer_slope
+        known_scale = known * scale
+        grad_logits, grad_theta = (own_slope * known_scale + cross_slope * scale + 0.5 * regularizer_slope
                                    for (_, own_slope), (_, cross_slope), (_, regularizer_slope)
                                    in zip(own, cross, regularizers))
         return value, grad_logits, {"theta": grad_theta}
