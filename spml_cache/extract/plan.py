@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import h5py
@@ -17,6 +16,7 @@ from spml_cache import cache
 from spml_cache.backbones import Description, templates_attr
 from spml_cache.cache.csr import format_of
 from spml_cache.labels import head, nonzero_count, same, take
+from spml_cache.runtime.disk import require_room  # noqa: F401 (stage one's plan names it)
 from spml_cache.runtime.errors import SpmlError
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
@@ -135,8 +135,6 @@ def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width
     return total
 
 
-
-
 def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:
     """`--out` (a file, or a folder for the default name), else `<dataset>-<backbone slug>-<R>.h5` in the cache
     folder."""
@@ -154,14 +152,3 @@ def require_writable(folder: Path) -> None:
         raise SpmlError(f"cannot create the output folder {folder} ({problem}); pick another --out") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SpmlError(f"the output folder {folder} is not writable; pick another --out")
-
-
-ROOM_MARGIN = 16 * 2**20  # bytes beyond the estimate: HDF5's own structures, and the estimate's error
-
-
-def require_room(path: Path, needed: int) -> None:
-    """The disk of `path` has room for `needed` more bytes (and a margin), else one line with both figures."""
-    free = shutil.disk_usage(path.parent).free
-    if free < needed + ROOM_MARGIN:
-        raise SpmlError(f"not enough space for {path}: it needs about {(needed + ROOM_MARGIN) / 2**20:.1f} MiB, and"
-                        f" {free / 2**20:.1f} MiB are free on that disk: free some space, or pick another --out")
