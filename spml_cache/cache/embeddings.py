@@ -26,7 +26,7 @@ from spml_cache.cache.reading import load
 from spml_cache.cache.schema import COPY_BLOCK_ROWS, SPLITS, cache_id, plain
 from spml_cache.labels import is_sparse
 from spml_cache.runtime.disk import remove_stale_temporaries, require_room, temporary_path
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stops_deferred
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, finished, stops_deferred
 
 EMBEDDINGS, METADATA = "img_emb", "metadata"
 SIDECAR = "spml_cache.json"
@@ -34,7 +34,7 @@ KEY_COLUMNS = ("id", "image_path")  # what a metadata row names its image by, in
 # The cache attrs that say what the features are: an export keeps them, an import of it restores them.
 DESCRIBING = ("backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim", "clip_features",
               "backbone_origin", "features")
-EXPORT_MARGIN = 2**20  # bytes beyond `export_size`: parquet's own structures, and the estimate's error
+EXPORT_MARGIN = 64 * 2**10  # bytes beyond `export_size` (an overestimate: parquet compresses): its footers
 
 
 def is_layout(folder: Path) -> bool:
@@ -246,6 +246,7 @@ def export(path: Path, out: Path) -> ExportReport:
                 _move_into(temporary, out)
             else:
                 os.replace(temporary, out)
+            finished()  # in place: a stop that came meanwhile has nothing left to stop
     except BaseException as err:
         shutil.rmtree(temporary, ignore_errors=True)
         raise _export_error(err, out, needed) from None

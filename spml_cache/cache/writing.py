@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -67,8 +68,9 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
         path.parent.mkdir(parents=True, exist_ok=True)
         file = h5py.File(path, "w")
     except OSError as err:
-        path.unlink(missing_ok=True)  # h5py leaves an empty file where the disk had no room for its first block
         if DiskFull.caused(err):
+            with suppress(OSError):  # h5py leaves an empty file where the disk had no room for its first block
+                path.unlink(missing_ok=True)
             raise DiskFull(path) from None
         raise SpmlError(f"cannot write {path} ({err.strerror or err}): pick a writable --out folder") from None
     try:
@@ -151,7 +153,10 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, 
         raise SpmlError(f"features of the splits have different widths {sorted(dims)}")
     shapes = {key: np.asarray(train[key]).shape[1:] for key in ROW_DATASETS if key in train and key != "features"}
     shapes = {"features": (dims.pop(),), **shapes}
-    file = _create(temporary, attrs, splits, shapes, bad_rows=False, text=text, labels=labels, features=features)
+    try:
+        file = _create(temporary, attrs, splits, shapes, bad_rows=False, text=text, labels=labels, features=features)
+    except DiskFull:  # its partial file is gone: the cache is what the user named
+        raise DiskFull(path) from None
     try:
         for name, split in given.items():
             stored, total = file[name]["features"], len(splits[name])

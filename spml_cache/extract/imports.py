@@ -9,7 +9,7 @@ from pathlib import Path
 from spml_cache.cache.embeddings import is_layout
 from spml_cache.extract.embeddings import import_embeddings
 from spml_cache.extract.published import ImportReport, import_published
-from spml_cache.runtime.errors import Interrupted, SpmlError, stops_deferred
+from spml_cache.runtime.errors import Interrupted, SpmlError, finished, stops_deferred
 
 
 def import_features(folder: Path, *, dataset: str, root: Path | None = None, out: Path | None = None,
@@ -19,7 +19,9 @@ def import_features(folder: Path, *, dataset: str, root: Path | None = None, out
     and lost), and leave nothing written."""
     try:
         with stops_deferred():
-            return _import(folder, dataset=dataset, root=root, out=out, classes_file=classes_file, force=force)
+            report = _import(folder, dataset=dataset, root=root, out=out, classes_file=classes_file, force=force)
+            finished()  # the cache is sealed: a stop that came meanwhile has nothing left to stop
+            return report
     except KeyboardInterrupt:  # cache.write has removed its partial file
         raise Interrupted("nothing was written") from None
 

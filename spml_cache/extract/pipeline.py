@@ -48,7 +48,7 @@ from spml_cache.extract.plan import (
 from spml_cache.cache.csr import resolve_format
 from spml_cache.extract.rules import RuleStore
 from spml_cache.runtime.devices import default_workers, resolve_device
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 
 @dataclass
 class ExtractReport:
@@ -147,7 +147,9 @@ def run_extract(options: ExtractOptions) -> ExtractReport | None:
     if plan.shard:
         final = _join(plan, text)
         if final is None:
+            finished()  # its shard is joined
             return None  # rank 0 reports for every rank
+    finished()  # the cache is sealed: a stop now has nothing to stop
     return _written(plan, final)
 
 

@@ -28,7 +28,9 @@ from spml_cache.linear.options import LinearOptions, LinearPlacement
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.runtime import locks, memory
 from spml_cache.runtime.devices import resolve_device
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
+from spml_cache.runtime.errors import (
+    DiskFull, Interrupted, SpmlError, check_stop, finished, stop_exit_code, stops_deferred,
+)
 from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
                                        stored_settings)
 from spml_cache.metrics import mean_average_precision
@@ -100,6 +102,7 @@ def run_linear_options(options: LinearOptions, placement: LinearPlacement = Line
             except DiskFull as full:  # what was kept before is kept
                 raise full.going_on(f"go on with: {going_on}") from None
             KeptParts(run_dir).remove()
+            finished()  # the results are written: a stop now has nothing to stop
         if ranks:
             ranks.leave()
         return LinearRun(run_dir, results)
@@ -262,6 +265,7 @@ def _train_other_rank(ranks: Ranks, plan: JobPlan) -> None:
                       train_jobs(plan, jobs, workers) if event.lines or event.done])
     except (KeyboardInterrupt, PeerLost):
         raise SystemExit(stop_exit_code()) from None
+    finished()  # its parts are with rank 0
     ranks.leave()
     return None
 
