@@ -136,9 +136,9 @@ def _bad_image(paths, partial, split, rows, error) -> SpmlError:
 class BatchRun:
     """How the trunk runs over the images: the backbone's `preprocess`, `width` (the columns of a trunk output
     row, `Description.row_width`), the batch size, reader processes, device, precision, whether a bad image is
-    skipped, the progress bar's label, the backbone's name (for the error its failure is). `pad_batches` (every trunk input padded to the run's batch size) and
-    `feed_thread` (decoding in the feed thread) are on by default on a GPU only; the tests turn them on for the
-    CPU."""
+    skipped, the progress bar's label, the backbone's name (for the error its failure is). `pad_batches` (every
+    trunk input padded to the run's batch size) and `feed_thread` (decoding in the feed thread) are on by default
+    on a GPU only; the tests turn them on for the CPU."""
 
     preprocess: Preprocess
     width: int
@@ -156,33 +156,32 @@ class BatchRun:
 def run_batches(partial, paths, trunk, run: BatchRun) -> int:
     """Extract every pending row of the partial cache; returns the number of rows computed. The backbone failing
     on a batch (raising, another width, non-finite features) is one line naming it, the rows done kept."""
-    preprocess, width, batch_size, workers, device = run.preprocess, run.width, run.batch_size, run.workers, run.device
-    precision, skip_bad, label, pad_batches, feed_thread = (run.precision, run.skip_bad, run.label, run.pad_batches,
-                                                             run.feed_thread)
+    preprocess, width, batch_size, device = run.preprocess, run.width, run.batch_size, run.device
+    skip_bad = run.skip_bad
     batches = []
     for name in cache.SPLITS:
         pending = partial.pending(name)
         batches += [(name, pending[i : i + batch_size]) for i in range(0, len(pending), batch_size)]
     total = sum(len(rows) for _, rows in batches)
     on_gpu = device.type == "cuda"
-    pad_batches = on_gpu if pad_batches is None else pad_batches
-    feed_thread = on_gpu if feed_thread is None else feed_thread
+    pad_batches = on_gpu if run.pad_batches is None else run.pad_batches
+    feed_thread = on_gpu if run.feed_thread is None else run.feed_thread
     largest = max((len(rows) for _, rows in batches), default=1)  # the one shape: batch_size unless fewer rows
     pad_to = largest if pad_batches else 0
     loader = torch.utils.data.DataLoader(
         ImageBatches(batches, paths, preprocess, decode_here=not (on_gpu or feed_thread), skip_bad=skip_bad),
         batch_size=None,
-        num_workers=workers,
+        num_workers=run.workers,
         collate_fn=_as_is,
-        prefetch_factor=(4 if on_gpu else 2) if workers else None,  # bytes are light, decoded batches not
+        prefetch_factor=(4 if on_gpu else 2) if run.workers else None,  # bytes are light, decoded batches not
         worker_init_fn=loader_worker_init(),
     )
-    dtype = PRECISIONS[precision]
+    dtype = PRECISIONS[run.precision]
     decode = lambda blobs, bad: decode_batch(blobs, bad, device, preprocess, skip_bad)  # noqa: E731
     rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, backbone=run.backbone,
                                 normalise=preprocess.normalise)
     batch = None  # (split, rows) of the batch the trunk runs on
-    with progress_bar(label, total=total, unit="img") as bar:
+    with progress_bar(run.label, total=total, unit="img") as bar:
         advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
         try:
             if feed_thread:
