@@ -106,7 +106,7 @@ def test_a_module_callable_extracts_and_the_cache_records_its_file(data):
     origin = json.loads(attrs["backbone_origin"])
     source = data / "code" / "tinynets37.py"
     assert origin == {"kind": "module", "spec": "tinynets37:make", "module": "tinynets37",
-                      "file": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+                      "path": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
     # the same command after the file changed: another backbone, so another cache (refused without --force)
     source.write_text(source.read_text() + "# changed\n")
     again = extract(data, "tinynets37:make")
@@ -120,15 +120,17 @@ def test_an_entry_point_extracts_and_the_cache_records_its_distribution(data):
     assert done.returncode == 0, done.stderr
     attrs = check_features(data / "cache" / f"csv-tinynet37-{SIDE}.h5")
     assert attrs["backbone"] == "tinynet37"
-    assert json.loads(attrs["backbone_origin"]) == {"kind": "entry_point", "name": "tinynet37", "value":
-                                                    "tinynets37:make", "distribution": "tinyplug37", "version": "1.0"}
+    source = data / "code" / "tinynets37.py"
+    assert json.loads(attrs["backbone_origin"]) == {
+        "kind": "entry_point", "spec": "tinynet37", "value": "tinynets37:make", "distribution": "tinyplug37",
+        "version": "1.0", "path": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
 
 
 @pytest.mark.parametrize("backbone, more, said", [
-    ("nosuchmod37.nets:make", [], "no module nosuchmod37 on the path"),
+    ("nosuchmod37.nets:make", [], "no module nosuchmod37 on the Python path"),
     ("nosuchmod37:make", [], "nor a module found on the path"),
-    ("tinyerr37:make", [], "importing tinyerr37 raised RuntimeError: broken at import"),
-    ("tinynets37:missing", [], "tinynets37 has no callable missing"),
+    ("tinyerr37:make", [], "importing it raised RuntimeError: broken at import"),
+    ("tinynets37:missing", [], "tinynets37 defines no missing; name a callable it defines"),
     ("tinynets37:not_tuple", [], "returned Identity, not a tuple of three"),
     ("tinynets37:not_module", [], "its model is a str, not a torch.nn.Module"),
     ("tinynets37:wrong_width", [], "maps a [1, 3, R, R] batch to (1, 3), not (1, 4)"),
@@ -176,8 +178,8 @@ def test_finetune_refuses_a_plugin_whose_file_changed_since_the_cache(data, monk
     assert trunk_backbone(attrs, "callable", SIDE).origin == attrs["backbone_origin"]
     source = data / "code" / "tinynets37.py"
     source.write_text(source.read_text() + "# changed\n")
-    before = json.loads(attrs["backbone_origin"])["sha256"][:12]
-    now = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    with pytest.raises(SpmlError, match=f"not the code that made the cache .then {source.resolve()} with sha256"
-                                        f" {before}, now .* with sha256 {now}"):
+    before = json.loads(attrs["backbone_origin"])["sha256"][:16]
+    now = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    with pytest.raises(SpmlError, match=f"not the code that made the cache .sha256 {before} then, {now} now:"
+                                        f" {source.resolve()}"):
         trunk_backbone(attrs, "callable", SIDE)

@@ -105,7 +105,7 @@ def test_a_module_plugin_and_an_entry_point_plugin_with_their_origins(tmp_path, 
     cls = losses.get("plug_focal")  # by the entry point's name alone
     assert cls.name == "plug_focal" and cls.__module__ == "spmlplug"
     digest = hashlib.sha256((package / "__init__.py").read_bytes()).hexdigest()
-    assert plugins.origin("plug_focal") == {"kind": "entry point", "spec": "plug_focal",
+    assert plugins.origin("plug_focal") == {"kind": "entry_point", "spec": "plug_focal",
                                             "value": "spmlplug:MaskedFocal", "path": str(package / "__init__.py"),
                                             "sha256": digest, "distribution": "spmlplug", "version": "1.2"}
     env = {"PYTHONPATH": f"{REPO}:{tmp_path / 'site'}"}
