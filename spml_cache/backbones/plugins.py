@@ -55,7 +55,8 @@ def _arguments(target, shown: str, weights: str | None, resolution: int | None) 
     if weights is not None and weights != OWN_WEIGHTS:
         if "weights" not in takes:
             raise SpmlError(f"--weights {weights}: the backbone {shown} takes no weights argument; leave --weights"
-                            " out (it loads its own)")
+                            " out (it loads its own), or give the callable a weights parameter (--weights none"
+                            " arrives as 'none'; docs/your-own-backbone.md)")
         keywords["weights"] = weights
     if resolution is not None:
         if "resolution" in takes:
