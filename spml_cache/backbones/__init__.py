@@ -12,9 +12,9 @@ Each family is a `Family` registered in `FAMILIES`, with one signature: it says,
 (`describe(Request)`), what the cache will record: the canonical name, the weights' provenance, its own
 preprocessing and its feature width; then builds the trunk (`build(Description)`), an `nn.Module` mapping a
 normalised `[B, 3, R, R]` batch to `[B, row_width]`. What a family takes beyond weights and resolution (CLIP's
-`crops`, `clip_features`), the feature kinds it gives and whether stage three trains it are declared on it. For CLIP the row is the features
-followed by the L2-normalised image embedding (and the crops' embeddings with `crops`); `split_row` says which
-columns are which.
+`crops`, `clip_features`), the feature kinds it gives and whether stage three trains it are declared on it.
+For CLIP the row is the features followed by the L2-normalised image embedding (and the crops' embeddings with
+`crops`); `Description.row_shapes` says which columns are which.
 
 `features` says which of the trunk's activations make the features (`extract --features`): `pooled` (the
 default, the pooled vector, every cache before the choice) or `last4` (layers.py: a ViT's last four blocks'

@@ -111,7 +111,8 @@ def describe(request: Request) -> Description:
         raise
     except (Exception, SystemExit) as err:  # the user's callable: one line naming it, never a traceback
         said = " ".join(str(err).split())
-        raise SpmlError(f"--backbone {shown}: calling it raised {type(err).__name__}: {said}; fix the callable") from None
+        raise SpmlError(f"--backbone {shown}: calling it raised {type(err).__name__}: {said}; fix the"
+                        " callable") from None
     model, preprocess, width = _checked(result, shown, required)
     _output_width(model, preprocess, shown, width)
     given = keywords.get("weights", OWN_WEIGHTS)
