@@ -98,7 +98,7 @@ def check_features(path) -> dict:
         return dict(file.attrs)
 
 
-def test_a_module_callable_extracts_and_the_cache_records_its_file(data):
+def test_a_module_callable_extracts_and_the_cache_records_its_file(data, monkeypatch, capsys):
     done = extract(data, "tinynets37:make")
     assert done.returncode == 0, done.stderr
     attrs = check_features(data / "cache" / f"csv-tinynets37_make-{SIDE}.h5")
@@ -107,12 +107,18 @@ def test_a_module_callable_extracts_and_the_cache_records_its_file(data):
     source = data / "code" / "tinynets37.py"
     assert origin == {"kind": "module", "spec": "tinynets37:make", "module": "tinynets37",
                       "path": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
-    # a record in the keys the code before the one loader wrote ("file", no distribution) is the same backbone
-    with h5py.File(data / "cache" / f"csv-tinynets37_make-{SIDE}.h5", "r+") as file:
+    # a record in the keys the code before the one loader wrote ("file" for "path") is the same backbone: the
+    # cache is up to date, not rebuilt
+    path = data / "cache" / f"csv-tinynets37_make-{SIDE}.h5"
+    with h5py.File(path, "r+") as file:
         file.attrs["backbone_origin"] = json.dumps({**{k: v for k, v in origin.items() if k != "path"},
                                                     "file": origin["path"]}, sort_keys=True)
-    same = extract(data, "tinynets37:make")
-    assert same.returncode == 0 and "up to date" in same.stdout, same.stderr
+    written = path.stat().st_mtime_ns
+    monkeypatch.syspath_prepend(str(data / "code"))
+    monkeypatch.setenv("SPML_CACHE", str(data / "cache"))
+    code, err = run_main("extract", "csv", "--root", str(data), "--backbone", "tinynets37:make", "--device", "cpu",
+                         "--workers", "0", cwd=data, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and path.stat().st_mtime_ns == written, err
     # the same command after the file changed: another backbone, so another cache (refused without --force)
     source.write_text(source.read_text() + "# changed\n")
     again = extract(data, "tinynets37:make")
@@ -191,13 +197,13 @@ def test_finetune_refuses_a_plugin_whose_file_changed_since_the_cache(data, monk
         trunk_backbone(attrs, "callable", SIDE)
 
 
-def test_a_file_callable_extracts_from_any_folder_and_finetune_finds_it_from_another(data, monkeypatch):
+def test_a_file_callable_extracts_from_any_folder_and_finetune_finds_it_from_another(data, monkeypatch, capsys):
     from spml_cache.finetune.start import trunk_backbone
 
-    env = {"PYTHONPATH": str(REPO), "SPML_CACHE": str(data / "cache")}  # the file alone: nothing on the path
-    done = run_cli("extract", "csv", "--root", str(data), "--backbone", "code/tinynets37.py:make", "--device", "cpu",
-                   "--workers", "0", cwd=data, env=env)
-    assert done.returncode == 0, done.stderr
+    monkeypatch.setenv("SPML_CACHE", str(data / "cache"))  # the file alone: its folder is not on the path
+    code, err = run_main("extract", "csv", "--root", str(data), "--backbone", "code/tinynets37.py:make", "--device",
+                         "cpu", "--workers", "0", cwd=data, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
     attrs = check_features(data / "cache" / f"csv-tinynets37.py_make-{SIDE}.h5")  # known by the file's name
     source = (data / "code" / "tinynets37.py").resolve()
     assert (attrs["backbone"], attrs["weights"]) == ("tinynets37.py:make", "callable")
