@@ -29,7 +29,6 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 from spml_cache.runtime import plugins as loader
