@@ -189,8 +189,8 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, starts: dict,
         _score_start(setup, run_dir, record, training, starts, say)
     batches = data.EpochBatches(setup.rows["train"], len(features.train), record.batch_size, record.seed,
                                 processes.rank, processes.world)
-    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=device.type == "cpu"), batches,
-                               setup.workers)
+    decoded = setup.settings.decode == "cpu"  # in the reader processes; else nvjpeg on the GPU
+    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=decoded), batches, setup.workers)
     train_labels = TrainLabels(features.train.observed, features.train.labels, device)
     model, loss_fn = training.model, training.loss_fn
     for epoch in range(len(record.train_loss) + 1, settings.epochs + 1):
@@ -320,7 +320,7 @@ def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | Non
     `batch_size`, all but the last `N_used mod batch_size` rows (what the authors' evaluation loaders score)."""
     processes, device = setup.processes, setup.processes.device
     shards = data.ShardBatches(_rows(setup, split, batch_size), processes.rank, processes.world)
-    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=device.type == "cpu")
+    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=setup.settings.decode == "cpu")
     model.eval()
     outputs = [torch.zeros(0, model.head.out_features, device=device)]
     for _, images in data.loader(files, shards, setup.workers):
