@@ -326,7 +326,10 @@ def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | Non
     for _, images in data.loader(files, shards, setup.workers):
         batch = data.model_input(images, setup.preprocess, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(batch).float()
+            pooled = model.trunk(batch)
+        # The head in float32 on the trunk's output, as stage two applies it to the cache's features: in bf16 it
+        # would round logits of 4 to 8 to steps of 1/32 (and tie the scores that rank the images).
+        logits = model.head(pooled.float())
         if device.type == "cuda":
             # bf16 has given non-finite rows on a GPU (as fp16 extraction has): those rows again in fp32. The
             # check costs a host sync per scoring batch, never one per training step.
