@@ -5,6 +5,7 @@ tests/test_extract_gpu.py and tests/test_cuda.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import replace
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torchvision
 from cli_support import one_error_line
-from extract_support import random_weights, write_numbered_csv_dataset
+from extract_support import REPO, random_weights, write_numbered_csv_dataset
 
 from spml_cache import cache
 from spml_cache.backbones.preprocess import Preprocess
@@ -65,7 +66,7 @@ def test_cli_extract_refuses_gpu_decoding_on_the_cpu_in_one_line(data, tmp_path,
 
 def test_a_cache_records_its_decoder_and_one_from_before_the_attr_is_judged_by_its_device(data, weights, tmp_path):
     out = tmp_path / "c.h5"
-    given = dict(out=out, weights=str(weights), resolution=32, batch_size=4, workers=0, device="cpu")
+    given = dict(out=out, weights=str(weights), resolution=32, limit=1, workers=0, device="cpu")
     report = extract("csv", data, **given)
     attrs = cache.load(out).attrs
     assert report.decoder == attrs["decoder"] == "libjpeg-turbo" == recorded_decoder(attrs)
@@ -136,3 +137,15 @@ def test_a_resumed_finetune_keeps_its_decoder_and_refuses_another(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"stage": "finetune", "options": options, "device": device,
                                                           "root": "data", "cache_id": "abc"}))
         assert Resumed.read(tmp_path).settings == replace(SETTINGS, decode=decoded)
+
+
+def test_bench_decode_writes_the_cpu_decoders_rate_per_core_as_json(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_decode", REPO / "scripts" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--images", "4", "--resolution", "32", "--batch-size", "2", "--device", "cpu", "--json",
+                str(tmp_path / "decode.json")])
+    written = json.loads((tmp_path / "decode.json").read_text())
+    rates = written["cpu_one_thread"]["images_per_s"]
+    assert rates["decode"] > 0 and rates["decode_resize"] > 0 and "gpu" not in written
+    assert written["settings"]["images"] == 4 and "libjpeg-turbo" in written["cpu_one_thread"]["decoder"]
