@@ -9,10 +9,11 @@ On a GPU, loader workers only read file bytes; a background thread (feed.py) dec
 resizes and normalises it on a CUDA stream of its own while the main thread runs the trunk on the previous one
 under fp16/bf16 autocast in channels_last (with `decode="cpu"` the workers decode and resize as on the CPU,
 giving the CPU's pixels, and the thread copies each batch to the GPU and normalises it there); features come back
-through a ring of pinned buffers one batch behind, so the copy and the HDF5 write overlap the next batch. Every batch the trunk sees is padded to the
-run's one batch size (a split's last batch, a batch with bad images), so cuDNN's autotuning (`benchmark`) runs
-once, not once per new shape; the padding rows are dropped before anything is checked or written. On the CPU,
-workers decode and resize, and nothing is padded (the model is the bottleneck there, and padding is compute).
+through a ring of pinned buffers one batch behind, so the copy and the HDF5 write overlap the next batch. Every
+batch the trunk sees is padded to the run's one batch size (a split's last batch, a batch with bad images), so
+cuDNN's autotuning (`benchmark`) runs once, not once per new shape; the padding rows are dropped before anything
+is checked or written. On the CPU, workers decode and resize, and nothing is padded (the model is the bottleneck
+there, and padding is compute).
 
 A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"`), or (`"skip"`) is flagged
 in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
@@ -199,7 +200,8 @@ def _plan(options: ExtractOptions) -> _Plan:
     described = backbones.describe(options.backbone, options.weights, options.resolution, options.clip_features,
                                    options.crops, options.features)
     templates = backbones.prompts(options.prompts) if described.embed_dim else None
-    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates, decode)
+    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates,
+                              decode=decode)
     path = output_path(options.out, images.dataset, described.resolution, described.slug)
     report = ExtractReport(path, "dry run", {name: len(split) for name, split in rows.items()},
                            missing=list(images.skipped), device=str(device), precision=precision,

@@ -43,7 +43,7 @@ def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
 
 
 def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
-                   templates: list[str] | None = None, decode: str = "cpu") -> dict:
+                   templates: list[str] | None = None, *, decode: str) -> dict:
     """The cache's root attrs known before extraction; `templates`: a CLIP backbone's prompt templates; `decode`:
     gpu or cpu (`--decode`), recorded as its decoder's name."""
     clip = {} if templates is None else {"templates": templates_attr(templates)}
