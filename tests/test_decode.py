@@ -90,7 +90,8 @@ def first_payload(device: torch.device, decode: str, data):
     """What the extraction loop receives for the first batch of 4 images, as a run on `device` builds its loader
     (nothing is moved to that device here)."""
     paths = [data / "images" / f"{k}.jpg" for k in range(4)]
-    run = BatchRun(Preprocess(32), 2048, 4, 0, device, "fp32", False, "test", decode=decode)
+    run = BatchRun(preprocess=Preprocess(32), width=2048, batch_size=4, workers=0, device=device, precision="fp32",
+                   skip_bad=False, label="test", decode=decode)
     loader, _ = _loader([("train", np.arange(4))], {"train": paths}, run, feed_thread=device.type == "cuda")
     return next(iter(loader))[2]
 
