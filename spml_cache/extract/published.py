@@ -25,8 +25,9 @@ from spml_cache import cache, datasets, protocol
 from spml_cache.datasets import voc
 from spml_cache.extract.pipeline import run_attrs
 from spml_cache.cache.csr import DEFAULT_FORMAT, resolve_format
-from spml_cache.extract.plan import estimated_size, refuse_foreign_file, require_room
+from spml_cache.extract.plan import estimated_size, refuse_foreign_file
 from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
+from spml_cache.runtime.disk import require_room
 from spml_cache.runtime.errors import SpmlError, check_stop, unknown_name
 
 FILES = {
