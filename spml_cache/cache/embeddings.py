@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,6 +250,11 @@ def export(path: Path, out: Path) -> ExportReport:
             finished()  # in place: a stop that came meanwhile has nothing left to stop
     except BaseException as err:
         shutil.rmtree(temporary, ignore_errors=True)
+        if inside:  # what was moved in before the error (out was empty)
+            shutil.rmtree(out / EMBEDDINGS, ignore_errors=True)
+            shutil.rmtree(out / METADATA, ignore_errors=True)
+            with suppress(OSError):
+                (out / SIDECAR).unlink()
         raise _export_error(err, out, needed) from None
     return ExportReport(out, {name: len(getattr(features, name)) for name in SPLITS})
 
