@@ -22,6 +22,9 @@ from spml_cache.runtime.plugins import Origin
 GROUP = KIND.group
 GUIDE = KIND.guide
 NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # a result key, a file stem and an --hp prefix as it is
+# A name is part of file names (a run directory's, `scores/NAME@RULE.npz`, a kept part's state files with its lr and
+# swept values), which filesystems cap at 255 bytes: 64 characters leave room for the rest of each.
+NAME_MAX = 64
 
 _LOADED: dict[str, tuple[type[Loss], dict]] = {}  # loss name -> (class, origin record)
 
@@ -88,6 +91,9 @@ def _register(found: loader.Loaded) -> type[Loss]:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise SpmlError(f"--loss {spec}: set the class attribute name = \"my_loss\" (letters, digits and _,"
                         f" a letter first); it names the loss's results ({GUIDE})")
+    if len(name) > NAME_MAX:
+        raise SpmlError(f"--loss {spec}: its name is {len(name)} characters ({name[:16]}...); give it at most"
+                        f" {NAME_MAX} (it is part of file names, which filesystems cap at 255 bytes)")
     if name in LOSSES:
         raise SpmlError(f"--loss {spec}: its name {name!r} is a built-in loss's; give the plugin another name")
     if cls.forward is Loss.forward:  # torch's placeholder, which raises at the first step
