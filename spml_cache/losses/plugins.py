@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from spml_cache.losses.base import LOSSES, Loss
@@ -107,10 +109,13 @@ def _register(found: loader.Loaded) -> type[Loss]:
     return cls
 
 
-def load_recorded(recorded: dict | None, *, run_dir: Path | str, strict: bool) -> None:
+def load_recorded(recorded: dict | None, *, run_dir: Path | str, strict: bool,
+                  renewable: Callable[[str], bool] | None = None) -> dict[str, dict]:
     """Load the plugins a run's config.json records (`records`, today's keys or an earlier version's). `strict`
     (`--resume`): refuse one whose code changed since the run began (another file content, distribution version
-    or spec)."""
+    or spec), unless `renewable(name)` says nothing it trained was kept (a plugin fixed after it failed): it goes
+    on with the code found now, whose records are returned (`{name: origin}`, for config.json)."""
+    renewed = {}
     for name, record in (recorded or {}).items():
         was = Origin.read(record)
         if name not in _LOADED:
@@ -119,6 +124,11 @@ def load_recorded(recorded: dict | None, *, run_dir: Path | str, strict: bool) -
                 raise SpmlError(f"{run_dir}: its loss plugin {name} is gone ({was.spec} now names {cls.name!r});"
                                 " restore it, or start a new run")
         change = was.change(Origin.read(_LOADED[name][1]))
-        if strict and change is not None:
+        if strict and change is not None and renewable is not None and renewable(name):
+            warnings.warn(f"--resume {run_dir}: the loss plugin {name} changed since the run began ({change}); none"
+                          " of its parts was kept, so it trains with the code found now")
+            renewed[name] = origin(name)
+        elif strict and change is not None:
             raise SpmlError(f"--resume {run_dir}: the loss plugin {name} changed since the run began ({change});"
                             " restore it, or start a new run")
+    return renewed
