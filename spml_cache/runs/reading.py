@@ -9,6 +9,7 @@ from pathlib import Path
 from spml_cache.losses import plugins
 from spml_cache.runs.files import read_json, write_json
 from spml_cache.runs.layout import RESULTS
+from spml_cache.runtime import locks
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -46,7 +47,8 @@ def open_for_resume(run_dir: Path | str, stage: str, renewable: Callable[[str], 
     if is_complete(run_dir):
         raise SpmlError(f"--resume {run_dir}: that run is already complete ({RESULTS})")
     renewed = plugins.load_recorded(config.get("plugins"), run_dir=run_dir, strict=True, renewable=renewable)
-    if renewed:
-        config["plugins"] = {**config["plugins"], **renewed}
-        write_json(run_dir / "config.json", config)
+    if renewed:  # not while another process trains the run (with the code it recorded): that one is refused
+        with locks.held(run_dir, f"run directory {run_dir}"):
+            config["plugins"] = {**config["plugins"], **renewed}
+            write_json(run_dir / "config.json", config)
     return config
