@@ -91,6 +91,7 @@ def extract_command(
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
     device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
     precision: str = typer.Option("auto", "--precision", help="auto (fp16 on a GPU, fp32 on the CPU), fp32, fp16 or bf16."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="gpu (nvjpeg; the default on a GPU) or cpu (libjpeg-turbo in the loader workers: the CPU's pixels, as the papers' PIL within a level; docs/fidelity.md)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N images of each split (protocol drawn on the full dataset)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print counts, missing files and the output size; write nothing."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if a cache or partial file with these or other settings exists."),
@@ -117,7 +118,7 @@ def extract_command(
     report = run_extract(ExtractOptions(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
         clip_features=clip_features, prompts=prompts, crops=crops, features=features, batch_size=batch_size,
-        workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
+        workers=workers, device=device, precision=precision, decode=decode, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules, labels=labels,
     ))
     if report is not None:  # under torchrun, rank 0 reports for every process
@@ -224,6 +225,7 @@ def finetune_command(
     skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out rows whose image is missing under --root instead of stopping."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Image reader processes (default: 8 on a GPU, fewer on a CPU)."),
     fidelity: Optional[str] = typer.Option(None, "--fidelity", help="exact (default): the papers' math, computed stably; authors: their code's numerics, evaluation and early stopping (docs/fidelity.md)."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="gpu (nvjpeg) or cpu (libjpeg-turbo in the reader processes); default: the cache's decoder, so that epoch 0 is the linear head."),
 ) -> None:
     """Stage three: fine-tune ResNet-50 end to end from the best linear head (LinearInit) or a fresh head.
 
@@ -241,7 +243,7 @@ def finetune_command(
         resolution=resolution, epochs=epochs, lrs=lrs,
         batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int), seeds=seeds,
         head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, hparams=parse_hparams(hp or []),
-        fidelity=fidelity,
+        fidelity=fidelity, decode=decode,
     )
     run = FinetuneRun(device=device, out=out, resume=resume, workers=workers,
                       root=root if root is not None else (None if resume else default_data_root()))
