@@ -22,6 +22,7 @@ from spml_cache.cache import cache_id, find_cache, verify
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.gather import Gathering
 from spml_cache.linear.jobs import JobEvent, JobPlan, train_jobs
+from spml_cache.losses.contract import LossFailed
 from spml_cache.linear.live import LiveTable
 from spml_cache.linear.out_of_core import load_within
 from spml_cache.linear.options import LinearOptions, LinearPlacement
@@ -101,6 +102,8 @@ def run_linear_options(options: LinearOptions, placement: LinearPlacement = Line
                 raise _interrupted(run_dir, planned.jobs, stop, going_on) from None
             except DiskFull as full:  # what was kept before is kept
                 raise full.going_on(f"go on with: {going_on}") from None
+            except LossFailed as failed:  # so are the parts trained before
+                raise _loss_failed(run_dir, planned.jobs, failed, going_on) from failed
             KeptParts(run_dir).remove()
             finished()  # the results are written: a stop now has nothing to stop
         if ranks:
@@ -151,6 +154,19 @@ def _interrupted(run_dir: Path, plan: JobPlan, stop: BaseException, going_on: st
     lost = f"another process of this torchrun command ended ({stop}): " if isinstance(stop, PeerLost) else ""
     return Interrupted(f"{lost}{len(KeptParts(run_dir).read())} of {parts} {what} parts are kept in {run_dir}",
                        going_on)
+
+
+def _loss_failed(run_dir: Path, plan: JobPlan, failed: LossFailed, going_on: str) -> SpmlError:
+    """A loss failed while it trained: its line, what was kept, and how to go on once it is fixed: `--resume`, which
+    takes a plugin's changed code only while none of its parts is kept (else a new run)."""
+    settings, kept = plan.settings, KeptParts(run_dir).read()
+    parts = len(plan.units) * len(settings.seeds) * len(settings.batch_sizes)
+    own = [key for key in kept if plan.units[key[0]][0] in failed.names]
+    where = f"{len(kept)} of {parts} parts are kept in {run_dir}"
+    if own and any(loss_registry.plugins.origin(name) for name in failed.names):
+        return SpmlError(f"{failed}; {where}, {len(own)} of them trained by this code of {','.join(failed.names)}:"
+                         " once it is fixed, start a new run")
+    return SpmlError(f"{failed}; {where}: once it is fixed, go on with: {going_on}")
 
 
 def _given_settings(options: LinearOptions, cache_dir):

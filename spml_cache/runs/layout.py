@@ -30,7 +30,7 @@ RESULTS = "results.json"
 def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs") -> Path:
     """Create `root/<dataset>/<stage>-<loss>-<stamp>/` (a `-2`, `-3`, ... suffix when that second is taken)."""
     parent = Path(root) / safe_name(dataset)
-    base = f"{stage}-{safe_name(loss)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = f"{stage}-{short_label(safe_name(loss))}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -43,6 +43,23 @@ def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs")
         except FileExistsError:
             continue
     raise SpmlError(f"cannot find a free run directory name under {parent}")
+
+
+# The most characters of a run directory's label (its losses): a directory name is capped at 255 bytes, and the label
+# is for people (config.json and results.json say what a run trained).
+LABEL_MAX = 120
+
+
+def short_label(label: str) -> str:
+    """`label` (`an+role+...`) as it is when short enough, else as many of its leading names as fit and how many
+    are left out (`an+role+12_more`)."""
+    if len(label) <= LABEL_MAX:
+        return label
+    names = label.split("+")
+    kept = [names.pop(0)[: LABEL_MAX - 10]]  # the first, cut if it alone is too long (room for "+N_more")
+    while names and len("+".join([*kept, names[0], f"{len(names)}_more"])) <= LABEL_MAX:
+        kept.append(names.pop(0))
+    return "+".join([*kept, f"{len(names)}_more"] if names else kept)
 
 
 def safe_name(text: str) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from spml_cache.losses import plugins
-from spml_cache.runs.files import read_json
+from spml_cache.runs.files import read_json, write_json
 from spml_cache.runs.layout import RESULTS
+from spml_cache.runtime import locks
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -31,8 +33,10 @@ def load_results(run_dir: Path | str) -> dict:
     return read_json(run_dir / RESULTS, dict)
 
 
-def open_for_resume(run_dir: Path | str, stage: str) -> dict:
-    """`--resume RUN`: the `config.json` of an interrupted run of `stage`; a clear error for anything else."""
+def open_for_resume(run_dir: Path | str, stage: str, renewable: Callable[[str], bool] | None = None) -> dict:
+    """`--resume RUN`: the `config.json` of an interrupted run of `stage`; a clear error for anything else. Its
+    plugin losses are loaded, the very same code or refused, but for those `renewable(name)` says nothing was kept
+    of: those go on with the code found now, which config.json records from then on."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
@@ -42,5 +46,9 @@ def open_for_resume(run_dir: Path | str, stage: str) -> dict:
                         f" spml-cache {config.get('stage')} --resume {run_dir}")
     if is_complete(run_dir):
         raise SpmlError(f"--resume {run_dir}: that run is already complete ({RESULTS})")
-    plugins.load_recorded(config.get("plugins"), run_dir=run_dir, strict=True)  # the very same code, or refused
+    renewed = plugins.load_recorded(config.get("plugins"), run_dir=run_dir, strict=True, renewable=renewable)
+    if renewed:  # not while another process trains the run (with the code it recorded): that one is refused
+        with locks.held(run_dir, f"run directory {run_dir}"):
+            config["plugins"] = {**config["plugins"], **renewed}
+            write_json(run_dir / "config.json", config)
     return config

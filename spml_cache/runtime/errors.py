@@ -136,3 +136,16 @@ def stops_deferred():
         yield
     finally:
         _stop["deferred"] -= 1
+
+
+@contextmanager
+def stops_at_once():
+    """Within the block a signal raises KeyboardInterrupt where the code is, even inside `stops_deferred`: for code
+    with no safe points of its own (a plugin's import, which may never return), where a deferred stop would wait
+    forever."""
+    deferred, _stop["deferred"] = _stop["deferred"], 0
+    try:
+        check_stop()  # one asked for before the block
+        yield
+    finally:
+        _stop["deferred"] = deferred
