@@ -11,10 +11,12 @@ from rich.markup import escape
 
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.confidence import DEFAULT_RESAMPLES, Resampling, add_intervals, check_resamples, compare
-from spml_cache.report.measures import MAP, StoredTests, add_metrics, by_metric, parse_metric
+from spml_cache.report.measures import MAP, StoredTests, add_metrics, parse_metric
 from spml_cache.report.pivot import check_pivot, pivot_backbone, plot_backbones
 from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
-from spml_cache.report.tables import Table, build_table, formatter, print_comparisons, print_notes, print_table
+from spml_cache.report.tables import (
+    Table, build_table, by_metric, formatter, print_comparisons, print_notes, print_table,
+)
 from spml_cache.runs import replace_atomically
 from spml_cache.runtime.errors import SpmlError
 

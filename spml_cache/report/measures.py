@@ -98,16 +98,3 @@ def add_metrics(table, tests: StoredTests) -> None:
             cell.metrics = found
     if lacking:
         table.notes.append(left_out_note(lacking))
-
-
-def by_metric(table, metric: str) -> None:
-    """Make `metric` the table's: each cell's mean and std are that metric's (n/a where the run kept no scores), the
-    best cells marked again by it; fine-tuning's start (an mAP) is not compared with another metric."""
-    from spml_cache.report.tables import mark_best
-
-    table.metric = metric
-    for _, cells in table.rows:
-        for cell in cells.values():
-            cell.mean, cell.std = (cell.metrics or {}).get(metric) or [None, None]
-            cell.start = None
-    mark_best(table.columns, table.rows, table.oracles)

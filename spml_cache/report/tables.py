@@ -124,6 +124,17 @@ def mark_best(columns: list[Column], rows: list, oracles: set[str]) -> None:
             max(candidates, key=lambda c: c.mean).best = True
 
 
+def by_metric(table: Table, metric: str) -> None:
+    """Make `metric` the table's: each cell's mean and std are that metric's (`measures.add_metrics`; n/a where the
+    run kept no scores), the best cells marked again by it; fine-tuning's start (an mAP) is not compared with it."""
+    table.metric = metric
+    for _, cells in table.rows:
+        for cell in cells.values():
+            cell.mean, cell.std = (cell.metrics or {}).get(metric) or [None, None]
+            cell.start = None
+    mark_best(table.columns, table.rows, table.oracles)
+
+
 def _zero_shot_cells(columns: list[Column], chosen: dict[tuple[str, str], Run]) -> dict[str, Cell]:
     """Per column, the zero-shot reference (test mAP of the image-text similarity) its newest run recorded."""
     cells = {}
