@@ -250,14 +250,12 @@ def to_arrays(matrix, name: str) -> dict[str, np.ndarray]:
 
 
 def from_arrays(arrays, name: str):
-    """The label matrix `to_arrays` wrote as `name` into `arrays` (a mapping, such as an open .npz file), in its
-    form; None when it holds none."""
-    if name in arrays:
-        return np.asarray(arrays[name])
-    if f"{name}_csr_indptr" not in arrays:
-        return None
-    return SparseLabels(np.asarray(arrays[f"{name}_csr_indptr"], np.int64), np.asarray(arrays[f"{name}_csr_indices"], np.int32),
-                        np.asarray(arrays[f"{name}_csr_values"], np.int8), int(arrays[f"{name}_csr_classes"]))
+    """The label matrix `to_arrays` wrote as `name` into `arrays` (an open .npz file), in its form; else None."""
+    if name in arrays or f"{name}_csr_indptr" not in arrays:
+        return np.asarray(arrays[name]) if name in arrays else None
+    parts = [np.asarray(arrays[f"{name}_csr_{part}"], dtype) for part, dtype in
+             (("indptr", np.int64), ("indices", np.int32), ("values", np.int8))]
+    return SparseLabels(*parts, int(arrays[f"{name}_csr_classes"]))
 
 
 def hide_unannotated(observed, mask):
@@ -349,15 +347,11 @@ def observed_for_loss(observed, whole: bool):
     return None if found is None else torch.from_numpy(found)
 
 
-def _class_blocks(num_rows: int, num_classes: int):
-    width = max(1, SCORED_BLOCK_ENTRIES // max(num_rows, 1))
-    return [(low, min(low + width, num_classes)) for low in range(0, num_classes, width)]
-
-
 def class_blocks(matrix) -> list[tuple[int, int]]:
     """The class ranges `(low, high)` a split of this label matrix is scored in (SCORED_BLOCK_ENTRIES each at most):
     `columns(matrix, low, high)` is then a bounded dense block, whatever the form and the class count."""
-    return _class_blocks(len(matrix), matrix.shape[1])
+    width = max(1, SCORED_BLOCK_ENTRIES // max(len(matrix), 1))
+    return [(low, min(low + width, matrix.shape[1])) for low in range(0, matrix.shape[1], width)]
 
 
 def _tensor_columns(matrix, low: int, high: int, device):
@@ -370,9 +364,8 @@ def _tensor_columns(matrix, low: int, high: int, device):
 
 
 def decision_counts(predicted, labels, mask=None):
-    """`metrics.decision_counts` (per class: true positives, predicted, positives; `[..., 3, C]`) of the bool
-    `predicted [..., N, C]` against a split's labels and label mask, dense (numpy or a tensor) or sparse, a block of
-    classes at a time (each class is counted on its own, so the blocks do not change the counts)."""
+    """`metrics.decision_counts` (`[..., 3, C]`) of bool `predicted [..., N, C]` against a split's labels and mask,
+    dense (numpy, tensor) or sparse, a block of classes at a time (each class counted alone: the same counts)."""
     import torch
 
     from spml_cache import metrics
@@ -391,7 +384,7 @@ def scored_classes(labels, mask) -> np.ndarray | None:
     if mask is None:
         return None
     return np.concatenate([((columns(labels, low, high) > 0) & (columns(mask, low, high) > 0)).any(axis=0)
-                           for low, high in _class_blocks(len(labels), labels.shape[1])])
+                           for low, high in class_blocks(labels)])
 
 
 def average_precision(scores, labels, mask=None):

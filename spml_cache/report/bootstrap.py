@@ -53,9 +53,9 @@ class Resamples:
 
     @cached_property
     def dense(self) -> np.ndarray:
-        """int32 `[N, B]`, the counts as `resampled_ap` sums them (whole numbers: integer sums are exact and, along
-        a row, several times faster than floating-point ones)."""
-        return self.counts.astype(np.int32)
+        """The counts as `resampled_ap` sums them, `[N, B]`: integers, exact and several times faster to sum than
+        floats; int16 where every sum fits (no sum of counts exceeds N: below 2^15 images), else int32."""
+        return self.counts.astype(np.int16 if len(self.counts) < 1 << 15 else np.int32)
 
     @cached_property
     def weights(self) -> torch.Tensor:
@@ -68,7 +68,7 @@ GROUP_ENTRIES = 1 << 18  # (runs with a positive) x resamples per block of class
 
 def resampled_ap(scores: np.ndarray, positive: np.ndarray, annotated: np.ndarray | None, counts: np.ndarray):
     """Per-class AP (0..1, float64 `[B, K]`) of `scores [N, K]` against bool `positive [N, K]` on every resample
-    (`counts`: `Resamples.dense`, int32 `[N, B]`), and whether the resample holds a positive of the class (`[B, K]`);
+    (`counts`: `Resamples.dense`, integers `[N, B]`), and whether the resample holds a positive of the class (`[B, K]`);
     with bool `annotated [N, K]` (partial labels) each class over its annotated images only.
 
     sklearn's AP of the resampled set: the sum over distinct thresholds of the recall gained times the precision
@@ -125,13 +125,15 @@ def _block_ap(scores, positive, annotated, counts, classes: slice, out: tuple) -
     ends_class = np.append(starts_class[1:], len(ends))  # one past each class's last run
 
     def running(members: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The counts of each group `[B, G]` and their running sums within each class (int32: at most N), the
-        resamples along the rows so that every sum runs along contiguous memory."""
-        grouping = csr_matrix((np.ones(len(members), np.int32), rows[members], bounds), shape=(len(bounds) - 1, len(counts)))
-        groups = np.ascontiguousarray(np.asarray(grouping @ counts, dtype=np.int32).T)
-        shifted = groups.copy()  # a class's first group takes away the class before it: one cumsum restarts at each
-        shifted[:, starts_class[1:]] -= np.add.reduceat(groups, starts_class, axis=1)[:, :-1]
-        return groups, np.cumsum(shifted, axis=1)
+        """The counts of each group `[B, G]` and their running sums within each class (at most N: the counts'
+        dtype holds them), the resamples along the rows so that every sum runs along contiguous memory."""
+        grouping = csr_matrix((np.ones(len(members), counts.dtype), rows[members], bounds), shape=(len(bounds) - 1, len(counts)))
+        groups = np.ascontiguousarray(np.asarray(grouping @ counts).T)
+        shifted = groups
+        if len(starts_class) > 1:  # a class's first group takes away the class before it: one cumsum restarts at each
+            shifted = groups.copy()
+            shifted[:, starts_class[1:]] -= np.add.reduceat(groups, starts_class, axis=1)[:, :-1]
+        return groups, np.cumsum(shifted, axis=1, dtype=np.int32)  # within [0, N]; int32 named: the fast loop
 
     _, predicted = running(np.flatnonzero(covered), run_bounds)
     gains, true_pos = running(hit_at, np.append(first, len(hit_at)))

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 
@@ -18,6 +19,7 @@ from spml_cache.report.tables import (
     Table, build_table, by_metric, formatter, print_comparisons, print_notes, print_table,
 )
 from spml_cache.runs import replace_atomically
+from spml_cache.runtime.devices import single_threaded
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -91,16 +93,17 @@ def _measured(table: Table, options: ReportOptions, metric: str, pair, every: bo
     metric, its intervals (--ci) and the paired comparison (--compare), from the runs' stored test scores."""
     tests = StoredTests()
     table.metric = metric
-    if every or metric != MAP:
-        add_metrics(table, tests)
-    if metric != MAP:
-        by_metric(table, metric)
-    if options.ci or pair is not None:
-        resampling = Resampling(options.resamples, tests, metric)
-        if options.ci:
-            add_intervals(table, resampling)
-        if pair is not None:
-            table.comparisons = compare(table, pair, resampling)
+    with single_threaded(torch.device("cpu")):  # small tensor ops: a second thread only waits (devices.py)
+        if every or metric != MAP:
+            add_metrics(table, tests)
+        if metric != MAP:
+            by_metric(table, metric)
+        if options.ci or pair is not None:
+            resampling = Resampling(options.resamples, tests, metric)
+            if options.ci:
+                add_intervals(table, resampling)
+            if pair is not None:
+                table.comparisons = compare(table, pair, resampling)
     return table
 
 
