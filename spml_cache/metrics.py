@@ -156,18 +156,20 @@ def mean_average_precision(scores: torch.Tensor | np.ndarray, labels: torch.Tens
 # --- decisions: the F1 family of the multi-label literature (docs/protocol.md, "Decisions at a threshold") -----
 
 THRESHOLD = 0.5  # on the sigmoid score: a label is predicted where its score is at least this
-TOP_K = 3  # the labels predicted per image by the top-k variants (`cf1@3`): the COCO literature's three
+TOP_K = 3  # the most labels predicted per image by the top-k variants (`cf1@3`): the COCO literature's three
 
 
 def predicted(scores: torch.Tensor | np.ndarray, top_k: int | None = None) -> torch.Tensor:
     """bool `[..., N, C]`: the labels predicted from sigmoid `scores [..., N, C]`: each score >= THRESHOLD (ML-GCN's
-    `logit >= 0`: a score of exactly 0.5 is predicted), or with `top_k` the k highest of each image, whatever their
-    score; among tied scores the lower class index goes first (a stable sort), so exactly min(k, C) per image."""
+    `logit >= 0`: a score of exactly 0.5 is predicted); with `top_k`, of each image's k highest scores those at or
+    above the threshold, as ML-GCN's evaluation code (`overall_topk`, which the COCO papers' top-3 tables reuse)
+    takes them, so an image has at most k. Among tied scores the lower class index goes first (a stable sort)."""
     scores = _as_tensor(scores)
     if top_k is None:
         return scores >= THRESHOLD
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
+    top = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
+    return top & (scores >= THRESHOLD)
 
 
 def decision_counts(predicted: torch.Tensor, labels: torch.Tensor | np.ndarray,

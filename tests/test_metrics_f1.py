@@ -31,11 +31,12 @@ def sklearn_family(labels, predicted):
 
 
 def top_k_by_hand(scores, k):
-    """Per image, the k classes of highest score; among tied scores the lower class index first."""
+    """Per image, of the k classes of highest score (among tied scores the lower class index first) those scoring
+    at least 0.5: ML-GCN's `overall_topk`."""
     chosen = np.zeros(scores.shape, dtype=bool)
     for row, values in enumerate(scores):
         ranked = sorted(range(len(values)), key=lambda c: (-values[c], c))
-        chosen[row, ranked[:k]] = True
+        chosen[row, [c for c in ranked[:k] if values[c] >= 0.5]] = True
     return chosen
 
 
@@ -95,19 +96,22 @@ def test_a_score_of_exactly_one_half_is_predicted():
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 9])
-def test_top_k_takes_k_labels_per_image_ties_to_the_lower_class(k):
+def test_top_k_takes_at_most_k_labels_per_image_ties_to_the_lower_class(k):
     rng = np.random.default_rng(4)
-    scores = rng.integers(0, 4, size=(40, 6)).astype(np.float32) / 4  # many ties, at the k-th place too
+    scores = rng.integers(0, 5, size=(40, 6)).astype(np.float32) / 4  # many ties, at the k-th place and at 0.5
     labels = (rng.random((40, 6)) < 0.4).astype(np.uint8)
     chosen = metrics.predicted(torch.from_numpy(scores), k).numpy()
     np.testing.assert_array_equal(chosen, top_k_by_hand(scores, k))
-    assert (chosen.sum(axis=1) == min(k, 6)).all()
+    assert (chosen.sum(axis=1) <= k).all() and (chosen <= (scores >= 0.5)).all()
+    if k >= 6:  # every class is among the top k: the threshold alone decides
+        np.testing.assert_array_equal(chosen, scores >= 0.5)
     values, per_class = family_of(scores, labels, top_k=k)
     expected, f1 = sklearn_family(labels, chosen)
     assert values == pytest.approx(expected, abs=1e-9)
     np.testing.assert_allclose(per_class, f1, atol=1e-12)
-    tied = metrics.predicted(torch.tensor([[0.9, 0.5, 0.5, 0.5, 0.1]]), 3).numpy()
-    assert tied.tolist() == [[True, True, True, False, False]]
+    tied = metrics.predicted(torch.tensor([[0.9, 0.5, 0.5, 0.5, 0.1], [0.2, 0.9, 0.4, 0.6, 0.3]]), 3).numpy()
+    assert tied.tolist() == [[True, True, True, False, False],  # the third of three tied at 0.5 left out
+                             [False, True, False, True, False]]  # 0.4 is among the top 3 but below 0.5
 
 
 def test_partial_labels_leave_unannotated_entries_out():

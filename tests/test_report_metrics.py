@@ -39,8 +39,9 @@ def sklearn_cf1(scores, labels, top_k=None):
         chosen = scores >= 0.5
     else:
         chosen = np.zeros(scores.shape, dtype=bool)
-        for row, values in enumerate(scores):
-            chosen[row, sorted(range(len(values)), key=lambda c: (-values[c], c))[:top_k]] = True
+        for row, values in enumerate(scores):  # ML-GCN's top k: of the k highest, those scoring at least 0.5
+            chosen[row, [c for c in sorted(range(len(values)), key=lambda c: (-values[c], c))[:top_k]
+                         if values[c] >= 0.5]] = True
     precision, recall, _, _ = precision_recall_fscore_support(labels, chosen, average=None, zero_division=0)
     cp, cr = precision.mean(), recall.mean()
     return 100 * 2 * cp * cr / (cp + cr)

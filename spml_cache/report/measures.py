@@ -2,8 +2,8 @@
 literature (CP, CR, CF1, OP, OR, OF1, at the 0.5 threshold and for the top k labels of each image) from the test
 scores every run keeps per seed (docs/protocol.md, "Decisions at a threshold").
 
-A metric's name is `map`, or one of `metrics.F1_FAMILY` at the threshold (`cf1`), or with `@k` for the top k
-labels of each image (`cf1@3`). A run written before the per-seed scores were kept has mAP alone: its other
+A metric's name is `map`, or one of `metrics.F1_FAMILY` at the threshold (`cf1`), or with `@k` for each image's k
+highest scores at or above the threshold (`cf1@3`, `metrics.predicted`). A run written before the per-seed scores were kept has mAP alone: its other
 metrics are n/a, said once in a note.
 """
 
