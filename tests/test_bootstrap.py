@@ -49,6 +49,19 @@ def test_a_resample_s_ap_is_sklearns_on_the_resampled_images(decimals, masked, m
     assert not has_positive[:, 4].all() and has_positive[:, 4].any()
 
 
+def test_a_test_set_of_2_to_the_16_images_or_more_sums_its_counts_in_int32():
+    rows = (1 << 16) + 5  # uint16 would overflow: a sum of counts can reach N
+    rng = np.random.default_rng(6)
+    scores, positive = rng.random((rows, 2)), rng.random((rows, 2)) < 0.01
+    resamples = bootstrap.Resamples.draw(rows, 2)
+    assert resamples.dense.dtype == np.int32 and bootstrap.Resamples.draw(rows - 10, 2).dense.dtype == np.uint16
+    ap, _ = bootstrap.resampled_ap(scores, positive, None, resamples.dense)
+    for b in range(2):
+        kept = resampled_rows(resamples, b)
+        for c in range(2):
+            assert ap[b, c] == pytest.approx(sklearn_ap(positive[kept, c], scores[kept, c]), abs=1e-12)
+
+
 def test_a_nan_score_keeps_its_class_nan():
     scores = np.random.default_rng(1).random((20, 3))
     scores[4, 1] = np.nan

@@ -54,8 +54,8 @@ class Resamples:
     @cached_property
     def dense(self) -> np.ndarray:
         """The counts as `resampled_ap` sums them, `[N, B]`: integers, exact and several times faster to sum than
-        floats; int16 where every sum fits (no sum of counts exceeds N: below 2^15 images), else int32."""
-        return self.counts.astype(np.int16 if len(self.counts) < 1 << 15 else np.int32)
+        floats; uint16 where every sum fits (no sum of counts exceeds N: below 2^16 images), else int32."""
+        return self.counts.astype(np.uint16 if len(self.counts) < 1 << 16 else np.int32)
 
     @cached_property
     def weights(self) -> torch.Tensor:
@@ -128,11 +128,11 @@ def _block_ap(scores, positive, annotated, counts, classes: slice, out: tuple) -
         """The counts of each group `[B, G]` and their running sums within each class (at most N: the counts'
         dtype holds them), the resamples along the rows so that every sum runs along contiguous memory."""
         grouping = csr_matrix((np.ones(len(members), counts.dtype), rows[members], bounds), shape=(len(bounds) - 1, len(counts)))
-        groups = np.ascontiguousarray(np.asarray(grouping @ counts).T)
+        groups = np.ascontiguousarray(np.asarray(grouping @ counts).T)  # the counts' dtype holds every sum (<= N)
         shifted = groups
         if len(starts_class) > 1:  # a class's first group takes away the class before it: one cumsum restarts at each
-            shifted = groups.copy()
-            shifted[:, starts_class[1:]] -= np.add.reduceat(groups, starts_class, axis=1)[:, :-1]
+            shifted = groups.astype(np.int32)
+            shifted[:, starts_class[1:]] -= np.add.reduceat(shifted, starts_class, axis=1)[:, :-1]
         return groups, np.cumsum(shifted, axis=1, dtype=np.int32)  # within [0, N]; int32 named: the fast loop
 
     _, predicted = running(np.flatnonzero(covered), run_bounds)

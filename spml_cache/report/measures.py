@@ -9,6 +9,7 @@ metrics are n/a, said once in a note.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -70,14 +71,20 @@ def seed_values(stored: StoredTest, top_k: int = metrics.TOP_K) -> dict[str, np.
 
 
 class StoredTests:
-    """The stored test scores of the cells read so far, by (run directory, result key): each read once per report."""
+    """The stored test scores of a report's cells by (run directory, result key), the last few read kept: a COCO
+    table of 28 losses and 3 seeds would hold a GB of them, and each cell's work reads its own once or twice."""
+
+    KEPT = 4  # a --compare pair and its neighbours
 
     def __init__(self) -> None:
-        self.found: dict[tuple[Path, str], StoredTest | None] = {}
+        self.found: OrderedDict[tuple[Path, str], StoredTest | None] = OrderedDict()
 
     def get(self, run: Path, key: str) -> StoredTest | None:
         if (run, key) not in self.found:
             self.found[run, key] = read_stored_test(run, key)
+            while len(self.found) > self.KEPT:
+                self.found.popitem(last=False)
+        self.found.move_to_end((run, key))
         return self.found[run, key]
 
 
