@@ -20,6 +20,9 @@ line naming the loss, the line of code and `--no-graphs`. It does not fall back 
 that fails can leave torch's caching allocator believing a capture is still under way (torch <= 2.11), after
 which every later capture fails and memory may be handed out wrongly; and a silent fallback would hide a step
 several times slower.
+
+The steps run under `devices.head_conditions`, as the eager loop's do: on the CPU (the tests' stand-in for CUDA
+graphs) a replay gives the eager step's bits on any x86 CPU, whatever its vector instructions.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from spml_cache.linear.adam_kernel import fused_adam_available
 from spml_cache.linear.engine import HeadStack, SeedRun
+from spml_cache.runtime.devices import head_conditions
 from spml_cache.runtime.errors import SpmlError, check_stop
 
 UNROLL = 8  # full steps per graph: one launch where eight would each cost a Python round trip
@@ -192,17 +196,18 @@ class Lockstep:
 
     def train_epoch(self, epoch: int) -> None:
         """Train epoch `epoch` (1-indexed) of every stack; the caller then scores each run (`SeedRun.score`)."""
-        for run, order in zip(self.runs, self.orders):
-            order.copy_(run.permutations[epoch - 1])
-        for captured in self.stacks:
-            captured.begin_epoch(epoch)
-        # One graph launch of each stack in turn, so that every stream has work queued while Python launches more.
-        feeds = [captured.epoch_steps() for captured in self.stacks if bool(captured.stack.active.any())]
-        while feeds:
-            check_stop()  # a safe point between graph launches (errors.stops_deferred)
-            feeds = [feed for feed in feeds if next(feed, False) is None]
-        for captured in self.stacks:
-            captured.end_epoch()
+        with head_conditions(self.orders[0].device):  # the eager loop's (SeedRun._train): the same bits
+            for run, order in zip(self.runs, self.orders):
+                order.copy_(run.permutations[epoch - 1])
+            for captured in self.stacks:
+                captured.begin_epoch(epoch)
+            # One graph launch of each stack in turn, so that every stream has work queued while Python launches more.
+            feeds = [captured.epoch_steps() for captured in self.stacks if bool(captured.stack.active.any())]
+            while feeds:
+                check_stop()  # a safe point between graph launches (errors.stops_deferred)
+                feeds = [feed for feed in feeds if next(feed, False) is None]
+            for captured in self.stacks:
+                captured.end_epoch()
 
 
 def failing_line(error: BaseException) -> str:
