@@ -366,7 +366,10 @@ class SeedRun:
         classes at a time (out_of_core.py; the same figures)."""
         data = self.data
         if data.scores_at_once:
-            scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in stacks]))
+            # each stack's sigmoid on its own: ATen's vector kernels leave a tensor's last elements to the scalar
+            # loop, which rounds differently (AVX2, AVX-512), so a head's scores would depend on the stacks scored
+            # with it (in-process or in workers, resumed or not)
+            scores = torch.cat([torch.sigmoid(stack.eval_logits(data)) for stack in stacks])
             val = average_precision(scores[:, :val_rows], dense_targets(data.val_targets, val_rows, data.device),
                                     dense_targets(data.val_mask, val_rows, data.device))
             test = average_precision(scores[:, data.num_val : data.num_val + test_rows],
