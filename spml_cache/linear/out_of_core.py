@@ -228,7 +228,7 @@ def blocked_average_precision(heads: list, source, start: int, stop: int, target
         for features in chunks:
             for index, matrix in enumerate(heads):
                 logits[index].append(block_logits(matrix, features, low, high))
-        scores = torch.sigmoid(torch.cat([torch.cat(parts, dim=1) for parts in logits]))
+        scores = torch.cat([torch.sigmoid(torch.cat(parts, dim=1)) for parts in logits])  # per matrix: engine._aps
         del logits
         annotated = None if mask is None else target_block(mask, low, high, stop - start, device)
         out.append(average_precision(scores, target_block(targets, low, high, stop - start, device), annotated))

@@ -291,9 +291,10 @@ def _train_in(run_dir: Path, resuming: bool, ranks, console, plan: JobPlan) -> d
     features, observed = plan.features, plan.observed
     several = _several(plan.settings)
     # first: report's figures need it, whatever happens next (dense label matrices only)
-    if not (run_dir / "labels.npz").exists():
+    if not (run_dir / runs.TEST_LABELS).exists():
         runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
                           val_labels=features.val.labels, test_labels=features.test.labels,
+                          test_mask=features.test.label_mask,
                           rules={rule: found.train for rule, found in observed.items() if several})
     kept = KeptParts(run_dir).read() if resuming else {}
     if ranks:

@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
+import zipfile
+import zlib
 from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable
 
 import numpy as np
 import torch
+from numpy.lib.npyio import NpzFile
 
 from spml_cache.runtime.disk import remove_stale_temporaries, temporary_path
 from spml_cache.runtime.errors import DiskFull, SpmlError
@@ -133,3 +137,20 @@ def write_npz(path: Path | str, **arrays: np.ndarray) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(path, lambda file: np.savez_compressed(file, **arrays))
     return path
+
+
+def read_npz(path: Path, keys: tuple[str, ...] | None = None, required: bool = True) -> dict[str, np.ndarray]:
+    """The arrays `keys` (every array when None) of an .npz file a run wrote, those it holds (the last key required
+    unless not `required`), or one line naming the file: a file damaged or replaced by something else stops the
+    report, not as a traceback."""
+    try:
+        found = np.load(path)
+        if not isinstance(found, NpzFile):
+            raise ValueError("an .npy array, not an .npz archive")
+        with found:
+            if keys and required and keys[-1] not in found:
+                raise ValueError(f"no {keys[-1]!r} array in it")
+            return {key: found[key] for key in (keys or found.files) if key in found}
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, zlib.error) as err:
+        raise SpmlError(f"{path} is not the .npz file of a run ({err}): run that stage again, or remove the"
+                        " file") from None
