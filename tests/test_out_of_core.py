@@ -200,3 +200,25 @@ def test_a_bad_chunk_rows_is_one_line(tmp_path, small_cache, monkeypatch, capsys
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and len(lines) == 1 and f"--chunk-rows {rows}" in lines[0], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_chunk_rows_beyond_the_training_rows_is_one_chunk_of_them_all(tmp_path, small_cache, monkeypatch, capsys):
+    """It allocated a buffer of the size given (`MemoryError: Unable to allocate 745. TiB`) and left an incomplete
+    run. More rows than the training rows is one chunk of them all, whose order is the in-memory order
+    (`chunked_permutations`): said in one note, recorded as the training rows, and the same results as in memory."""
+    from cli_support import run_main
+
+    code, err = run_main("linear", "--cache", str(small_cache), "--loss", "an,bce", "--lr", "1e-2,1e-3",
+                         "--batch-size", "8,16", "--epochs", "6", "--workers", "1", "--chunk-rows", "99999999999999",
+                         cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
+    assert "--chunk-rows 99,999,999,999,999 is more than the 160 training rows: one chunk of them all, in the order" \
+           " an in-memory run takes" in " ".join(err.split()), err
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert json.loads((run_dir / "config.json").read_text())["out_of_core"] == {"chunk_rows": 160}
+    streamed = json.loads((run_dir / "results.json").read_text())["losses"]
+    whole = run(small_cache, tmp_path / "whole")
+    for name in ("an", "bce"):
+        assert streamed[name]["configs"] == whole[name]["configs"], name
+    for order in (chunked_permutations(160, 160, 3, 2), chunked_permutations(160, 10**12, 3, 2)):
+        assert torch.equal(order, out_of_core.epoch_permutations(160, 3, 2))
