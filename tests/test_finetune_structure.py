@@ -50,7 +50,7 @@ def test_the_keyword_form_splits_its_keywords_between_the_two_option_types(monke
     monkeypatch.setattr(finetune.run, "run_finetune", lambda options, run, log: seen.update(options=options, run=run))
     given = dict(init="best", from_run=Path("r"), cache=Path("c.h5"), dataset="voc", loss="an", weights="none",
                  resolution=64, epochs=3, lrs=(1e-4, 1e-5), batch_sizes=[4], seeds=2, head_lr_mult=10.0,
-                 skip_missing=True, hparams={"ls_coef": 0.1}, fidelity="authors", device="cpu", out="o",
+                 skip_missing=True, hparams={"ls_coef": 0.1}, fidelity="authors", decode="cpu", device="cpu", out="o",
                  resume=Path("x"), workers=0, root="data", cache_dir="caches")
     placement = {"device", "out", "resume", "workers", "root", "cache_dir"}
     # every field of either type is a keyword, and no keyword is both
@@ -118,5 +118,6 @@ def test_over_nccl_each_process_takes_its_own_gpu_before_joining(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     joined = ranks.current("nccl")
-    assert calls == [("set_device", 1), ("join", "nccl")]
+    # the join runs in a thread of its own (ranks._join: a stop is taken meanwhile), whose current device is its own
+    assert calls == [("set_device", 1), ("set_device", 1), ("join", "nccl")]
     assert joined.device(torch.device("cuda")) == torch.device("cuda", 1) and joined.owns_group

@@ -45,7 +45,7 @@ from spml_cache.cli.tools import (
     report_command,
 )
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
-from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
+from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
 
 app = typer.Typer(
     name="spml-cache",
@@ -80,7 +80,7 @@ def extract_command(
     dataset: str = typer.Argument(..., help=f"{DATASETS_HELP}."),
     root: Optional[Path] = typer.Option(None, "--root", help="The dataset's folder (default: $SPML_DATA)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the backbone's - : / as _)."),
-    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG; your own module:callable or spml_cache.backbones entry point (docs/your-own-backbone.md)."),
+    backbone: str = typer.Option(backbones.DEFAULT, "--backbone", help="resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model; timm:NAME; clip:ARCH/TAG; your own module:callable, path/to/file.py:callable or spml_cache.backbones entry point (docs/your-own-backbone.md)."),
     weights: Optional[str] = typer.Option(None, "--weights", help="resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default DEFAULT); timm: pretrained (default) or a tag; clip: a tag (default: the name's); any: a local .pth, or none (random)."),
     resolution: Optional[int] = typer.Option(None, "--resolution", help="The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and centre-cropped)."),
     clip_features: str = typer.Option(backbones.DEFAULT_CLIP_FEATURES, "--clip-features", help="clip: post (after the projection, CLIP's README) or pre (before it, the CLIP paper's probes)."),
@@ -91,6 +91,7 @@ def extract_command(
     workers: Optional[int] = typer.Option(None, "--workers", help="Loader processes (default: 8 on a GPU, cores/4 on the CPU)."),
     device: str = typer.Option("auto", "--device", help="auto, cuda, cuda:N or cpu."),
     precision: str = typer.Option("auto", "--precision", help="auto (fp16 on a GPU, fp32 on the CPU), fp32, fp16 or bf16."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="gpu (nvjpeg; the default on a GPU) or cpu (libjpeg-turbo in the loader workers: the CPU's pixels, as the papers' PIL within a level; docs/fidelity.md)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N images of each split (protocol drawn on the full dataset)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print counts, missing files and the output size; write nothing."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if a cache or partial file with these or other settings exists."),
@@ -117,7 +118,7 @@ def extract_command(
     report = run_extract(ExtractOptions(
         dataset, require_root(root), out=out, backbone=backbone, weights=weights, resolution=resolution,
         clip_features=clip_features, prompts=prompts, crops=crops, features=features, batch_size=batch_size,
-        workers=workers, device=device, precision=precision, limit=limit, dry_run=dry_run, force=force,
+        workers=workers, device=device, precision=precision, decode=decode, limit=limit, dry_run=dry_run, force=force,
         on_bad_image=on_bad_image, skip_missing=skip_missing, observe=rules, labels=labels,
     ))
     if report is not None:  # under torchrun, rank 0 reports for every process
@@ -150,7 +151,7 @@ def linear_command(
     seeds: Optional[int] = typer.Option(None, "--seeds", help="Run seeds 0..N-1 (init and batch order); results are mean ± std (default: one seed)."),
     hp: Optional[List[str]] = typer.Option(None, "--hp", help="A hyperparameter key=value (repeatable); loss.key=value for one loss; key=v1,v2,... sweeps the values."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/ (default: runs)."),
     val_labels: Optional[str] = typer.Option(None, "--val-labels", help="Select on clean (full) val labels, the default, or on the observed ones."),
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
@@ -224,6 +225,7 @@ def finetune_command(
     skip_missing: bool = typer.Option(False, "--skip-missing", help="Leave out rows whose image is missing under --root instead of stopping."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Image reader processes (default: 8 on a GPU, fewer on a CPU)."),
     fidelity: Optional[str] = typer.Option(None, "--fidelity", help="exact (default): the papers' math, computed stably; authors: their code's numerics, evaluation and early stopping (docs/fidelity.md)."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="gpu (nvjpeg) or cpu (libjpeg-turbo in the reader processes); default: the cache's decoder, so that epoch 0 is the linear head."),
 ) -> None:
     """Stage three: fine-tune ResNet-50 end to end from the best linear head (LinearInit) or a fresh head.
 
@@ -241,7 +243,7 @@ def finetune_command(
         resolution=resolution, epochs=epochs, lrs=lrs,
         batch_sizes=None if batch_size is None else parse_list(batch_size, "--batch-size", int), seeds=seeds,
         head_lr_mult=head_lr_mult, skip_missing=skip_missing or None, hparams=parse_hparams(hp or []),
-        fidelity=fidelity,
+        fidelity=fidelity, decode=decode,
     )
     run = FinetuneRun(device=device, out=out, resume=resume, workers=workers,
                       root=root if root is not None else (None if resume else default_data_root()))
@@ -274,7 +276,7 @@ def main() -> None:
         except KeyboardInterrupt:
             last_line(Text("interrupted", style="yellow"), exit_code())
         except SystemExit as done:  # typer turns a KeyboardInterrupt it sees (one during an import) into exit 130
-            if stop_requested() is None or not isinstance(done.__context__, typer.Exit):
+            if stop_requested() is None or work_finished() or not isinstance(done.__context__, typer.Exit):
                 raise
             last_line(Text("interrupted", style="yellow"), exit_code())
         except SpmlError as err:

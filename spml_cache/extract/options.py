@@ -9,6 +9,7 @@ from pathlib import Path
 from spml_cache import backbones
 from spml_cache.cache.csr import DEFAULT_FORMAT, resolve_format
 from spml_cache.extract.batches import PRECISIONS
+from spml_cache.images import check_decode
 from spml_cache.observation import Rule
 from spml_cache.runtime.errors import SpmlError
 
@@ -33,6 +34,7 @@ class ExtractOptions:
     workers: int | None = None  # None: the device's default reader processes
     device: str = "auto"
     precision: str = "auto"  # fp16 on a GPU, fp32 on the CPU
+    decode: str | None = None  # gpu (nvjpeg) or cpu (libjpeg-turbo, in the loader workers); None: gpu on a GPU
     limit: int | None = None  # None: every image
     dry_run: bool = False
     force: bool = False
@@ -62,6 +64,7 @@ class ExtractOptions:
             raise SpmlError(f"--workers {self.workers}: use 0 (load in the main process) or more")
         if self.precision not in ("auto", *PRECISIONS):
             raise SpmlError(f"--precision {self.precision}: use auto, fp32, fp16 or bf16")
+        check_decode(self.decode)
         if self.limit is not None and self.limit < 1:
             raise SpmlError(f"--limit {self.limit}: use at least 1 image per split (or leave it out for all)")
         if self.on_bad_image not in BAD_IMAGE_POLICIES:

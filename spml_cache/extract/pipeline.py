@@ -7,17 +7,22 @@ cache with the same settings is left alone unless `force`.
 
 On a GPU, loader workers only read file bytes; a background thread (feed.py) decodes each batch with nvjpeg,
 resizes and normalises it on a CUDA stream of its own while the main thread runs the trunk on the previous one
-under fp16/bf16 autocast in channels_last; features come back through a ring of pinned buffers one batch
-behind, so the copy and the HDF5 write overlap the next batch. Every batch the trunk sees is padded to the
-run's one batch size (a split's last batch, a batch with bad images), so cuDNN's autotuning (`benchmark`) runs
-once, not once per new shape; the padding rows are dropped before anything is checked or written. On the CPU,
-workers decode and resize, and nothing is padded (the model is the bottleneck there, and padding is compute).
+under fp16/bf16 autocast in channels_last (with `decode="cpu"` the workers decode and resize as on the CPU,
+giving the CPU's pixels, and the thread copies each batch to the GPU and normalises it there); features come back
+through a ring of pinned buffers one batch behind, so the copy and the HDF5 write overlap the next batch. Every
+batch the trunk sees is padded to the run's one batch size (a split's last batch, a batch with bad images), so
+cuDNN's autotuning (`benchmark`) runs once, not once per new shape; the padding rows are dropped before anything
+is checked or written. On the CPU, workers decode and resize, and nothing is padded (the model is the bottleneck
+there, and padding is compute).
 
 A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"`), or (`"skip"`) is flagged
 in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
 attr: no row ever carries features of an image that was not decoded. No row carries a non-finite feature
 either (writer.py): rows non-finite in fp16/bf16 are recomputed in fp32 and counted in `recomputed_fp32`;
-a row non-finite even in fp32 is treated as a bad image.
+a row non-finite even in fp32 is the backbone's fault (its weights or its code), never an image's: an error
+naming the backbone, whatever `on_bad_image` says. A backbone that raises, or changes its output's width, mid-run
+is one line naming it too, the rows done kept in the partial file. A cache with a split whose every image was
+left out is never sealed.
 """
 
 from __future__ import annotations
@@ -39,13 +44,15 @@ from spml_cache.extract.batches import BatchRun, run_batches
 from spml_cache.extract.options import ExtractOptions
 from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
-    estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_room, require_writable,
+    estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_writable,
     settings_attrs,
 )
 from spml_cache.cache.csr import resolve_format
 from spml_cache.extract.rules import RuleStore
+from spml_cache.images import DECODERS, decoder_version, resolve_decode
 from spml_cache.runtime.devices import default_workers, resolve_device
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.disk import require_room
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 
 @dataclass
 class ExtractReport:
@@ -53,11 +60,12 @@ class ExtractReport:
     status: str  # "written", "up to date" or "dry run"
     counts: dict[str, int]  # rows per split of the cache (planned, for a dry run)
     extracted: int = 0  # rows computed by this run
-    left_out: int = 0  # of them, rows flagged bad (undecodable, or not finite even in fp32): not in the cache
+    left_out: int = 0  # of them, rows flagged bad (undecodable images): not in the cache
     resumed: int = 0  # rows found already done in the partial file
     skipped: dict[str, list[str]] = field(default_factory=dict)  # undecodable images dropped, per split
     recomputed: dict[str, int] = field(default_factory=dict)  # rows recomputed in fp32 after non-finite fp16/bf16 features
     precision: str = ""  # what the trunk ran in: fp32, fp16 or bf16
+    decoder: str = ""  # what decoded the JPEGs: nvjpeg or libjpeg-turbo
     missing: list[str] = field(default_factory=list)  # image files missing on disk (reader's skip_missing)
     seconds: float = 0.0
     device: str = ""
@@ -72,11 +80,13 @@ class ExtractReport:
 # --- provenance ------------------------------------------------------------------------------------------
 
 
-def run_attrs(device: torch.device, family: str = "tv") -> dict:
-    """Provenance of the process that finished the cache (and the version of the backbone's library)."""
+def run_attrs(device: torch.device, family: str = "tv", decode: str | None = None) -> dict:
+    """Provenance of the process that finished the cache (and the version of the backbone's library, and of the
+    JPEG decoder that `decode` names)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    library = {"timm": "timm", "clip": "open_clip"}.get(family)
+    library = backbones.FAMILIES.get(family).library
     versions = {f"{library}_version": importlib.import_module(library).__version__} if library else {}
+    versions |= {"decoder_version": decoder_version(decode)} if decode else {}
     return {**versions,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "package_version": spml_cache.__version__,
@@ -133,7 +143,7 @@ def run_extract(options: ExtractOptions) -> ExtractReport | None:
     with locks.held(plan.writing, f"the cache {plan.writing}"):  # one writer: a second `--force` would swap its file
         partial, text = _open(plan, trunk, resume)
         try:
-            left_out = _run(plan, partial, trunk)
+            _run(plan, partial, trunk)
             final = None if plan.shard else _seal(plan, partial)
         except (OSError, RuntimeError) as err:
             if DiskFull.caused(err):  # h5py's own words for it are two lines of HDF5 internals
@@ -142,11 +152,12 @@ def run_extract(options: ExtractOptions) -> ExtractReport | None:
         finally:
             partial.close()
     if plan.shard:
-        joined = _join(plan, text, left_out)
-        if joined is None:
+        final = _join(plan, text)
+        if final is None:
+            finished()  # its shard is joined
             return None  # rank 0 reports for every rank
-        final, left_out = joined
-    return _written(plan, final, left_out)
+    finished()  # the cache is sealed: a stop now has nothing to stop
+    return _written(plan, final)
 
 
 @dataclass
@@ -157,6 +168,7 @@ class _Plan:
     shard: shards.Shard | None  # under torchrun: this process's share of the rows
     device: torch.device
     precision: str
+    decode: str  # gpu (nvjpeg) or cpu (libjpeg-turbo in the loader workers)
     images: datasets.LabeledImages
     rows: dict  # every row of the cache, per split (cache.SplitRows)
     own: dict  # the rows this process computes
@@ -184,6 +196,7 @@ def _plan(options: ExtractOptions) -> _Plan:
     shard = shards.current()
     device = shard.device(resolve_device(options.device)) if shard else resolve_device(options.device)
     precision = options.precision if options.precision != "auto" else "fp16" if device.type == "cuda" else "fp32"
+    decode = resolve_decode(options.decode, device)
     images = datasets.read(options.dataset, options.root, skip_missing=options.skip_missing or options.dry_run)
     protocol_result = protocol.apply_protocol(images)
     limit = options.limit or 0
@@ -192,14 +205,15 @@ def _plan(options: ExtractOptions) -> _Plan:
     described = backbones.describe(options.backbone, options.weights, options.resolution, options.clip_features,
                                    options.crops, options.features)
     templates = backbones.prompts(options.prompts) if described.embed_dim else None
-    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
+    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates,
+                              decode=decode)
     path = output_path(options.out, images.dataset, described.resolution, described.slug)
     report = ExtractReport(path, "dry run", {name: len(split) for name, split in rows.items()},
                            missing=list(images.skipped), device=str(device), precision=precision,
-                           notes=list(images.notes),
+                           decoder=DECODERS[decode], notes=list(images.notes),
                            size_bytes=estimated_size(rows, len(images.classes), described.row_width, label_format))
-    return _Plan(options, shard, device, precision, images, rows, shard.rows(rows) if shard else rows, described,
-                 templates, settings, path, shard.path(path) if shard else path, label_format,
+    return _Plan(options, shard, device, precision, decode, images, rows, shard.rows(rows) if shard else rows,
+                 described, templates, settings, path, shard.path(path) if shard else path, label_format,
                  RuleStore(list(options.observe or []) or None, images, settings), report)
 
 
@@ -246,19 +260,20 @@ def _open(plan: _Plan, trunk, resume: bool):
                                      plan.label_format), text
 
 
-def _run(plan: _Plan, partial, trunk) -> dict:
+def _run(plan: _Plan, partial, trunk) -> None:
     """Every row this process has not done yet, batch by batch, into the partial file; the report counts them.
-    Returns the rows left out as not finite, per split. Ctrl-C keeps what is done and says how to go on."""
+    Ctrl-C keeps what is done and says how to go on."""
     report, shard, options = plan.report, plan.shard, plan.options
     report.resumed, bad_before = partial.num_done(), partial.num_bad()
     paths = {name: [plan.images.path(image_id) for image_id in plan.own[name].ids] for name in cache.SPLITS}
     computing = time.perf_counter()
     try:
-        report.extracted, left_out = run_batches(partial, paths, trunk, BatchRun(
-            plan.described.preprocess, plan.described.row_width, options.batch_size,
-            default_workers(plan.device) if options.workers is None else options.workers, plan.device,
-            plan.precision, options.on_bad_image == "skip", f"extract {plan.images.dataset}",
-            options.pad_batches, options.feed_thread))
+        report.extracted = run_batches(partial, paths, trunk, BatchRun(
+            preprocess=plan.described.preprocess, width=plan.described.row_width, batch_size=options.batch_size,
+            workers=default_workers(plan.device) if options.workers is None else options.workers,
+            device=plan.device, precision=plan.precision, skip_bad=options.on_bad_image == "skip",
+            label=f"extract {plan.images.dataset}", backbone=plan.described.backbone,
+            pad_batches=options.pad_batches, feed_thread=options.feed_thread, decode=plan.decode))
     except KeyboardInterrupt:
         if shard and not shard.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
@@ -269,40 +284,40 @@ def _run(plan: _Plan, partial, trunk) -> dict:
     report.seconds = time.perf_counter() - computing
     report.left_out = partial.num_bad() - bad_before
     report.recomputed = partial.recomputed()
-    return left_out
 
 
 def _seal(plan: _Plan, partial) -> Path:
     """One process: the partial file becomes the cache (bad rows dropped, rules' masks stored, renamed)."""
-    final, plan.report.skipped = partial.finalise(run_attrs(plan.device, plan.described.family),
+    final, plan.report.skipped = partial.finalise(run_attrs(plan.device, plan.described.family, plan.decode),
                                                   plan.rule_store.for_finalise(plan.rows))
     return final
 
 
-def _join(plan: _Plan, text, left_out) -> tuple[Path, dict] | None:
+def _join(plan: _Plan, text) -> Path | None:
     """Under torchrun: rank 0 joins every rank's shard into the cache (and the report of the whole); None on the
     other ranks."""
     shard, report = plan.shard, plan.report
     done = {"extracted": report.extracted, "left_out": report.left_out, "resumed": report.resumed,
-            "seconds": report.seconds, "not_finite": left_out}
+            "seconds": report.seconds}
     with locks.held(plan.path, f"the cache {plan.path}") if shard.main else nullcontext():
         joined = shards.join(shard, plan.path, shards.Joined(
-            plan.settings, plan.rows, plan.described.row_shapes(), run_attrs(plan.device, plan.described.family),
+            plan.settings, plan.rows, plan.described.row_shapes(),
+            run_attrs(plan.device, plan.described.family, plan.decode),
             plan.rule_store.for_finalise(plan.rows), text, plan.label_format), done)
     shard.ranks.leave()
     if joined is None:
         return None
     final, report.skipped, report.recomputed, totals = joined
-    report.extracted, report.left_out, report.resumed, report.seconds, left_out = (
-        totals[key] for key in ("extracted", "left_out", "resumed", "seconds", "not_finite"))
-    return final, left_out
+    report.extracted, report.left_out, report.resumed, report.seconds = (
+        totals[key] for key in ("extracted", "left_out", "resumed", "seconds"))
+    return final
 
 
-def _written(plan: _Plan, final: Path, left_out) -> ExtractReport:
+def _written(plan: _Plan, final: Path) -> ExtractReport:
     report = plan.report
     report.status, report.size_bytes = "written", final.stat().st_size
     report.counts = {name: report.counts[name] - len(report.skipped[name]) for name in cache.SPLITS}
-    report.notes += writer.notes(report.recomputed, left_out, plan.precision)
+    report.notes += writer.notes(report.recomputed, plan.precision)
     if plan.rule_store.rules:
         report.notes.append(f"stored observation rules {', '.join(r.text for r in plan.rule_store.rules)} beside"
                             " single")

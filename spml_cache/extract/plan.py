@@ -1,13 +1,12 @@
 """What stage one's cache file will hold, planned before any feature is computed: its rows, its settings
 attrs and its size; whether a cache or partial file already on disk was built with the same settings; and where
-it goes, and whether that folder is writable and has room for it.
+it goes, and whether that folder is writable (its room: `runtime/disk.py`'s `require_room`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import h5py
@@ -16,13 +15,15 @@ import numpy as np
 from spml_cache import cache
 from spml_cache.backbones import Description, templates_attr
 from spml_cache.cache.csr import format_of
+from spml_cache.images import DECODERS, recorded_decoder
 from spml_cache.labels import head, nonzero_count, same, take
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.plugins import Origin
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
 SETTINGS = (
     "dataset", "classes", "backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim",
-    "precision", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
+    "precision", "decoder", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
     "clip_features", "templates", "grid",  # CLIP caches only: absent from the others' settings and files
     "features",  # last4 caches only (a pooled cache's attrs are as they were)
     "backbone_origin",  # a plugin backbone's only: its file's hash or its distribution's version
@@ -42,8 +43,9 @@ def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
 
 
 def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
-                   templates: list[str] | None = None) -> dict:
-    """The cache's root attrs known before extraction; `templates`: a CLIP backbone's prompt templates."""
+                   templates: list[str] | None = None, *, decode: str) -> dict:
+    """The cache's root attrs known before extraction; `templates`: a CLIP backbone's prompt templates; `decode`:
+    gpu or cpu (`--decode`), recorded as its decoder's name."""
     clip = {} if templates is None else {"templates": templates_attr(templates)}
     if backbone.grid:
         clip["grid"] = backbone.grid
@@ -54,6 +56,7 @@ def settings_attrs(images, protocol_attrs: dict, backbone: Description, precisio
         **backbone.attrs(),
         **clip,
         "precision": precision,
+        "decoder": DECODERS[decode],
         "limit": limit,
         **{key: protocol_attrs[key] for key in ("split_seed", "val_frac", "observe_seed", "num_pos", "num_neg")},
         "expected_positives": float(protocol_attrs["expected_positives"]),
@@ -64,6 +67,12 @@ def settings_attrs(images, protocol_attrs: dict, backbone: Description, precisio
 
 def _same(a, b) -> bool:
     return json.dumps(cache.plain(a), sort_keys=True) == json.dumps(cache.plain(b), sort_keys=True)
+
+
+def _same_setting(key: str, stored, now) -> bool:
+    if key == "backbone_origin" and stored and now:  # a record in an earlier version's keys reads as today's
+        return Origin.read(cache.plain(stored)).change(Origin.read(now)) is None
+    return _same(stored, now)
 
 
 NEVER_REPLACED = "pick another --out (a cache is never written over a file that is not one, not even with --force)"
@@ -100,8 +109,9 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     """What differs between the cache (or partial file) at `path` and this run, or None. `label_format`: dense
     or sparse, how this run stores the label matrices (None: either will do)."""
     attrs, found = cache.read_header(path)
+    attrs["decoder"] = recorded_decoder(attrs)  # a cache from before the attr: its device's (images.py)
     for key in SETTINGS:
-        if not _same(attrs.get(key), settings.get(key)):
+        if not _same_setting(key, attrs.get(key), settings.get(key)):
             return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
     stored = format_of(found["train"].labels)
     if label_format is not None and stored != label_format:
@@ -135,8 +145,6 @@ def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width
     return total
 
 
-
-
 def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:
     """`--out` (a file, or a folder for the default name), else `<dataset>-<backbone slug>-<R>.h5` in the cache
     folder."""
@@ -154,14 +162,3 @@ def require_writable(folder: Path) -> None:
         raise SpmlError(f"cannot create the output folder {folder} ({problem}); pick another --out") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SpmlError(f"the output folder {folder} is not writable; pick another --out")
-
-
-ROOM_MARGIN = 16 * 2**20  # bytes beyond the estimate: HDF5's own structures, and the estimate's error
-
-
-def require_room(path: Path, needed: int) -> None:
-    """The disk of `path` has room for `needed` more bytes (and a margin), else one line with both figures."""
-    free = shutil.disk_usage(path.parent).free
-    if free < needed + ROOM_MARGIN:
-        raise SpmlError(f"not enough space for {path}: it needs about {(needed + ROOM_MARGIN) / 2**20:.1f} MiB, and"
-                        f" {free / 2**20:.1f} MiB are free on that disk: free some space, or pick another --out")

@@ -37,7 +37,7 @@ from spml_cache.observation import DEFAULT_RULE
 from spml_cache.protocol import initial_head
 from spml_cache.runtime import locks
 from spml_cache.runtime.devices import default_workers
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 from spml_cache.runtime.progress import progress_bar
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
@@ -84,7 +84,9 @@ def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     before any checkpoint leaves nothing."""
     processes, going_on = setup.processes, f"spml-cache finetune --resume {shlex.quote(str(run_dir))}"
     try:
-        return _run_grid(setup, run_dir, resumed=resumed, say=say)
+        results = _run_grid(setup, run_dir, resumed=resumed, say=say)
+        finished()  # the results are written: a stop now has nothing to stop
+        return results
     except KeyboardInterrupt:
         if not processes.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
@@ -129,26 +131,30 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         dist.barrier()  # rank 0 has written every best model
     selection = select_config(records)
     model = copy.deepcopy(setup.initial).to(setup.processes.device, memory_format=torch.channels_last)
-    train_maps, saved, scores = [], {}, {}
+    train_maps, saved, scores, tests = [], {}, {}, []
     for record in selection.records if selection else []:
         state = runs.load_checkpoint(checkpoints.checkpoint(run_dir, record, best=True))
         model.load_state_dict(state["model"])
         train = torch.sigmoid(_score(model, setup, "train"))
         train_maps.append(average_precision(train, _labels(setup, "train"))[1])
+        tests.append(torch.sigmoid(_score(model, setup, "test")))  # every seed's: report's F1 family and intervals
         if record is selection.representative:
             saved = {"model": state["model"], "loss_state": state["loss_state"], "lr": record.lr,
                      "batch_size": record.batch_size, "seed": record.seed, "epoch": record.best_epoch,
                      "hparams": settings.hparams}
-            scores = {"train": train, **{s: torch.sigmoid(_score(model, setup, s)) for s in ("val", "test")}}
+            scores = {"train": train, "val": torch.sigmoid(_score(model, setup, "val")), "test": tests[-1]}
     if not setup.processes.main:
         return {}
     entry = loss_results(records, selection, settings.hparams, train_maps, time.perf_counter() - began)
     if scores:
-        runs.write_scores(run_dir, settings.key, **scores)
+        per_seed = runs.SeedScores([r.seed for r in selection.records], torch.stack(tests), _labels(setup, "test"),
+                                   _label_mask(setup, "test"))
+        runs.write_scores(run_dir, settings.key, per_seed, **scores)
     features, rows = setup.features, setup.rows
     runs.write_labels(run_dir, train_labels=take(features.train.labels, rows["train"]),
                       train_observed=take(features.train.observed, rows["train"]),
-                      val_labels=take(features.val.labels, rows["val"]), test_labels=take(features.test.labels, rows["test"]))
+                      val_labels=take(features.val.labels, rows["val"]), test_labels=_labels(setup, "test"),
+                      test_mask=_label_mask(setup, "test"))
     if selection and all(record.start for record in selection.records):  # a run begun before epoch 0 had none
         entry.update(start_summary(selection.records, entry["test_map"]))
     if settings.rule != DEFAULT_RULE:
@@ -189,8 +195,8 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, starts: dict,
         _score_start(setup, run_dir, record, training, starts, say)
     batches = data.EpochBatches(setup.rows["train"], len(features.train), record.batch_size, record.seed,
                                 processes.rank, processes.world)
-    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=device.type == "cpu"), batches,
-                               setup.workers)
+    decoded = setup.settings.decode == "cpu"  # in the reader processes; else nvjpeg on the GPU
+    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=decoded), batches, setup.workers)
     train_labels = TrainLabels(features.train.observed, features.train.labels, device)
     model, loss_fn = training.model, training.loss_fn
     for epoch in range(len(record.train_loss) + 1, settings.epochs + 1):
@@ -320,13 +326,16 @@ def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | Non
     `batch_size`, all but the last `N_used mod batch_size` rows (what the authors' evaluation loaders score)."""
     processes, device = setup.processes, setup.processes.device
     shards = data.ShardBatches(_rows(setup, split, batch_size), processes.rank, processes.world)
-    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=device.type == "cpu")
+    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=setup.settings.decode == "cpu")
     model.eval()
     outputs = [torch.zeros(0, model.head.out_features, device=device)]
     for _, images in data.loader(files, shards, setup.workers):
         batch = data.model_input(images, setup.preprocess, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(batch).float()
+            pooled = model.trunk(batch)
+        # The head in float32 on the trunk's output, as stage two applies it to the cache's features: in bf16 it
+        # would round logits of 4 to 8 to steps of 1/32 (and tie the scores that rank the images).
+        logits = model.head(pooled.float())
         if device.type == "cuda":
             # bf16 has given non-finite rows on a GPU (as fp16 extraction has): those rows again in fp32. The
             # check costs a host sync per scoring batch, never one per training step.

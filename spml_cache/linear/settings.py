@@ -15,7 +15,9 @@ from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.labels import observed_for_loss
 from spml_cache.linear.options import LinearOptions
+from spml_cache.linear.parts import KeptParts
 from spml_cache.losses import Overrides
+from spml_cache.losses.contract import loss_faults
 from spml_cache.losses.overrides import Combination
 from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
@@ -158,17 +160,18 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
     by building the loss once."""
     text = features.train_similarities() if any(
         loss_registry.get(name).needs_similarity for name in settings.losses) else {}
-    return {
-        name: Combination.of([
-            loss_registry.resolve_hparams(
-                name, combo, num_classes=len(features.classes), dataset=features.dataset,
-                train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
-                expected_positives=features.attrs.get("expected_positives"), **text,
-            )
-            for combo in settings.overrides.combinations(name)
-        ])
-        for name in settings.losses
-    }
+    used = {}
+    for name in settings.losses:
+        with loss_faults([name]):  # its construction raised: one line naming it
+            used[name] = Combination.of([
+                loss_registry.resolve_hparams(
+                    name, combo, num_classes=len(features.classes), dataset=features.dataset,
+                    train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
+                    expected_positives=features.attrs.get("expected_positives"), **text,
+                )
+                for combo in settings.overrides.combinations(name)
+            ])
+    return used
 
 
 def start_heads(from_run: Path | str | None, names: list[str], features: FeatureSet) -> dict[str, StartHead]:
@@ -207,7 +210,8 @@ def start_heads(from_run: Path | str | None, names: list[str], features: Feature
 
 def stored_settings(run_dir: Path) -> tuple[dict, LinearSettings, Path | None]:
     """`--resume RUN`: the config of an interrupted linear run, its settings, and the run its heads started from."""
-    config = runs.open_for_resume(run_dir, "linear")
+    # a plugin that changed since the run began goes on only while none of its parts is kept (fixed after it failed)
+    config = runs.open_for_resume(run_dir, "linear", renewable=lambda name: name not in KeptParts(run_dir).losses())
     grid = runs.Grid.from_config(config)
     rules = observation.parse_rules(config["observe"]) if config.get("observe") else None
     settings = LinearSettings.of(LinearOptions(
@@ -260,7 +264,9 @@ def _resume_flags(config: dict, settings: LinearSettings, given: Mapping):
         ("--fidelity", get("fidelity"), get("fidelity") and Fidelity.check(get("fidelity")), settings.fidelity),
         ("--observe", rules and _text(rules), rules, [rule.text for rule in settings.rules]),
         ("--from", get("from_run"), get("from_run") and Path(get("from_run")).resolve(), starts[0] if starts else None),
-        ("--chunk-rows", get("chunk_rows"), get("chunk_rows"), (config.get("out_of_core") or {}).get("chunk_rows")),
+        ("--chunk-rows", get("chunk_rows"), get("chunk_rows") and min(get("chunk_rows"), config.get("num_train") or
+                                                                       get("chunk_rows")),
+         (config.get("out_of_core") or {}).get("chunk_rows")),  # more than the training rows is all of them
         # a run from before the budget was stored takes the one given
         ("--memory-budget", budget, budget, budget if stored_budget is None else memory.flag_text(stored_budget)),
         *_hparam_flags(settings, get("hparams"), get("hp_grid")),

@@ -8,12 +8,15 @@ the head's weight, and the gradient of their sum with respect to the logits and 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import BrokenExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from spml_cache.losses.base import Loss
+from spml_cache.losses.closed_form_contract import closed_step, same_as_autograd
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.step_trace import first_difference, flat, record
 
@@ -62,6 +65,9 @@ def values_of(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tenso
     """The per-head values a step takes the gradient of: the loss, plus its penalty on the head's weight."""
     per_head = loss(logits, data.observed.index_select(0, rows),
                     labels=data.labels.index_select(0, rows) if loss.oracle else None, index=rows)
+    if not isinstance(per_head, torch.Tensor):
+        raise Failed(f"forward returned a {type(per_head).__name__}, not a tensor; return one value per head, a [K]"
+                     " tensor computed from the logits (mean_over_entries(terms) of the [K, B, C] terms)")
     return per_head + loss.penalty(weight) if loss.penalises_weight else per_head
 
 
@@ -71,25 +77,6 @@ def step(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, we
     wrt = [logits, *loss.parameters()] + ([weight] if loss.penalises_weight else [])
     grads = torch.autograd.grad(per_head.sum(), wrt, allow_unused=True) if per_head.requires_grad else ()
     return per_head, grads
-
-
-def closed_step(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tensor, weight: torch.Tensor):
-    """The step stage two takes for a loss that states its gradient (`loss_and_grad`, and `penalty_and_grad` when it
-    has one): per-head values and the gradients as `step` orders them: the logits', the per-row parameters' (their
-    rows placed in the whole parameter, zero elsewhere, as autograd gives it) and, for a penalty, the weight's."""
-    values, grad, *row_grads = loss.loss_and_grad(logits.detach(), data.observed.index_select(0, rows),
-                                                  labels=data.labels.index_select(0, rows) if loss.oracle else None,
-                                                  index=rows)
-    grads = [grad] + [torch.zeros_like(param).index_copy_(1, rows, row_grads[0][name])
-                      for name, param in loss.named_parameters() if row_grads]
-    if not loss.penalises_weight:
-        return values, tuple(grads)
-    if type(loss).closed_form_penalty():
-        penalty, weight_grad = loss.penalty_and_grad(weight.detach())
-    else:
-        penalty = loss.penalty(weight)
-        (weight_grad,) = torch.autograd.grad(penalty.sum(), [weight])
-    return values + penalty, (*grads, weight_grad)
 
 
 def inputs(seed: int, size: int, heads: int = K, scale: float = 3.0, dtype=torch.float32):
@@ -220,35 +207,11 @@ def check_closed_form(cls: type[Loss]) -> str:
             rows, logits, weight = inputs(100 * epoch + size, size, dtype=torch.float64)
             extreme = torch.where(logits.detach() > 0, EXTREME, -EXTREME).to(logits.dtype).requires_grad_()
             for what, z in ((f"epoch {epoch}", logits), (f"epoch {epoch}, |z| = {EXTREME:g}", extreme)):
-                worst = max(worst, _same_as_autograd(loss, data, rows, z, weight, what))
+                error, failure = same_as_autograd(loss, data, rows, z, weight, step)
+                if failure:
+                    raise Failed(f"{what}: {failure}")
+                worst = max(worst, error)
     return f"loss_and_grad gives forward's value and autograd's gradient in float64 (up to {worst:.1e} relative)"
-
-
-def _same_as_autograd(loss: Loss, data: Problem, rows, logits, weight, what: str) -> float:
-    """The worst relative difference of the closed form's values and gradients from autograd's, on one step from
-    one state (a loss that writes state writes it alike); a failure past 1e-6."""
-    kept = {key: value.clone() for key, value in loss.state_dict().items()}
-    values, grads = step(loss, data, rows, logits, weight)
-    written = {key: value.clone() for key, value in loss.state_dict().items()}
-    loss.load_state_dict(kept)
-    closed_values, closed_grads = closed_step(loss, data, rows, logits, weight)
-    worst = 0.0
-    pairs = [("value", values.detach(), closed_values), ("gradient", grads[0], closed_grads[0])]
-    penalised = int(loss.penalises_weight)
-    pairs += [(f"{name}'s gradient", grads[1 + i], closed) for i, ((name, _), closed) in
-              enumerate(zip(loss.named_parameters(), closed_grads[1 : len(closed_grads) - penalised]))]
-    pairs += [("penalty's gradient", grads[-1], closed_grads[-1])] if loss.penalises_weight else []
-    for name, expected, got in pairs:
-        finite = ~expected.isnan()  # autograd's NaN where a torch.where's unchosen branch has an infinite slope
-        error = ((got - expected).abs() / expected.abs().clamp(min=1e-300))[finite]
-        worst = max(worst, error.max().item() if error.numel() else 0.0)
-        if not torch.allclose(got[finite], expected[finite], rtol=1e-6, atol=0):
-            raise Failed(f"{what}: loss_and_grad's {name} differs from autograd of forward by up to"
-                         f" {worst:.1e} relative; state the derivative of forward's terms exactly (losses/slopes.py"
-                         " gives the built-ins'), or leave loss_and_grad out: stage two then uses autograd")
-    if any(not torch.equal(value, written[key]) for key, value in loss.state_dict().items()):
-        raise Failed(f"{what}: loss_and_grad leaves the loss's state otherwise than forward does")
-    return worst
 
 
 def check_stacked(cls: type[Loss]) -> str:
@@ -347,9 +310,10 @@ CHECKS: tuple[Callable[[type[Loss]], str], ...] = (
     check_rules)
 
 
-def run_checks(cls: type[Loss]) -> Iterator[tuple[bool, str]]:
+def run_checks(cls: type[Loss], checks: tuple[Callable[[type[Loss]], str], ...] = CHECKS
+               ) -> Iterator[tuple[bool, str]]:
     """(passed, one line) per check, in order, stopping after the first failure."""
-    for check in CHECKS:
+    for check in checks:
         try:
             yield True, check(cls)
         except Failed as failure:
@@ -363,3 +327,59 @@ def run_checks(cls: type[Loss]) -> Iterator[tuple[bool, str]]:
             yield False, (f"{check.__name__.removeprefix('check_')}: the loss raised {type(err).__name__}: {said};"
                           f" see {GUIDE} for what forward receives")
             return
+
+
+def training_failure(names: list[str], err: BaseException) -> str:
+    """Why training `names` (one loss, or the losses of stacks trained in lockstep) failed (`err`, what it raised),
+    in one line: the line check-loss gives for the first check a loss fails on a small problem (the same fault, in
+    the same words), naming that loss, its file and how to check it (a built-in's: a bug to report); else what
+    training raised."""
+    from spml_cache import losses
+
+    for name in names:
+        failed = next((line for passed, line in run_checks(losses.get(name), (check_finite,)) if not passed), None)
+        if failed is not None:
+            return _failed_loss(name, failed)
+    said = " ".join(str(err).split())[:300]
+    raised = f"training it raised {type(err).__name__}" + (f": {said}" if said else "")
+    if len(names) == 1:
+        return _failed_loss(names[0], raised)
+    return f"--loss {','.join(names)} (trained together) failed: {raised}; run with --debug for the traceback"
+
+
+def _failed_loss(name: str, failed: str) -> str:
+    from spml_cache.losses import plugins
+
+    origin = plugins.origin(name)
+    if origin is None:
+        return (f"--loss {name} failed: {failed}; a bug in spml-cache's {name}: please report it with the"
+                " traceback (--debug)")
+    spec = origin.get("spec", name)
+    return (f"--loss {name} ({origin.get('path') or spec}) failed: {failed}; fix the plugin (spml-cache check-loss"
+            f" {spec} checks it on a small problem)")
+
+
+class LossFailed(SpmlError):
+    """A loss failed while it trained (its forward raised, returned no [K] tensor, its construction raised): one
+    line naming it, its file and what went wrong (losses.contract.training_failure, check-loss's words); `names`:
+    the losses that were training."""
+
+    def __init__(self, names: list[str], err: BaseException) -> None:
+        super().__init__(training_failure(names, err))
+        self.names = list(names)
+
+
+# What training raises that is no fault of the loss's: said as the command says it everywhere else.
+NOT_THE_LOSS = (SpmlError, MemoryError, OSError, torch.OutOfMemoryError, BrokenExecutor)
+
+
+@contextmanager
+def loss_faults(names: list[str]):
+    """Whatever else the code training `names` raises (a loss's forward, its construction, what a step makes of
+    what it returned) is `LossFailed`, one line naming the loss."""
+    try:
+        yield
+    except NOT_THE_LOSS:
+        raise
+    except Exception as err:
+        raise LossFailed(names, err) from err
