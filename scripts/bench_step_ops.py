@@ -7,9 +7,9 @@ dispatches is recorded (`spml_cache.runtime.step_trace.record`, the recorder the
 by where in the code it was called:
 
 - forward: the batch (rows, labels), the logits and the loss's value;
-- backward: the loss's gradient with respect to the logits (and its own parameters): autograd's ops, or the
-  gradient ops of a loss that states its gradient in closed form (`Loss.loss_and_grad`; its value and gradient
-  share one pass, so its intermediates count as forward);
+- backward: the loss's gradient with respect to the logits (and its own parameters) by autograd; a loss that
+  states its gradient in closed form (`Loss.loss_and_grad`) computes value and gradient in one pass, counted as
+  forward (its backward is 0);
 - optimiser: the heads' gradient, Adam on the heads and on the loss's own parameters (ROLE's theta).
 
 `ops` counts every aten op the dispatcher sees; `kernels` leaves out the ops that only make a view or an alias
@@ -22,8 +22,13 @@ large-loss rejections, SPLC's correction), after a warm-up step; a loss's step r
 (4,574 training rows, 2,048-d, 20 classes, 4 heads: the papers' four learning rates); the op counts do not depend
 on the sizes.
 
+`--against DIR --rounds N` compares this checkout with another (DIR: a checkout of the package, e.g. `git
+worktree add /tmp/main main`): N rounds, each running this script on DIR's code and then on this one's in child
+processes (`--code`), so that the machine's drift hits both alike; the JSON then holds both sides' counts and
+each loss's median time of the N rounds.
+
 Usage: python scripts/bench_step_ops.py [--losses an,role | all] [--time-steps 200] [--repeats 3]
-       [--json docs/benchmarks/NAME.json] [--markdown]
+       [--json docs/benchmarks/NAME.json] [--markdown] [--against DIR --rounds 3] [--code DIR]
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import ExitStack
@@ -40,7 +47,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parents[1]
+# `--code DIR`: the checkout whose spml_cache is measured (before anything imports it); default this script's
+CODE = Path(sys.argv[sys.argv.index("--code") + 1]).resolve() if "--code" in sys.argv[:-1] else HERE
+sys.path.insert(0, str(CODE))
 
 from spml_cache import losses  # noqa: E402
 from spml_cache.linear.data import LinearData  # noqa: E402
@@ -63,7 +73,7 @@ VIEW_OPS = {
 # the functions whose ops are the optimiser's (the heads' gradient and every Adam update) ...
 OPTIMISER_FUNCTIONS = {("head_matrix.py", "step"), ("adam.py", "step"), ("adam_kernel.py", "adam_update")}
 # ... and those whose ops are the loss's gradient: autograd's engine, a closed form's gradient part
-BACKWARD_FUNCTIONS = {("graph.py", "_engine_run_backward"), ("base.py", "logit_gradient")}
+BACKWARD_FUNCTIONS = {("graph.py", "_engine_run_backward")}
 
 
 class PartRecorder(StepRecorder):
@@ -173,6 +183,66 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compare(args) -> None:
+    """`--against`: rounds of the other checkout's code then this one's, each in a child process; both sides'
+    counts (the first round's) and each loss's median time into one JSON."""
+    sides = {"before": args.against.resolve(), "after": args.code.resolve()}
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(args.rounds):
+            for side, code in sides.items():
+                out = Path(folder) / f"{side}-{round_}.json"
+                subprocess.run([sys.executable, str(Path(__file__).resolve()), "--code", str(code), "--losses",
+                                args.losses, "--time-steps", str(args.time_steps), "--repeats", str(args.repeats),
+                                "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+                runs[side].append(json.loads(out.read_text()))
+                print(f"round {round_ + 1}: {side} ({code}) done, load average {os.getloadavg()[0]:.1f}", flush=True)
+    table = []
+    for first in runs["after"][0]["losses"]:
+        name, row = first["loss"], {"loss": first["loss"]}
+        for side, side_runs in runs.items():
+            rows = [next(r for r in run["losses"] if r["loss"] == name) for run in side_runs]
+            row.update({f"{key}_{side}": rows[0][key] for key in ("ops", "kernels", *PARTS, "closed_form")})
+            if args.time_steps:
+                row[f"us_{side}"] = statistics.median(r["us_per_step"] for r in rows)
+        table.append(row)
+    summary = {f"median_{key}_{side}": statistics.median(row[f"{key}_{side}"] for row in table)
+               for key in ("ops", "kernels") + (("us",) if args.time_steps else ()) for side in sides}
+    for key, value in summary.items():
+        print(f"{key}: {value:g}")
+    if args.markdown:
+        print(compared_markdown(table, bool(args.time_steps)))
+    if args.json:
+        write_json(args.json, {"script": "scripts/bench_step_ops.py", "argv": sys.argv[1:], "torch": torch.__version__,
+                               "cpus": os.cpu_count(), "shape": SHAPE, "batch_size": BATCH_SIZE,
+                               "heads": len(GRID_LRS), "rounds": args.rounds, "code": {k: str(v) for k, v in
+                                                                                         sides.items()},
+                               "load_averages": {side: [run["load_average"] for run in side_runs]
+                                                 for side, side_runs in runs.items()},
+                               **summary, "losses": table})
+
+
+def compared_markdown(table: list[dict], timed: bool) -> str:
+    """`compare`'s table: each part's ops (kernels) before -> after, and the step's time."""
+    lines = ["| loss | ops (kernels) | forward | backward | optimiser |" + (" us per step |" if timed else ""),
+             "|---|---|---|---|---|" + ("---|" if timed else "")]
+    for row in table:
+        cells = [f"{row['ops_before']} ({row['kernels_before']}) -> {row['ops_after']} ({row['kernels_after']})"]
+        cells += [f"{row[f'{part}_before']} -> {row[f'{part}_after']}" for part in PARTS]
+        cells += [f"{row['us_before']:.0f} -> {row['us_after']:.0f}"] if timed else []
+        closed = " (closed form)" if row["closed_form_after"] else ""
+        lines.append(f"| `{row['loss']}`{closed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, content: dict) -> None:
+    """`content` into `path`, whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(content, indent=2) + "\n")
+    partial.replace(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--losses", default="all", help="loss names (comma list), or all")
@@ -180,7 +250,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the table here as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    parser.add_argument("--code", type=Path, default=HERE, help="the checkout whose code is measured")
+    parser.add_argument("--against", type=Path, default=None, help="another checkout to compare with, interleaved")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: rounds of both")
     args = parser.parse_args()
+    if args.against:
+        return compare(args)
     names = losses.names() if args.losses == "all" else args.losses.split(",")
     data = synthetic_data()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -196,15 +271,12 @@ def main() -> None:
     if args.markdown:
         print(markdown(rows))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        partial = args.json.with_name(args.json.name + ".partial")
-        partial.write_text(json.dumps({
+        write_json(args.json, {
             "script": "scripts/bench_step_ops.py", "argv": sys.argv[1:], "torch": torch.__version__,
             "cpus": os.cpu_count(), "shape": SHAPE, "batch_size": BATCH_SIZE, "heads": len(GRID_LRS),
             "load_average": os.getloadavg()[0], "median_ops": statistics.median(row["ops"] for row in rows),
             "median_kernels": statistics.median(row["kernels"] for row in rows), "losses": rows,
-        }, indent=2) + "\n")
-        partial.replace(args.json)
+        })
 
 
 if __name__ == "__main__":
