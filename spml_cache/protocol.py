@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -40,6 +41,29 @@ GRID_BATCH_SIZES = (8, 16)
 GRID_WDS = (0.0,)  # the probe's L2 weight decay: none in the papers' grid (linear --wd adds the axis)
 LINEAR_EPOCHS = 25
 FINETUNE_EPOCHS = 10
+
+
+class Fidelity(str, Enum):
+    """How a loss is computed and trained (docs/fidelity.md): `exact`, the papers' math computed stably (the
+    default), or `authors`, the authors' code's numerics and rules (eps in the logs, dropped last batches, early
+    stopping). A `str`, so that it compares and is stored as its name."""
+
+    EXACT = "exact"
+    AUTHORS = "authors"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def check(cls, value: "Fidelity | str | None" = None, flag: str = "--fidelity") -> "Fidelity":
+        """`value` as a Fidelity, None as the default; a bad value is one line naming the flag."""
+        if value is None:
+            return cls.EXACT
+        try:
+            return cls(value)
+        except ValueError:
+            names = " or ".join(member.value for member in cls)
+            raise SpmlError(f"{flag} {value!r}: use {names} (docs/fidelity.md)") from None
 
 
 @dataclass(frozen=True)

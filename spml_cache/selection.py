@@ -18,7 +18,7 @@ import torch
 from spml_cache.observation import DEFAULT_RULE
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HeadRecord:
     """One head's history and its best epoch (docs/protocol.md: the first epoch with the highest val mAP)."""
 
@@ -105,7 +105,7 @@ def best_so_far(records: list[HeadRecord]) -> dict | None:
             **best.wd_entry(), "batch_size": best.batch_size, "epoch": best.best_epoch, "hparams": best.hparams}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Selection:
     lr: float
     batch_size: int
@@ -132,7 +132,9 @@ def select_config(records: list[HeadRecord]) -> Selection | None:
         mean_val = float(np.mean([head.best_val_map for head in heads]))
         if mean_val > best:
             heads = sorted(heads, key=lambda h: h.seed)
-            chosen, best = Selection(lr, batch_size, heads, mean_val, dict(heads[0].hparams), wd), mean_val
+            chosen = Selection(lr=lr, batch_size=batch_size, records=heads, mean_val_map=mean_val,
+                               hparams=dict(heads[0].hparams), wd=wd)
+            best = mean_val
     return chosen
 
 

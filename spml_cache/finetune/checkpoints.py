@@ -22,7 +22,7 @@ def create_run_dir(out: Path, setup: Setup) -> Path:
         run_dir[0] = runs.start_run(
             out, stage="finetune", label=settings.key, features=features, device=setup.processes.device,
             grid=settings.grid(),
-            processes=setup.processes.world, options=settings.as_dict(), root=str(setup.root),
+            processes=setup.processes.world, options=settings.options().stored(), root=str(setup.root),
             init=init_summary(setup),
             skipped_images={s: len(getattr(features, s)) - len(setup.rows[s]) for s in cache.SPLITS},
         )

@@ -27,7 +27,7 @@ from spml_cache.labels import (
 from spml_cache.linear.out_of_core import Batch, MemoryPlan, RowSource
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearData:
     """The cache's arrays on the training device, in the form the loop indexes directly."""
 

@@ -105,8 +105,8 @@ class HeadStack:
         self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
         self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
-        self.records = [HeadRecord(name, lr, batch_size, seed, hparams=combo.swept_values, wd=wd)
-                        for lr, combo, wd in zip(lrs, heads.combinations, wds or [None] * len(lrs))]
+        self.records = [HeadRecord(loss=name, lr=lr, batch_size=batch_size, seed=seed, hparams=combo.swept_values,
+                                   wd=wd) for lr, combo, wd in zip(lrs, heads.combinations, wds or [None] * len(lrs))]
 
     def start_epoch(self, epoch: int, num_epochs: int, order: torch.Tensor, data: LinearData) -> None:
         train_logits = None
@@ -241,7 +241,7 @@ class HeadStack:
         return {"head": self.heads.linear_state(k), "loss_state": self.loss.head_state_dict(k)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """What one process trains at a time: every lr of one (loss, seed), for one or all of its batch sizes."""
 
