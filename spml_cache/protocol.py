@@ -8,7 +8,7 @@
 
 The metric lives in `metrics.py` (re-exported here: `protocol.mean_average_precision` is public API). torch is
 imported only when the metric or `initial_head` is first used, so that the command line checks its flags
-(`--observe`, observation.py) without loading it.
+(`--observe`, observation/) without loading it.
 
 The random draws must match the reference number for number, so that users can compare against (and import)
 the authors' formatted label files: the functions below consume the random stream in exactly the reference's
@@ -271,13 +271,19 @@ def check_wds(wds: Sequence[float]) -> list[float]:
         raise SpmlError(f"--wd {','.join(f'{v:g}' for v in values)}: every weight decay must be 0 or more (0: none)")
     return list(dict.fromkeys(values))
 
-def __getattr__(name: str):
-    """`average_precision` and `mean_average_precision`, metrics.py's (public API here too), on first use."""
-    if name in ("average_precision", "mean_average_precision"):
-        from spml_cache import metrics
 
-        return getattr(metrics, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def average_precision(scores, labels, mask=None):
+    """Per-class AP (0..1), `metrics.average_precision` (public API here too; torch loads on the first call)."""
+    from spml_cache import metrics
+
+    return metrics.average_precision(scores, labels, mask)
+
+
+def mean_average_precision(scores, labels, mask=None) -> float:
+    """mAP (0..100), `metrics.mean_average_precision` (public API here too; torch loads on the first call)."""
+    from spml_cache import metrics
+
+    return metrics.mean_average_precision(scores, labels, mask)
 
 
 def initial_head(in_features: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ Per head: the first epoch with the highest val mAP (a later epoch replaces it on
 Per loss: the (lr, batch size) config with the highest val mAP, averaged over seeds when there are several
 (strictly greater replaces, in grid order). Reported: the test mAP of each seed's head at its best epoch,
 as mean ± std over seeds (population std, 0 for one seed). Data in, data out: the run directory is
-written by `runs.py`.
+written by `runs/`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class HeadRecord:
     best_val_map: float = -math.inf
     best_test_ap: np.ndarray | None = None  # per-class test AP (0..1) at the best epoch
     best_state: dict | None = None  # {"head": nn.Linear layout, "loss_state": num_heads=1 state} at the best epoch
-    rule: str = DEFAULT_RULE  # the observation rule of its training labels (observation.py)
+    rule: str = DEFAULT_RULE  # the observation rule of its training labels (observation/)
     wd: float | None = None  # its weight decay when the grid has that axis (linear --wd), else None: not recorded
     start: dict | None = None  # fine-tuning: {"val_map", "test_map"} of the model before any step (epoch 0)
 

@@ -49,7 +49,8 @@ from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
 
 app = typer.Typer(
     name="spml-cache",
-    help="Single-positive multi-label learning on a cached ResNet-50 feature matrix.\n\n"
+    help="Single-positive multi-label learning on a cached feature matrix of a frozen backbone (ResNet-50 by"
+    " default).\n\n"
     "Example: spml-cache demo",
     no_args_is_help=True,
     add_completion=False,

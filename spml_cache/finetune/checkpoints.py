@@ -1,4 +1,4 @@
-"""Stage three's run directory: the config.json and env.json it starts with (through `runs.py`), what its
+"""Stage three's run directory: the config.json and env.json it starts with (through `runs/`), what its
 results say it started from, and its per-config checkpoints (the last epoch's state, and the model of the
 config's best epoch), which `--resume` goes on from.
 """

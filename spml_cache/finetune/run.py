@@ -1,4 +1,5 @@
-"""Stage three: fine-tune ResNet-50 end to end, from the best linear head (LinearInit, Cole et al. 2021) or a fresh head.
+"""Stage three: fine-tune the cache's backbone (any torchvision or timm trunk) end to end, from the best linear head
+(LinearInit, Cole et al. 2021) or a fresh head.
 
 The images, splits and observed labels are the cache's rows (`root / id`), so fine-tuning sees exactly what the
 linear stage saw. The recipe is the papers': R x R resize ignoring aspect ratio, random horizontal flip in

@@ -2,7 +2,7 @@
 
 Checks every input before anything is written (`settings.py`), then for each loss and seed trains all (lr, batch
 size) configs at once (`engine.py`, in jobs: `jobs.py`), selects per docs/protocol.md (`selection.py`) and writes
-the run directory (`runs.py`). Every finished (loss, seed, batch size) is kept under the run's `jobs/` as it
+the run directory (`runs/`). Every finished (loss, seed, batch size) is kept under the run's `jobs/` as it
 finishes, so an interrupted run goes on with `--resume RUN` and trains only what is missing; the results are
 those of an uninterrupted run.
 """

@@ -122,7 +122,7 @@ class Loss(torch.nn.Module):
     needs_train_logits: ClassVar[bool] = False  # start_epoch wants the current logits of every training row
     reconstructed: ClassVar[bool] = False  # no public code: implemented from the spec's reconstruction
     # Learns from an image only through an observed positive (its terms pair one with the other labels): an
-    # observation rule that leaves images with a positive but none observed is refused for it (observation.py).
+    # observation rule that leaves images with a positive but none observed is refused for it (observation/).
     needs_positive: ClassVar[bool] = False
     # What the loss does with an observed negative (z = -1, from observation rules other than `single`), as its
     # term in docs/losses.md's notation; every loss states it (`spml-cache losses` shows it). Where the paper has
