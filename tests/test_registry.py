@@ -91,6 +91,25 @@ def test_backbone_families_are_imported_only_when_used():
     assert done.stdout.strip() == "False", done.stderr
 
 
+def test_every_backbone_family_is_a_registered_family_with_one_signature_and_nothing_branches_by_family():
+    import inspect
+    import re
+    from pathlib import Path
+
+    for name, family in backbones.FAMILIES.items():
+        assert issubclass(family, backbones.Family) and family.name == name and family.called
+        assert list(inspect.signature(family.describe).parameters) == ["request"]
+        assert list(inspect.signature(family.build).parameters) == ["description"]
+        assert set(family.takes) <= set(backbones.OPTIONS) and set(family.features) <= set(backbones.FEATURES)
+    # what a family does differently is declared on it, never asked of its name
+    asked = re.compile(r"""(==|!=|\bin)\s*\(?["'](tv|timm|clip|plugin)["']|\.family\s*[!=]="""
+                       r"""|family_of\([^)]*\)\[0\]\s*[!=]=""")
+    package = Path(backbones.__file__).parents[1]
+    found = [f"{path.relative_to(package)}: {line.strip()}" for path in package.rglob("*.py")
+             for line in path.read_text().splitlines() if asked.search(line)]
+    assert found == []
+
+
 def test_plugin_is_not_a_prefix_a_name_may_start_with():
     with pytest.raises(SpmlError) as error:
         backbones.family_of("plugn:x")

@@ -6,12 +6,15 @@ A name picks a family:
   other torchvision classification model (also as `tv:NAME`)        -> torchvision_models.py
   timm:NAME (a timm model, its pretrained tag in the name: timm:convnext_base.fb_in22k)     -> timm_models.py
   clip:ARCH/TAG (an open_clip model and its pretrained tag: clip:ViT-B-16/openai)          -> clip_models.py
-  module:callable, or a name from the entry-point group spml_cache.backbones (the user's own) -> plugins.py
-Each family says, before any weights are loaded (`describe`), what the cache will record: the canonical name,
-the weights' provenance, its own preprocessing and its feature width; then builds the trunk (`build`), an
-`nn.Module` mapping a normalised `[B, 3, R, R]` batch to `[B, row_width]`. For CLIP the row is the features
-followed by the L2-normalised image embedding (and the crops' embeddings with `crops`); `split_row` says which
-columns are which.
+  module:callable, path/to/file.py:callable, or a name from the entry-point group spml_cache.backbones (the
+  user's own, loaded by runtime/plugins.py as plugin losses are)                           -> plugins.py
+Each family is a `Family` registered in `FAMILIES`, with one signature: it says, before any weights are loaded
+(`describe(Request)`), what the cache will record: the canonical name, the weights' provenance, its own
+preprocessing and its feature width; then builds the trunk (`build(Description)`), an `nn.Module` mapping a
+normalised `[B, 3, R, R]` batch to `[B, row_width]`. What a family takes beyond weights and resolution (CLIP's
+`crops`, `clip_features`), the feature kinds it gives and whether stage three trains it are declared on it.
+For CLIP the row is the features followed by the L2-normalised image embedding (and the crops' embeddings with
+`crops`); `Description.row_shapes` says which columns are which.
 
 `features` says which of the trunk's activations make the features (`extract --features`): `pooled` (the
 default, the pooled vector, every cache before the choice) or `last4` (layers.py: a ViT's last four blocks'
@@ -26,9 +29,9 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING
 
+from spml_cache.runtime import plugins as loader
 from spml_cache.runtime.errors import SpmlError, unknown_name
 from spml_cache.runtime.registry import Registry
 
@@ -55,7 +58,7 @@ class Description:
     """What a backbone is, known before its weights are loaded; its `attrs` go into the cache's settings."""
 
     backbone: str  # the canonical registry name (the cache's `backbone` attr)
-    family: str  # tv, timm or clip
+    family: str  # its family's prefix: tv, timm, clip or plugin
     weights: str  # as given (a tag, a path, none), what `build` loads
     provenance: str  # what the cache records as `weights`: a tag, sha256:<hex> of a file, or none
     preprocess: Preprocess
@@ -65,7 +68,7 @@ class Description:
     grid: int = 0  # CLIP with crops: G, for G x G crops' embeddings per image
     features: str = DEFAULT_FEATURES  # pooled or last4 (layers.py)
     extra: dict = field(default_factory=dict, compare=False)  # the family's own build details
-    origin: str = ""  # a plugin's: JSON of where its code came from (file and sha256, or distribution and version)
+    origin: str = ""  # a plugin's: where its code came from, runtime/plugins.py's `Origin` as JSON
 
     @property
     def slug(self) -> str:
@@ -101,7 +104,7 @@ class Description:
             "backbone": self.backbone, "weights": self.provenance, "resolution": self.resolution, "resize": resize,
             "mean": list(self.preprocess.mean), "std": list(self.preprocess.std), "feature_dim": self.feature_dim,
         }  # fmt: skip
-        if self.family == "clip":
+        if self.clip_features is not None:  # CLIP's only
             attrs["clip_features"] = self.clip_features
         if self.features != DEFAULT_FEATURES:  # a pooled cache's attrs are what they were before the choice
             attrs["features"] = self.features
@@ -120,11 +123,64 @@ def slug(name: str) -> str:
     return re.sub(r"[-:/]", "_", name)
 
 
-def _family(prefix: str, module: str, package: str | None = None, extra: str | None = None):
-    """The loader of a family's module (`module`): imported when the family is used, once `package` (which the
-    extra `extra` installs) is found importable."""
+@dataclass(frozen=True)
+class Request:
+    """What `describe` is asked for, as every family's `describe` takes it: the name within the family and the
+    options (None: the family's default)."""
 
-    def load() -> ModuleType:
+    name: str  # within the family: resnet50, convnext_base.fb_in22k, ViT-B-16/openai, mynets:fn, my_entry_point
+    weights: str | None = None
+    resolution: int | None = None
+    features: str = DEFAULT_FEATURES
+    clip_features: str = DEFAULT_CLIP_FEATURES
+    crops: int = 0
+
+
+# The options only some families take: the family declares it takes one (`Family.takes`); given to another, the
+# option is refused with its own words.
+OPTIONS = {
+    "crops": ("--crops", "crop embeddings are for clip:ARCH/TAG backbones only"),
+    "clip_features": ("--clip-features", "only for clip:ARCH/TAG backbones"),
+}
+
+
+class Family:
+    """A family of backbones, an entry of `FAMILIES` under the prefix its names start with. One signature for all:
+    `describe(Request)` says what the cache will record, before any weights are loaded; `build(Description)`
+    makes the trunk. What it takes and gives is declared, so that `describe` checks every family alike."""
+
+    name: str = ""  # the prefix: tv, timm, clip (plugin: reached by a spec's form, never typed)
+    called: str = ""  # what one of its backbones is, in a refusal: "a CLIP image tower"
+    library: str | None = None  # the package whose version the cache records beside torch's and torchvision's
+    takes: tuple[str, ...] = ()  # the OPTIONS it takes
+    features: tuple[str, ...] = FEATURES  # the feature kinds it gives
+    fine_tunes: bool = True  # whether stage three trains it end to end
+
+    @staticmethod
+    def describe(request: Request) -> Description:
+        raise NotImplementedError
+
+    @staticmethod
+    def build(description: Description) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, request: Request, shown: str) -> None:
+        """Refuse, in one line, an option it does not take or a feature kind it does not give."""
+        for option, (flag, only) in OPTIONS.items():
+            value = getattr(request, option)
+            if option not in cls.takes and value != getattr(Request, option):
+                raise SpmlError(f"{flag} {value}: {only}")
+        if request.features not in cls.features:
+            raise SpmlError(f"--features {request.features}: {shown} is {cls.called}; use --features"
+                            f" {' or '.join(cls.features)} with it")
+
+
+def _family(prefix: str, where: str, package: str | None = None, extra: str | None = None):
+    """The loader of a family (`where`: module:class), imported when the family is used, once `package` (which
+    the extra `extra` installs) is found importable."""
+
+    def load() -> type[Family]:
         if package is not None:
             if os.environ.get("SPML_OFFLINE"):  # the project's offline switch is the hub's too (read on its import)
                 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,50 +189,43 @@ def _family(prefix: str, module: str, package: str | None = None, extra: str | N
             except ImportError:
                 raise SpmlError(f"--backbone {prefix}:...: needs the {package} package: pip install"
                                 f' "spml-cache[{extra}]"') from None
-        return importlib.import_module(module)
+        module, _, name = where.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     return load
 
 
-# The families, each a module with describe() and build(), imported when used (they import torch and their
-# packages); the prefixes a name may start with are every family's but the plugins', which a name reaches as
-# `module:callable` or an entry point's name.
+# The families, each a class of its module, imported when used (they import torch and their packages); the
+# prefixes a name may start with are every family's but the plugins', which a name reaches as a spec
+# (`module:callable`, `file.py:callable`) or an entry point's name.
 PLUGIN = "plugin"
-FAMILIES: Registry[ModuleType] = Registry("backbone family")
-FAMILIES.register_lazy("tv", _family("tv", "spml_cache.backbones.torchvision_models", "torchvision"))
-FAMILIES.register_lazy("timm", _family("timm", "spml_cache.backbones.timm_models", "timm", "timm"))
-FAMILIES.register_lazy("clip", _family("clip", "spml_cache.backbones.clip_models", "open_clip", "clip"))
-FAMILIES.register_lazy(PLUGIN, _family(PLUGIN, "spml_cache.backbones.plugins"))
+FAMILIES: Registry[type[Family]] = Registry("backbone family")
+FAMILIES.register_lazy("tv", _family("tv", "spml_cache.backbones.torchvision_models:Torchvision", "torchvision"))
+FAMILIES.register_lazy("timm", _family("timm", "spml_cache.backbones.timm_models:Timm", "timm", "timm"))
+FAMILIES.register_lazy("clip", _family("clip", "spml_cache.backbones.clip_models:Clip", "open_clip", "clip"))
+FAMILIES.register_lazy(PLUGIN, _family(PLUGIN, "spml_cache.backbones.plugins:Plugins"))
 
 
 def family_of(name: str) -> tuple[str, str]:
-    """(family prefix, the name within the family): `timm:x` -> (timm, x), `tv:x` and `x` -> (tv, x), an
-    importable `module:callable` -> (plugin, module:callable). A plain name may still be an entry point
-    (`describe` looks)."""
+    """(family prefix, the name within the family): `timm:x` -> (timm, x), `tv:x` and `x` -> (tv, x), a spec
+    (`module:callable` with the module on the path, `file.py:callable`) or an installed entry point's name ->
+    (plugin, name)."""
     prefix, colon, rest = name.partition(":")
     if not colon:
-        return "tv", name
+        return (PLUGIN, name) if _plugin_named(name) else ("tv", name)
     if prefix not in FAMILIES or prefix == PLUGIN:
-        if _plugins().is_spec(name):
+        if loader.findable(name):
             return PLUGIN, name
         typed = [family for family in FAMILIES if family != PLUGIN]
         raise SpmlError(f"--backbone {name}: {unknown_name('backbone family', prefix, typed)}, nor"
                         " a module found on the path; use a torchvision name (resnet50, vit_b_16, ...), timm:NAME,"
-                        " clip:ARCH/TAG or module:callable (docs/your-own-backbone.md)")
+                        " clip:ARCH/TAG, module:callable or path/to/file.py:callable (docs/your-own-backbone.md)")
     return prefix, rest
 
 
-def origin_text(origin: str) -> str:
-    """A plugin's recorded origin (the `backbone_origin` JSON) in words: its file and hash, or its distribution."""
-    found = json.loads(origin)
-    if found.get("kind") == "entry_point":
-        return f"{found.get('value')} from {found.get('distribution')} {found.get('version')}"
-    return f"{found.get('file')} with sha256 {str(found.get('sha256'))[:12]}"
-
-
-def _plugins():
-    """plugins.py (it imports torch, and this module)."""
-    return FAMILIES.get(PLUGIN)
+def family(name: str) -> type[Family]:
+    """The family of backbone `name` (its module imported)."""
+    return FAMILIES.get(family_of(name)[0])
 
 
 def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | None = None,
@@ -190,36 +239,26 @@ def describe(name: str = DEFAULT, weights: str | None = None, resolution: int | 
     if clip_features not in CLIP_FEATURES:
         raise SpmlError(f"--clip-features {clip_features}: use post (after the projection) or pre (before it)")
     prefix, rest = family_of(name)
-    if prefix == "tv" and ":" not in name and _plugin_named(name):
-        prefix = PLUGIN
-    if prefix != "clip" and crops:
-        raise SpmlError(f"--crops {crops}: crop embeddings are for clip:ARCH/TAG backbones only")
+    found = FAMILIES.get(prefix)
+    request = Request(name=rest, weights=weights, resolution=resolution, features=features,
+                      clip_features=clip_features, crops=crops)
+    found.check(request, name)
     if crops and crops < 2:
         raise SpmlError(f"--crops {crops}: use 2 or more (a G x G grid), or leave it out")
-    if prefix != "clip" and clip_features != DEFAULT_CLIP_FEATURES:
-        raise SpmlError(f"--clip-features {clip_features}: only for clip:ARCH/TAG backbones")
-    if prefix == "clip":
-        return FAMILIES.get(prefix).describe(rest, weights, resolution, clip_features, crops, features)
-    if prefix == PLUGIN:
-        if features != DEFAULT_FEATURES:  # the user's callable gives its own vector; its blocks are unknown here
-            raise SpmlError(f"--features {features}: {name} is a plugin backbone (its callable gives one"
-                            " vector); use --features pooled with it")
-        return _plugins().describe(rest, weights, resolution)
-    return FAMILIES.get(prefix).describe(rest, weights, resolution, features)
+    return found.describe(request)
 
 
 def _plugin_named(name: str) -> bool:
     """Whether the plain name `name` is an installed entry point of spml_cache.backbones; one that is also a
     torchvision model is refused (`tv:NAME` names torchvision's)."""
-    plugins = _plugins()
-    point = plugins.entry_point(name)
+    point = loader.entry_point(name, loader.BACKBONES)
     if point is None:
         return False
     import torchvision
 
     if name in torchvision.models.list_models():
         raise SpmlError(f"--backbone {name}: both torchvision's model and the entry point {point.value} of"
-                        f" {plugins.GROUP} have this name; pass tv:{name} for torchvision's, or {point.value}")
+                        f" {point.group} have this name; pass tv:{name} for torchvision's, or {point.value}")
     return True
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spml_cache.backbones import DEFAULT_FEATURES, Description
+from spml_cache.backbones import DEFAULT_FEATURES, Description, Family, Request
 from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance
 from spml_cache.backbones.layers import LAST, no_blocks, token_features
 from spml_cache.backbones.preprocess import Preprocess
@@ -51,8 +51,9 @@ def _side(size) -> int:
     return int(size if isinstance(size, int) else size[-1])
 
 
-def describe(rest: str, weights: str | None, resolution: int | None, clip_features: str, crops: int,
-             features: str = DEFAULT_FEATURES) -> Description:
+def describe(request: Request) -> Description:
+    rest, weights, resolution, features = request.name, request.weights, request.resolution, request.features
+    clip_features, crops = request.clip_features, request.crops
     arch, tag = _split(rest)
     tags = open_clip.list_pretrained_tags_by_model(arch)
     weights = weights or tag
@@ -93,8 +94,9 @@ def describe(rest: str, weights: str | None, resolution: int | None, clip_featur
             raise no_blocks(f"clip:{rest}", why)
         width *= LAST + 1
     extra = {"arch": arch, "force_image_size": side if side != native else None}
-    return Description(f"clip:{rest}", "clip", weights, provenance, preprocess, width, embed, clip_features, crops,
-                       features=features, extra=extra)
+    return Description(backbone=f"clip:{rest}", family=Clip.name, weights=weights, provenance=provenance,
+                       preprocess=preprocess, feature_dim=width, embed_dim=embed, clip_features=clip_features,
+                       grid=crops, features=features, extra=extra)
 
 
 class ClipTrunk(nn.Module):
@@ -193,3 +195,15 @@ def build(description: Description) -> nn.Module:
                         " network (HF_HOME says where they go), pass --weights PATH to a local checkpoint,"
                         f" {WEIGHTS_NONE}") from None
     return ClipTrunk(model, arch, pre, description.grid, description.features != DEFAULT_FEATURES)
+
+
+class Clip(Family):
+    """open_clip's image towers, `clip:ARCH/TAG`, with their text side; never fine-tuned here."""
+
+    name = "clip"
+    called = "a CLIP image tower"
+    library = "open_clip"
+    takes = ("crops", "clip_features")
+    fine_tunes = False
+    describe = staticmethod(describe)
+    build = staticmethod(build)

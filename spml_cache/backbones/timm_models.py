@@ -20,7 +20,7 @@ import timm
 import torch
 from torch import nn
 
-from spml_cache.backbones import DEFAULT_FEATURES, Description
+from spml_cache.backbones import DEFAULT_FEATURES, Description, Family, Request
 from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance, read_state_dict
 from spml_cache.backbones.layers import LAST, no_blocks, pooled_stages, token_features
 from spml_cache.backbones.preprocess import Preprocess
@@ -39,8 +39,8 @@ def _width(model: nn.Module) -> int:
     return int(getattr(model, "head_hidden_size", None) or model.num_features)
 
 
-def describe(name: str, weights: str | None, resolution: int | None,
-             features: str = DEFAULT_FEATURES) -> Description:
+def describe(request: Request) -> Description:
+    name, weights, resolution, features = request.name, request.weights, request.resolution, request.features
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('.')[0][:6]}*")[:5]
         hint = f" (e.g. {', '.join(close)})" if close else ""
@@ -73,7 +73,8 @@ def describe(name: str, weights: str | None, resolution: int | None,
     else:
         preprocess = Preprocess.crop(side, float(cfg.get("crop_pct") or 1.0), mean, std, interpolation)
     width = _width(model) if features == DEFAULT_FEATURES else _last4_width(model, f"timm:{name}")
-    return Description(f"timm:{name}", "timm", weights, provenance, preprocess, width, features=features,
+    return Description(backbone=f"timm:{name}", family=Timm.name, weights=weights, provenance=provenance,
+                       preprocess=preprocess, feature_dim=width, features=features,
                        extra={"create": extra, "source": source, "hub": cfg.get("hf_hub_id") or cfg.get("url") or name})
 
 
@@ -163,3 +164,13 @@ def _pooled_trunk(description: Description) -> nn.Module:
     model = _create(name, extra)
     _load_file(model, Path(weights).expanduser(), name)
     return model
+
+
+class Timm(Family):
+    """timm's models, `timm:NAME` (the pretrained tag in the name)."""
+
+    name = "timm"
+    called = "a timm model"
+    library = "timm"
+    describe = staticmethod(describe)
+    build = staticmethod(build)

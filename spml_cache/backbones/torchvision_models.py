@@ -20,7 +20,7 @@ import torch
 import torchvision
 from torch import nn
 
-from spml_cache.backbones import DEFAULT_FEATURES, Description, resnet50
+from spml_cache.backbones import DEFAULT_FEATURES, Description, Family, Request, resnet50
 from spml_cache.backbones.checkpoints import RandomWeightsWarning, fetch_checkpoint, file_provenance, read_state_dict
 from spml_cache.backbones.layers import LAST, StageTaps, no_blocks, token_features
 from spml_cache.backbones.preprocess import Preprocess
@@ -59,15 +59,16 @@ def _member(name: str, weights: str):
     raise SpmlError(f"--weights {weights}: no such file, and {name}'s weights are {tags} (or none, or a .pth path)")
 
 
-def describe(name: str, weights: str | None, resolution: int | None,
-             features: str = DEFAULT_FEATURES) -> Description:
+def describe(request: Request) -> Description:
+    name, weights, features = request.name, request.weights, request.features
     _check_name(name)
     if name == RESNET50:
         weights = weights or "IMAGENET1K_V1"
-        provenance = resnet50.weights_provenance(weights)
-        preprocess = Preprocess(resolution or RESNET50_RESOLUTION)
         width = resnet50.FEATURE_DIM if features == DEFAULT_FEATURES else _last4_width(name)
-        return Description(RESNET50, "tv", weights, provenance, preprocess, width, features=features)
+        return Description(backbone=RESNET50, family=Torchvision.name, weights=weights,
+                           provenance=resnet50.weights_provenance(weights),
+                           preprocess=Preprocess(request.resolution or RESNET50_RESOLUTION), feature_dim=width,
+                           features=features)
     weights = weights or "DEFAULT"
     member = _member(name, weights)
     if member is not None:
@@ -78,13 +79,14 @@ def describe(name: str, weights: str | None, resolution: int | None,
         provenance = file_provenance(Path(weights).expanduser())
     transform = (member or _enum(name).DEFAULT).transforms()  # the architecture's own evaluation transform
     crop, resize = transform.crop_size[0], transform.resize_size[0]
-    side = resolution or crop
+    side = request.resolution or crop
     interpolation = transform.interpolation.value
     preprocess = Preprocess.crop(side, crop / resize, transform.mean, transform.std, interpolation)
     with torch.device("meta"):
         _, width = _trunk(name)
     width = width if features == DEFAULT_FEATURES else _last4_width(name)
-    return Description(name, "tv", weights, provenance, preprocess, width, features=features)
+    return Description(backbone=name, family=Torchvision.name, weights=weights, provenance=provenance,
+                       preprocess=preprocess, feature_dim=width, features=features)
 
 
 class VitBlocks(nn.Module):
@@ -185,3 +187,12 @@ def _pooled_trunk(description: Description) -> nn.Module:
     trunk, _ = _trunk(name)  # not on the meta device: a model's non-persistent buffers are made at init
     trunk.load_state_dict(_state_for(trunk, read_state_dict(path), str(path), name))
     return trunk
+
+
+class Torchvision(Family):
+    """torchvision's classification models: `resnet50` (the default), `resnet101`, `tv:NAME`."""
+
+    name = "tv"
+    called = "a torchvision model"
+    describe = staticmethod(describe)
+    build = staticmethod(build)

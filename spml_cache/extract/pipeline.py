@@ -76,7 +76,7 @@ class ExtractReport:
 def run_attrs(device: torch.device, family: str = "tv") -> dict:
     """Provenance of the process that finished the cache (and the version of the backbone's library)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    library = {"timm": "timm", "clip": "open_clip"}.get(family)
+    library = backbones.FAMILIES.get(family).library
     versions = {f"{library}_version": importlib.import_module(library).__version__} if library else {}
     return {**versions,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

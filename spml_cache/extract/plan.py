@@ -18,6 +18,7 @@ from spml_cache.backbones import Description, templates_attr
 from spml_cache.cache.csr import format_of
 from spml_cache.labels import head, nonzero_count, same, take
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.plugins import Origin
 
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
 SETTINGS = (
@@ -66,6 +67,12 @@ def _same(a, b) -> bool:
     return json.dumps(cache.plain(a), sort_keys=True) == json.dumps(cache.plain(b), sort_keys=True)
 
 
+def _same_setting(key: str, stored, now) -> bool:
+    if key == "backbone_origin" and stored and now:  # a record in an earlier version's keys reads as today's
+        return Origin.read(cache.plain(stored)).change(Origin.read(now)) is None
+    return _same(stored, now)
+
+
 NEVER_REPLACED = "pick another --out (a cache is never written over a file that is not one, not even with --force)"
 
 
@@ -101,7 +108,7 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     or sparse, how this run stores the label matrices (None: either will do)."""
     attrs, found = cache.read_header(path)
     for key in SETTINGS:
-        if not _same(attrs.get(key), settings.get(key)):
+        if not _same_setting(key, attrs.get(key), settings.get(key)):
             return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
     stored = format_of(found["train"].labels)
     if label_format is not None and stored != label_format:

@@ -10,7 +10,9 @@ import torch
 
 from spml_cache import backbones, cache, runs
 from spml_cache.backbones.resnet50 import WEIGHT_NAMES
+from spml_cache.runtime import plugins
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.plugins import Origin
 
 THETA_CLIP = 1e-5
 
@@ -31,11 +33,19 @@ def default_weights(cache_attrs: dict) -> str | None:
 
 
 def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> backbones.Description:
-    """The backbone that made the cache (its `backbone` attr), with `weights`, at side `resolution`: what
-    fine-tuning trains end to end. CLIP's image towers are not trained here (one line says so)."""
+    """The backbone that made the cache (its `backbone` attr; a plugin loaded again from its recorded origin,
+    `backbone_origin`), with `weights`, at side `resolution`: what fine-tuning trains end to end. A family that
+    stage three does not train (CLIP's image towers) is refused in one line."""
     name = str(cache_attrs.get("backbone", backbones.DEFAULT))
-    if backbones.family_of(name)[0] == "clip":
-        raise SpmlError(f"finetune: the cache's backbone {name} is a CLIP image tower, which spml-cache does not"
+    stored = cache_attrs.get("backbone_origin")
+    recorded = Origin.read(stored) if stored else None
+    why = plugins.missing(recorded, plugins.BACKBONES) if recorded else None
+    if why is not None:
+        raise SpmlError(f"finetune: the cache's backbone {name} ({recorded.text()}) cannot be loaded here: {why}")
+    loads = recorded.spec if recorded else name  # a plugin file's absolute path: found from any folder
+    family = backbones.family(loads)
+    if not family.fine_tunes:
+        raise SpmlError(f"finetune: the cache's backbone {name} is {family.called}, which spml-cache does not"
                         " fine-tune end to end; train linear heads on its cache (spml-cache linear), or extract"
                         " with a torchvision or timm backbone to fine-tune")
     features = cache_attrs.get("features") or backbones.DEFAULT_FEATURES
@@ -43,12 +53,12 @@ def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> b
         raise SpmlError(f"finetune: the cache holds {features} features, which a head fine-tuned end to end does not"
                         f" read (it reads the pooled vector): fine-tune from a cache of {name} extracted with"
                         " --features pooled (the default)")
-    described = backbones.describe(name, weights, resolution)
-    stored = cache_attrs.get("backbone_origin")
-    if stored and described.origin != stored:
-        raise SpmlError(f"finetune: the backbone {name} is not the code that made the cache (then"
-                        f" {backbones.origin_text(stored)}, now {backbones.origin_text(described.origin)}); restore"
-                        " that code, or extract the cache again with this one")
+    described = backbones.describe(loads, weights, resolution)
+    if recorded is not None:
+        change = recorded.change(Origin.read(described.origin)) if described.origin else "it is no plugin now"
+        if change is not None:
+            raise SpmlError(f"finetune: the backbone {name} is not the code that made the cache ({change}); restore"
+                            " that code, or extract the cache again with this one")
     return described
 
 

@@ -9,6 +9,7 @@ import torch
 from spml_cache.losses import plugins
 from spml_cache.losses.base import LOSSES, Loss, register
 from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
+from spml_cache.runtime.plugins import Origin
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -119,14 +120,6 @@ def describe(specs: tuple[str, ...] = ()) -> list[dict]:
     return rows
 
 
-def _origin_text(origin: dict) -> str:
-    """Where a plugin came from, in a few words: its file and hash, its distribution and version."""
-    parts = [origin["spec"] if origin["kind"] != "entry point" else f"entry point {origin['value']}"]
-    parts += [f"{origin['distribution']} {origin['version']}"] if origin.get("distribution") else []
-    parts += [f"sha256 {origin['sha256'][:12]}"] if origin.get("sha256") else []
-    return ", ".join(parts)
-
-
 def _format_hparams(values: dict) -> str:
     return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in values.items())
 
@@ -166,6 +159,6 @@ def describe_table(rows: list[dict] | None = None) -> Table:
             flags.append(f"--hp-grid paper: {grid} ({row['paper_grid']['source']})")
         what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
         if row["origin"]:
-            what += Text("\nplugin: " + _origin_text(row["origin"]), style="cyan")
+            what += Text("\nplugin: " + Origin.read(row["origin"]).text(), style="cyan")
         table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
     return table

@@ -28,8 +28,8 @@ class ExtractOptions(Options):
     dataset: str = option(help=f"{DATASETS_HELP}.", argument=True)
     backbone: str = option(
         backbones.DEFAULT, "resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model;"
-        " timm:NAME; clip:ARCH/TAG; your own module:callable or spml_cache.backbones entry point"
-        " (docs/your-own-backbone.md).")
+        " timm:NAME; clip:ARCH/TAG; your own module:callable, path/to/file.py:callable or spml_cache.backbones entry"
+        " point (docs/your-own-backbone.md).")
     weights: str | None = option(
         None, "resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default"
         " DEFAULT); timm: pretrained (default) or a tag; clip: a tag (default: the name's); any: a local .pth, or none"
