@@ -64,7 +64,7 @@ def test_a_cycle_through_an_annotation_only_import_is_a_cycle(tmp_path, monkeypa
 # stay met: each a ceiling the package is at or under.
 CEILINGS = {"root modules": 7, "dense/sparse questions outside labels.py and cache/": 2,
             "functions outside cli/ with more than 8 parameters": 3, "functions over 60 lines": 2,
-            "modules over 400 lines": 0, "dataclasses of more than 4 fields built by position": 19}
+            "modules over 400 lines": 0, "dataclasses of more than 4 fields given by position": 8}
 LABEL_FORM_QUESTION = r"\bis_sparse\(|isinstance\([^()]*SparseLabels"
 
 
@@ -91,18 +91,25 @@ def house_figures(package) -> dict[str, list[str]]:
                 if node.end_lineno - node.lineno + 1 > 60:
                     found["functions over 60 lines"].append(f"{name}:{node.name}")
             elif isinstance(node, ast.ClassDef) and _positional_dataclass(node):
-                found["dataclasses of more than 4 fields built by position"].append(f"{name}:{node.name}")
+                found["dataclasses of more than 4 fields given by position"].append(f"{name}:{node.name}")
     return found
 
 
 def _positional_dataclass(node) -> bool:
-    """A dataclass of more than 4 fields that may be built by position (not `kw_only=True`)."""
+    """A dataclass with more than 4 fields that may be given by position (those before a `_: KW_ONLY`; none with
+    `kw_only=True`)."""
     import ast
 
     decorators = [decorator for decorator in node.decorator_list if "dataclass" in ast.unparse(decorator)]
-    fields = [statement for statement in node.body if isinstance(statement, ast.AnnAssign)
-              and not ast.unparse(statement.annotation).startswith("ClassVar")]
-    return bool(decorators) and len(fields) > 4 and "kw_only=True" not in ast.unparse(decorators[0])
+    if not decorators or "kw_only=True" in ast.unparse(decorators[0]):
+        return False
+    positional = 0
+    for statement in node.body:
+        if isinstance(statement, ast.AnnAssign):
+            if ast.unparse(statement.annotation) == "KW_ONLY":
+                break
+            positional += not ast.unparse(statement.annotation).startswith("ClassVar")
+    return positional > 4
 
 
 def test_the_house_figures_stay_met():
@@ -129,4 +136,4 @@ def test_the_figures_see_what_breaks_them(tmp_path):
     assert found["functions outside cli/ with more than 8 parameters"] == ["linear/big.py:wide"]
     assert found["functions over 60 lines"] == ["linear/big.py:long"] and found["modules over 400 lines"] == [
         "linear/big.py"]
-    assert found["dataclasses of more than 4 fields built by position"] == ["linear/big.py:Wide"]
+    assert found["dataclasses of more than 4 fields given by position"] == ["linear/big.py:Wide"]
