@@ -14,6 +14,10 @@ them distinct, the rest copies under other names) as a CSV dataset in a temporar
   not; with `--compile`, torch.compile'd too, its compile time counted apart), each with its largest deviation
   from fp32 features of the same batch: max over rows of max |f - f32| / max |f32| (fp32 with TF32 off).
 
+`--decode cpu` runs the end-to-end extractions with the loader workers decoding and resizing (extract's
+`--decode cpu`: the CPU's pixels); the decode figure stays this process's (scripts/bench_decode.py gives the CPU
+decoder's rate per core).
+
 `--backbone NAME` measures any registered backbone (extract's `--backbone`: resnet50 by default, timm:NAME,
 clip:ARCH/TAG, ...) at its own preprocessing and resolution unless `--resolution` is given.
 
@@ -178,7 +182,7 @@ def end_to_end(folder, out, args, precision, **internal) -> dict:
         report = extract(
             "csv", folder, out=out, backbone=args.backbone, weights=args.weights, resolution=args.resolution,
             batch_size=args.batch_size,
-            workers=args.workers, device=args.device, precision=precision, force=True, **internal,
+            workers=args.workers, device=args.device, precision=precision, decode=args.decode, force=True, **internal,
         )  # fmt: skip
     return {"images": report.extracted, "seconds": round(report.seconds, 3),
             "images_per_s": round(report.images_per_s, 2)}  # fmt: skip
@@ -208,6 +212,7 @@ def measure(args) -> dict:
                      "preprocess": described.preprocess.describe(),
                      "images": images, "unique_images": min(images, args.unique), "resolution": resolution,
                      "batch_size": args.batch_size, "workers": args.workers, "precision": precision,
+                     "decode": args.decode or ("gpu" if device.type == "cuda" else "cpu"),
                      "weights": provenance, "trunk_batches": args.trunk_batches, "compile": args.compile},
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
@@ -259,6 +264,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="loader processes (default: extract's)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
+    parser.add_argument("--decode", default=None, choices=["gpu", "cpu"],
+                        help="as extract's --decode, for the end-to-end runs (default: gpu on a GPU)")
     parser.add_argument("--weights", default="none", help="none (random; speed does not depend on it) or a .pth")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",

@@ -3,20 +3,25 @@
 #
 #   part            what                                                       expected on one H100 (CPU stand-in)
 #   tests-extract   cuda tier, stage one: tests/test_extract_gpu.py (the       3-5 min: 1,000 images at 448 px on the
-#                   nvjpeg race harness, 1,000 images at 448 px fp16 vs the    GPU in seconds, their CPU fp32
-#                   CPU's fp32 rows, padding, feed thread) and the fp32        reference ~35-70 s on 16 cores (4
-#                   recompute of tests/test_extract_finite.py                  images/s on 2 cores here, 0.25 s each)
+#                   nvjpeg race harness, 1,000 images at 448 px fp16 vs the    GPU in seconds (twice: nvjpeg and
+#                   CPU's fp32 rows, padding, feed thread; the trunk on the    --decode cpu), their CPU fp32
+#                   CPU's pixels in fp32/fp16/bf16, --decode cpu caches vs     reference ~35-70 s on 16 cores (4
+#                   the CPU's) and the fp32 recompute of test_extract_finite   images/s on 2 cores here, 0.25 s each)
 #   tests-linear    cuda tier, stage two: tests/test_cuda_graphs.py (graphs    2-4 min (the same checks on the CPU's
 #                   vs eager for every loss, both fidelities, steps under      graph stand-in, tests/test_linear_
 #                   sync debug mode "error", no recapture without a stop)      graphs.py: 20-45 s on 2 cores)
 #   tests-pipeline  cuda tier, end to end: tests/test_cuda.py (600 demo        3-5 min (the demo alone: 46 s on 2
-#                   images at 448 px: extract, linear vs CPU, finetune, demo)  CPU cores at 64 px)
+#                   images at 448 px: extract, linear vs CPU on learnable      CPU cores at 64 px)
+#                   features, finetune's epoch 0 on a bf16 cache, demo)
 #   linear          stage two, VOC-shaped: an and role with graphs and         2-4 min (CPU: an 12 s, role 29 s, all
 #                   --no-graphs, the reference loop (1 epoch), all with graphs 7 min with 2 worker processes)
 #   coco-1..coco-3  stage two, COCO-shaped (65,665 training rows, 80 classes)  2-4 min each, 6-10 min for all 26
 #                   --loss all with graphs, as three runs of 8-9 losses each   losses (CPU: ~10 min per loss)
 #   extract         stage one: 10,000 JPEGs at 448 px, end to end vs decode    3-5 min (CPU: 1 image/s end to end)
 #                   vs trunk, and the path without padding and feed thread
+#   decode          --decode's two choices: bench_decode.py (nvjpeg's rate,    2-4 min (CPU decoder here: 150-185
+#                   the CPU decoder's per core) and bench_extract.py --decode  images/s per core at 448 px, decode
+#                   cpu end to end on 4,000 JPEGs (gpu's is `extract`'s)       and resize; 8 workers ~1,200-1,500)
 #   all             every part above in turn (only where one command may run longer than 10 minutes)
 #
 # The expected GPU times are estimates from issue 14's H100 probes (a captured step 100-240 us, 23 stacks' VOC epoch
@@ -27,7 +32,7 @@
 # Run from the repository root (the machine needs no network: PYTHONPATH=. instead of an install). Logs go to
 # $OUT (or gpu-out/), the benchmark JSON to docs/benchmarks/ and a copy to $OUT; docs/benchmarks.md quotes them.
 set -uo pipefail
-parts="tests-extract tests-linear tests-pipeline linear coco-1 coco-2 coco-3 extract"
+parts="tests-extract tests-linear tests-pipeline linear coco-1 coco-2 coco-3 extract decode"
 if [[ " $parts all " != *" ${1:-none} "* ]]; then
   echo "usage: bash scripts/gpu_checks.sh ${parts// /|}|all" >&2
   exit 2
@@ -81,6 +86,14 @@ run_part() {
       timeout --signal=INT --kill-after=20 "$limit_s" python3 scripts/bench_extract.py --device cuda --baseline \
         --json "docs/benchmarks/extract-$slug.json" 2>&1 | tee "$out/bench-extract.txt"
       cp "docs/benchmarks/extract-$slug.json" "$out/" 2>/dev/null
+      ;;
+    decode)
+      timeout --signal=INT --kill-after=20 "$limit_s" bash -c "
+        python3 scripts/bench_decode.py --device cuda --images 2048 --json docs/benchmarks/decode-$slug.json \
+          2>&1 | tee $out/bench-decode.txt
+        python3 scripts/bench_extract.py --device cuda --decode cpu --images 4000 --variants '' \
+          --json docs/benchmarks/extract-decode-cpu-$slug.json 2>&1 | tee $out/bench-extract-decode-cpu.txt"
+      cp docs/benchmarks/decode-"$slug".json docs/benchmarks/extract-decode-cpu-"$slug".json "$out/" 2>/dev/null
       ;;
     all)
       limit_s=$((limit_s * 4))

@@ -20,6 +20,10 @@ JPEG_MAGIC = b"\xff\xd8"  # SOI
 JPEG_END = b"\xff\xd9"  # EOI
 # torchvision 0.29 deprecates its decoders in favour of torchcodec; they still work and are what we want here.
 _DECODE_DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
+# `--decode`'s choices and the JPEG decoder each one is (a cache records the decoder as its `decoder` attr): nvjpeg
+# on the GPU, or torchvision's CPU decoder (the libjpeg-turbo bundled with it) in the loader workers, whose pixels
+# are the CPU's. They differ by up to ~90 levels on some pixels, which moves features (docs/fidelity.md).
+DECODERS = {"gpu": "nvjpeg", "cpu": "libjpeg-turbo"}
 
 
 class ImageDecodeError(SpmlError):
@@ -28,6 +32,43 @@ class ImageDecodeError(SpmlError):
     def __init__(self, index: int, reason: str) -> None:
         super().__init__(reason)
         self.index, self.reason = index, reason
+
+
+def check_decode(decode: str | None) -> None:
+    """`--decode`'s one check (None: not given)."""
+    if decode is not None and decode not in DECODERS:
+        raise SpmlError(f"--decode {decode}: use gpu (nvjpeg, on a CUDA device) or cpu (libjpeg-turbo in the loader"
+                        " workers: the CPU's pixels)")
+
+
+def resolve_decode(decode: str | None, device: torch.device) -> str:
+    """`--decode` on `device`: gpu or cpu; None: gpu on a CUDA device (where nvjpeg runs), cpu elsewhere. gpu on
+    another device is refused in one line."""
+    check_decode(decode)
+    if decode is None:
+        return "gpu" if device.type == "cuda" else "cpu"
+    if decode == "gpu" and device.type != "cuda":
+        raise SpmlError(f"--decode gpu: nvjpeg needs a CUDA device, and this run is on {device}: pass --decode cpu,"
+                        " or leave it out")
+    return decode
+
+
+def recorded_decoder(attrs: dict) -> str | None:
+    """The decoder a cache's pixels came from: its `decoder` attr or, for a cache extracted before the attr
+    existed, its `device` (extraction then decoded with nvjpeg on a GPU, on the CPU otherwise); None where that is
+    unknown (features imported from elsewhere, a partial file begun before the attr)."""
+    if attrs.get("decoder"):
+        return str(attrs["decoder"])
+    device = str(attrs.get("device", ""))
+    return DECODERS["gpu"] if device.startswith("cuda") else DECODERS["cpu"] if device == "cpu" else None
+
+
+def decoder_version(decode: str) -> str:
+    """The decoder's version as far as torch and torchvision tell it (a cache's `decoder_version` attr)."""
+    if decode == "gpu":
+        return f"nvjpeg of CUDA {torch.version.cuda}, through torchvision {torchvision.__version__}"
+    return (f"torchvision {torchvision.__version__}'s CPU decoder (libjpeg-turbo in its wheels; torchvision does not"
+            " expose its version)")
 
 
 def as_byte_tensor(blob: bytes | torch.Tensor) -> torch.Tensor:

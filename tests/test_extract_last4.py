@@ -16,11 +16,12 @@ from extract_support import write_numbered_csv_dataset
 
 from spml_cache import backbones, cache
 from spml_cache.extract import extract
+from spml_cache.images import recorded_decoder
 from spml_cache.runtime.errors import SpmlError
 
 pytestmark = pytest.mark.filterwarnings("ignore::spml_cache.backbones.checkpoints.RandomWeightsWarning")
 BEFORE = Path(__file__).parent / "fixtures" / "pooled_7ed0f01"  # built by the code before --features existed
-PROVENANCE = {"created", "package_version", "torch_version", "torchvision_version", "device"}
+PROVENANCE = {"created", "package_version", "torch_version", "torchvision_version", "device", "decoder_version"}
 
 
 def outputs_of(modules, run) -> list[torch.Tensor]:
@@ -166,7 +167,10 @@ def test_pooled_caches_are_what_they_were_before_the_choice(data, tmp_path):
                          out=out, **options)
         assert report.path.name == "csv-resnet18-32.h5" == next(BEFORE.glob("*.h5")).name
         with h5py.File(report.path) as now, h5py.File(BEFORE / report.path.name) as before:
-            attrs = {k: cache.plain(v) for k, v in now.attrs.items() if k not in PROVENANCE | {"content_hash"}}
+            # `decoder` is recorded since issue 42; a cache from before it reads as its device's (images.py)
+            assert now.attrs["decoder"] == recorded_decoder(dict(before.attrs)) == "libjpeg-turbo"
+            new = PROVENANCE | {"content_hash", "decoder"}
+            attrs = {k: cache.plain(v) for k, v in now.attrs.items() if k not in new}
             assert attrs == {k: cache.plain(v) for k, v in before.attrs.items()
                              if k not in PROVENANCE | {"content_hash"}}
             for split in cache.SPLITS:

@@ -67,7 +67,7 @@ def test_finetune_starts_from_the_head_and_the_rule_it_names(rules_run, tmp_path
 def test_finetune_settings_keep_the_rule_and_an_older_runs_config_still_reads(tmp_path):
     settings = FinetuneSettings(init="best", loss="an", dataset="voc", cache="c.h5", from_run="r", weights="none",
                                 resolution=32, epochs=1, lrs=[1e-3], batch_sizes=[8], seeds=[0], head_lr_mult=1.0,
-                                skip_missing=False, hparams={}, fidelity="exact")
+                                skip_missing=False, hparams={}, fidelity="exact", decode="cpu")
     assert settings.options().loss == settings.key == "an"
     under = replace(settings, rule="entry:0.2")
     stored = under.options().stored()

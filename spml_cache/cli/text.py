@@ -88,7 +88,8 @@ def extract_report(report, console: Console) -> None:
         table.add_row(split, str(count))
     console.print(table)
     size = f"{report.size_bytes / 2**20:.1f} MiB" + (" (estimated)" if report.status == "dry run" else "")
-    console.print(f"size {size}; device {escape(str(report.device))}")
+    decoder = f", decoder {report.decoder}" if report.decoder else ""
+    console.print(f"size {size}; device {escape(str(report.device))}{decoder}")
     if report.status == "written":
         # in fp16/bf16, always how many rows the finite check sent back to fp32 (0 is the expected count)
         reduced = report.precision in ("fp16", "bf16")

@@ -1,5 +1,6 @@
 """Stage one's compute loop: the pending rows of a partial cache, batch by batch, through the loader (reading,
-and on the CPU decoding, in worker processes), the trunk (on a GPU fed by feed.py's thread) and the writer.
+and on the CPU or with `--decode cpu` decoding, in worker processes), the trunk (on a GPU fed by feed.py's
+thread) and the writer.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ class BatchRun:
     row, `Description.row_width`), the batch size, reader processes, device, precision, whether a bad image is
     skipped, the progress bar's label. `pad_batches` (every trunk input padded to the run's batch size) and
     `feed_thread` (decoding in the feed thread) are on by default on a GPU only; the tests turn them on for the
-    CPU."""
+    CPU. `decode`: on a GPU, gpu (nvjpeg, the default) or cpu (the loader workers decode and resize as on the
+    CPU); on the CPU, cpu."""
 
     preprocess: Preprocess
     width: int
@@ -150,12 +152,32 @@ class BatchRun:
     label: str
     pad_batches: bool | None = None
     feed_thread: bool | None = None
+    decode: str | None = None  # None: gpu on a GPU
+
+
+def _loader(batches, paths, run: BatchRun, feed_thread: bool):
+    """The loader of the run's batches, and `decode(payload, bad)` -> (the resized uint8 batch on the device or
+    None, error) for what it yields. Its workers decode and resize on the CPU, unless nvjpeg decodes on the GPU
+    or, in the CPU tests of the feed thread, the thread decodes; then they ship the files' bytes."""
+    device, preprocess, skip_bad = run.device, run.preprocess, run.skip_bad
+    workers_decode = run.decode == "cpu" if device.type == "cuda" else not feed_thread
+    loader = torch.utils.data.DataLoader(
+        ImageBatches(batches, paths, preprocess, decode_here=workers_decode, skip_bad=skip_bad),
+        batch_size=None,
+        num_workers=run.workers,
+        collate_fn=_as_is,
+        prefetch_factor=(2 if workers_decode else 4) if run.workers else None,  # bytes are light, images not
+        worker_init_fn=loader_worker_init(),
+    )
+    if workers_decode:
+        return loader, lambda batch, bad: (None if batch is None else batch.to(device), None)
+    return loader, lambda blobs, bad: decode_batch(blobs, bad, device, preprocess, skip_bad)
 
 
 def run_batches(partial, paths, trunk, run: BatchRun):
     """Extract every pending row of the partial cache; returns the number of rows computed and, per split,
     the ids left out because their features were not finite even in fp32."""
-    preprocess, width, batch_size, workers, device = run.preprocess, run.width, run.batch_size, run.workers, run.device
+    preprocess, width, batch_size, device = run.preprocess, run.width, run.batch_size, run.device
     precision, skip_bad, label, pad_batches, feed_thread = (run.precision, run.skip_bad, run.label, run.pad_batches,
                                                              run.feed_thread)
     batches = []
@@ -168,16 +190,8 @@ def run_batches(partial, paths, trunk, run: BatchRun):
     feed_thread = on_gpu if feed_thread is None else feed_thread
     largest = max((len(rows) for _, rows in batches), default=1)  # the one shape: batch_size unless fewer rows
     pad_to = largest if pad_batches else 0
-    loader = torch.utils.data.DataLoader(
-        ImageBatches(batches, paths, preprocess, decode_here=not (on_gpu or feed_thread), skip_bad=skip_bad),
-        batch_size=None,
-        num_workers=workers,
-        collate_fn=_as_is,
-        prefetch_factor=(4 if on_gpu else 2) if workers else None,  # bytes are light, decoded batches not
-        worker_init_fn=loader_worker_init(),
-    )
+    loader, decode = _loader(batches, paths, run, feed_thread)
     dtype = PRECISIONS[precision]
-    decode = lambda blobs, bad: decode_batch(blobs, bad, device, preprocess, skip_bad)  # noqa: E731
     rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, skip_bad=skip_bad,
                                 normalise=preprocess.normalise)
     with progress_bar(label, total=total, unit="img") as bar:

@@ -7,11 +7,13 @@ cache with the same settings is left alone unless `force`.
 
 On a GPU, loader workers only read file bytes; a background thread (feed.py) decodes each batch with nvjpeg,
 resizes and normalises it on a CUDA stream of its own while the main thread runs the trunk on the previous one
-under fp16/bf16 autocast in channels_last; features come back through a ring of pinned buffers one batch
-behind, so the copy and the HDF5 write overlap the next batch. Every batch the trunk sees is padded to the
-run's one batch size (a split's last batch, a batch with bad images), so cuDNN's autotuning (`benchmark`) runs
-once, not once per new shape; the padding rows are dropped before anything is checked or written. On the CPU,
-workers decode and resize, and nothing is padded (the model is the bottleneck there, and padding is compute).
+under fp16/bf16 autocast in channels_last (with `decode="cpu"` the workers decode and resize as on the CPU,
+giving the CPU's pixels, and the thread copies each batch to the GPU and normalises it there); features come back
+through a ring of pinned buffers one batch behind, so the copy and the HDF5 write overlap the next batch. Every
+batch the trunk sees is padded to the run's one batch size (a split's last batch, a batch with bad images), so
+cuDNN's autotuning (`benchmark`) runs once, not once per new shape; the padding rows are dropped before anything
+is checked or written. On the CPU, workers decode and resize, and nothing is padded (the model is the bottleneck
+there, and padding is compute).
 
 A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"`), or (`"skip"`) is flagged
 in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
@@ -43,6 +45,7 @@ from spml_cache.extract.plan import (
 )
 from spml_cache.cache.csr import resolve_format
 from spml_cache.extract.rules import RuleStore
+from spml_cache.images import DECODERS, decoder_version, resolve_decode
 from spml_cache.runtime.devices import default_workers, resolve_device
 from spml_cache.options.declared import from_keywords
 from spml_cache.options.extract import ExtractOptions, ExtractPlacement
@@ -59,6 +62,7 @@ class ExtractReport:
     skipped: dict[str, list[str]] = field(default_factory=dict)  # undecodable images dropped, per split
     recomputed: dict[str, int] = field(default_factory=dict)  # rows recomputed in fp32 after non-finite fp16/bf16 features
     precision: str = ""  # what the trunk ran in: fp32, fp16 or bf16
+    decoder: str = ""  # what decoded the JPEGs: nvjpeg or libjpeg-turbo
     missing: list[str] = field(default_factory=list)  # image files missing on disk (reader's skip_missing)
     seconds: float = 0.0
     device: str = ""
@@ -73,11 +77,13 @@ class ExtractReport:
 # --- provenance ------------------------------------------------------------------------------------------
 
 
-def run_attrs(device: torch.device, family: str = "tv") -> dict:
-    """Provenance of the process that finished the cache (and the version of the backbone's library)."""
+def run_attrs(device: torch.device, family: str = "tv", decode: str | None = None) -> dict:
+    """Provenance of the process that finished the cache (and the version of the backbone's library, and of the
+    JPEG decoder that `decode` names)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     library = backbones.FAMILIES.get(family).library
     versions = {f"{library}_version": importlib.import_module(library).__version__} if library else {}
+    versions |= {"decoder_version": decoder_version(decode)} if decode else {}
     return {**versions,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "package_version": spml_cache.__version__,
@@ -164,6 +170,7 @@ class _Plan:
     shard: shards.Shard | None  # under torchrun: this process's share of the rows
     device: torch.device
     precision: str
+    decode: str  # gpu (nvjpeg) or cpu (libjpeg-turbo in the loader workers)
     images: datasets.LabeledImages
     rows: dict  # every row of the cache, per split (cache.SplitRows)
     own: dict  # the rows this process computes
@@ -191,6 +198,7 @@ def _plan(options: ExtractOptions, placement: ExtractPlacement) -> _Plan:
     shard = shards.current()
     device = shard.device(resolve_device(placement.device)) if shard else resolve_device(placement.device)
     precision = options.precision if options.precision != "auto" else "fp16" if device.type == "cuda" else "fp32"
+    decode = resolve_decode(options.decode, device)
     images = datasets.read(options.dataset, placement.root, skip_missing=options.skip_missing or placement.dry_run)
     protocol_result = protocol.apply_protocol(images)
     limit = options.limit or 0
@@ -199,13 +207,15 @@ def _plan(options: ExtractOptions, placement: ExtractPlacement) -> _Plan:
     described = backbones.describe(options.backbone, options.weights, options.resolution, options.clip_features,
                                    options.crops, options.features)
     templates = backbones.prompts(options.prompts) if described.embed_dim else None
-    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates)
+    settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates,
+                              decode=decode)
     path = output_path(placement.out, images.dataset, described.resolution, described.slug)
     report = ExtractReport(path=path, status="dry run", counts={name: len(split) for name, split in rows.items()},
                            missing=list(images.skipped), device=str(device), precision=precision,
-                           notes=list(images.notes),
+                           decoder=DECODERS[decode], notes=list(images.notes),
                            size_bytes=estimated_size(rows, len(images.classes), described.row_width, label_format))
-    return _Plan(options=options, placement=placement, shard=shard, device=device, precision=precision, images=images,
+    return _Plan(options=options, placement=placement, shard=shard, device=device, precision=precision, decode=decode,
+                 images=images,
                  rows=rows, own=shard.rows(rows) if shard else rows, described=described, templates=templates,
                  settings=settings, path=path, writing=shard.path(path) if shard else path, label_format=label_format,
                  rule_store=RuleStore(list(options.observe or []) or None, images, settings), report=report)
@@ -267,7 +277,7 @@ def _run(plan: _Plan, partial, trunk) -> dict:
             workers=default_workers(plan.device) if placement.workers is None else placement.workers,
             device=plan.device, precision=plan.precision, skip_bad=plan.options.on_bad_image == "skip",
             label=f"extract {plan.images.dataset}", pad_batches=placement.pad_batches,
-            feed_thread=placement.feed_thread))
+            feed_thread=placement.feed_thread, decode=plan.decode))
     except KeyboardInterrupt:
         if shard and not shard.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
@@ -283,7 +293,7 @@ def _run(plan: _Plan, partial, trunk) -> dict:
 
 def _seal(plan: _Plan, partial) -> Path:
     """One process: the partial file becomes the cache (bad rows dropped, rules' masks stored, renamed)."""
-    final, plan.report.skipped = partial.finalise(run_attrs(plan.device, plan.described.family),
+    final, plan.report.skipped = partial.finalise(run_attrs(plan.device, plan.described.family, plan.decode),
                                                   plan.rule_store.for_finalise(plan.rows))
     return final
 
@@ -297,8 +307,8 @@ def _join(plan: _Plan, text, left_out) -> tuple[Path, dict] | None:
     with locks.held(plan.path, f"the cache {plan.path}") if shard.main else nullcontext():
         joined = shards.join(shard, plan.path, shards.Joined(
             settings=plan.settings, rows=plan.rows, feature_dim=plan.described.row_shapes(),
-            attrs=run_attrs(plan.device, plan.described.family), rule_masks=plan.rule_store.for_finalise(plan.rows),
-            text=text, labels=plan.label_format), done)
+            attrs=run_attrs(plan.device, plan.described.family, plan.decode),
+            rule_masks=plan.rule_store.for_finalise(plan.rows), text=text, labels=plan.label_format), done)
     shard.ranks.leave()
     if joined is None:
         return None

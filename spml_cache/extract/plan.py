@@ -16,6 +16,7 @@ import numpy as np
 from spml_cache import cache
 from spml_cache.backbones import Description, templates_attr
 from spml_cache.cache.csr import format_of
+from spml_cache.images import DECODERS, recorded_decoder
 from spml_cache.labels import head, nonzero_count, same, take
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.plugins import Origin
@@ -23,7 +24,7 @@ from spml_cache.runtime.plugins import Origin
 # The attrs that decide what the features are; a cache differing in one of them is another cache.
 SETTINGS = (
     "dataset", "classes", "backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim",
-    "precision", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
+    "precision", "decoder", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "limit",
     "clip_features", "templates", "grid",  # CLIP caches only: absent from the others' settings and files
     "features",  # last4 caches only (a pooled cache's attrs are as they were)
     "backbone_origin",  # a plugin backbone's only: its file's hash or its distribution's version
@@ -43,8 +44,9 @@ def plan_rows(protocol_splits, limit: int) -> dict[str, cache.SplitRows]:
 
 
 def settings_attrs(images, protocol_attrs: dict, backbone: Description, precision: str, limit: int,
-                   templates: list[str] | None = None) -> dict:
-    """The cache's root attrs known before extraction; `templates`: a CLIP backbone's prompt templates."""
+                   templates: list[str] | None = None, *, decode: str) -> dict:
+    """The cache's root attrs known before extraction; `templates`: a CLIP backbone's prompt templates; `decode`:
+    gpu or cpu (`--decode`), recorded as its decoder's name."""
     clip = {} if templates is None else {"templates": templates_attr(templates)}
     if backbone.grid:
         clip["grid"] = backbone.grid
@@ -55,6 +57,7 @@ def settings_attrs(images, protocol_attrs: dict, backbone: Description, precisio
         **backbone.attrs(),
         **clip,
         "precision": precision,
+        "decoder": DECODERS[decode],
         "limit": limit,
         **{key: protocol_attrs[key] for key in ("split_seed", "val_frac", "observe_seed", "num_pos", "num_neg")},
         "expected_positives": float(protocol_attrs["expected_positives"]),
@@ -107,6 +110,7 @@ def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitR
     """What differs between the cache (or partial file) at `path` and this run, or None. `label_format`: dense
     or sparse, how this run stores the label matrices (None: either will do)."""
     attrs, found = cache.read_header(path)
+    attrs["decoder"] = recorded_decoder(attrs)  # a cache from before the attr: its device's (images.py)
     for key in SETTINGS:
         if not _same_setting(key, attrs.get(key), settings.get(key)):
             return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"

@@ -197,8 +197,8 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, starts: dict,
         _score_start(setup, run_dir, record, training, starts, say)
     batches = data.EpochBatches(setup.rows["train"], len(features.train), record.batch_size, record.seed,
                                 processes.rank, processes.world)
-    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=device.type == "cpu"), batches,
-                               setup.workers)
+    decoded = setup.settings.decode == "cpu"  # in the reader processes; else nvjpeg on the GPU
+    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=decoded), batches, setup.workers)
     train_labels = TrainLabels(features.train.observed, features.train.labels, device)
     model, loss_fn = training.model, training.loss_fn
     for epoch in range(len(record.train_loss) + 1, settings.epochs + 1):
@@ -329,13 +329,16 @@ def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | Non
     `batch_size`, all but the last `N_used mod batch_size` rows (what the authors' evaluation loaders score)."""
     processes, device = setup.processes, setup.processes.device
     shards = data.ShardBatches(_rows(setup, split, batch_size), processes.rank, processes.world)
-    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=device.type == "cpu")
+    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=setup.settings.decode == "cpu")
     model.eval()
     outputs = [torch.zeros(0, model.head.out_features, device=device)]
     for _, images in data.loader(files, shards, setup.workers):
         batch = data.model_input(images, setup.preprocess, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(batch).float()
+            pooled = model.trunk(batch)
+        # The head in float32 on the trunk's output, as stage two applies it to the cache's features: in bf16 it
+        # would round logits of 4 to 8 to steps of 1/32 (and tie the scores that rank the images).
+        logits = model.head(pooled.float())
         if device.type == "cuda":
             # bf16 has given non-finite rows on a GPU (as fp16 extraction has): those rows again in fp32. The
             # check costs a host sync per scoring batch, never one per training step.

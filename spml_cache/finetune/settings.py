@@ -21,6 +21,7 @@ from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
 from spml_cache.finetune.labels import loss_observed
 from spml_cache.finetune.parallel import Processes, check_batch_split
+from spml_cache.images import DECODERS, recorded_decoder, resolve_decode
 from spml_cache.labels import take
 from spml_cache.observation import DEFAULT_RULE, result_key, split_key
 from spml_cache.options import FinetuneOptions, refuse_differences
@@ -60,6 +61,9 @@ class FinetuneSettings:
     hparams: dict  # the loss's hyperparameters, resolved
     fidelity: Fidelity
     rule: str = DEFAULT_RULE  # the observation rule of the training labels: the linear head's (`--loss loss@rule`)
+    # gpu (nvjpeg) or cpu (libjpeg-turbo in the reader processes); None only in a run from before it was kept,
+    # which decoded on its device (`Resumed.read` fills it in)
+    decode: str | None = None
 
     @property
     def key(self) -> str:
@@ -74,7 +78,8 @@ class FinetuneSettings:
             dataset=self.dataset, loss=self.key, weights=self.weights, resolution=self.resolution, epochs=self.epochs,
             lrs=self.lrs, batch_sizes=self.batch_sizes, seeds=len(self.seeds), head_lr_mult=self.head_lr_mult,
             skip_missing=self.skip_missing, hparams={key: value for key, value in self.hparams.items()
-                                                     if value is not None}, fidelity=self.fidelity)
+                                                     if value is not None}, fidelity=self.fidelity,
+            decode=self.decode)
 
     def grid(self) -> runs.Grid:
         return runs.Grid(losses=[self.loss], lrs=self.lrs, batch_sizes=self.batch_sizes, epochs=self.epochs,
@@ -128,6 +133,8 @@ class Resumed:
         stored = dict(config["options"])
         if "rule" in stored:  # a run from before the rule went with the loss (`loss@rule`)
             stored["loss"] = result_key(stored["loss"], stored.pop("rule"))
+        if stored.get("decode") is None:  # a run from before --decode: nvjpeg on a GPU, the CPU's decoder elsewhere
+            stored["decode"] = "gpu" if str(config.get("device")).startswith("cuda") else "cpu"
         return cls(Path(run_dir), FinetuneOptions.from_stored(stored), Path(config["root"]), config["cache_id"])
 
 
@@ -145,8 +152,9 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     if resumed is not None and cache.cache_id(features.attrs) != resumed.cache_id:
         raise SpmlError(f"--resume {resumed.run_dir}: {features.path} was rebuilt since that run began;"
                         " start a new run")
-    settings = _settings(options, features, start, processes)
-    notes = [describe_start(start, settings)] + ([unverified] if unverified else [])
+    decode, mismatch = _decode(options.decode, features, processes.device, resumed)
+    settings = _settings(options, features, start, processes, decode)
+    notes = [describe_start(start, settings)] + ([unverified] if unverified else []) + ([mismatch] if mismatch else [])
     if root is None:
         raise SpmlError("no image root: pass --root DIR (where the cache was extracted from) or set SPML_DATA")
     ids = {split: getattr(features, split).ids for split in cache.SPLITS}
@@ -208,9 +216,28 @@ def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None)
     return observation.with_rule(features, observation.parse_rule(rule, flag="--loss")), start
 
 
+def _decode(given: str | None, features: cache.FeatureSet, device: torch.device,
+            resumed: Resumed | None) -> tuple[str, str | None]:
+    """--decode (gpu or cpu), else the decoder that made the cache where this device runs it, so that epoch 0 is the
+    linear head on the very same pixels; and the one line that says when it cannot be matched. A cache whose
+    decoder is unknown (imported features) gets the device's default: gpu on a GPU."""
+    if resumed is not None and given == "gpu" and device.type != "cuda":
+        raise SpmlError(f"--resume {resumed.run_dir}: that run decodes its images with nvjpeg, which needs a GPU, and"
+                        f" this process runs on {device}: resume it on a GPU")
+    if given is not None:
+        return resolve_decode(given, device), None
+    decoder = recorded_decoder(features.attrs)
+    recorded = {name: choice for choice, name in DECODERS.items()}.get(decoder)
+    if recorded == "gpu" and device.type != "cuda":
+        return "cpu", (f"warning: {features.path} was decoded with nvjpeg, which needs a GPU: decoding with"
+                       f" libjpeg-turbo on {device}, so epoch 0 is not exactly the linear head (docs/fidelity.md)")
+    return resolve_decode(recorded, device), None
+
+
 def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.LinearHead | None,
-              processes: Processes) -> FinetuneSettings:
-    """Each setting: given, else the loss's recipe (for the cache's dataset), else the default."""
+              processes: Processes, decode: str) -> FinetuneSettings:
+    """Each setting: given, else the loss's recipe (for the cache's dataset), else the default; `decode` resolved
+    by `_decode`."""
     loss, rule = (start.loss, start.rule) if start is not None else split_key(options.loss)
     recipe = {**RECIPES.get(loss, {}).get("*", {}), **RECIPES.get(loss, {}).get(features.dataset, {})}
 
@@ -241,6 +268,7 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
         resolution=resolution, epochs=epochs,
         lrs=lrs, batch_sizes=batch_sizes, seeds=list(range(options.value("seeds"))), head_lr_mult=head_lr_mult,
         skip_missing=options.value("skip_missing"), hparams=hparams, fidelity=options.value("fidelity"), rule=rule,
+        decode=decode,
     )
 
 

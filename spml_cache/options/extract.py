@@ -13,6 +13,14 @@ from spml_cache.options.text import DATASETS_HELP, RULES_HELP, read_rules
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # what the trunk may run in (torch's)
 
 
+def _decoder(value: str, flag: str) -> str:
+    """`--decode`, checked by the images' own rule (gpu or cpu)."""
+    from spml_cache.images import check_decode
+
+    check_decode(value)
+    return value
+
+
 def _label_format(value: str, flag: str) -> str:
     """`--labels`, checked by the cache's own rule (auto, dense or sparse)."""
     from spml_cache.cache.csr import resolve_format
@@ -51,6 +59,9 @@ class ExtractOptions(Options):
                                                                 " vector) or last4 (the last four blocks or stages, concatenated)"))
     precision: str = option("auto", "auto (fp16 on a GPU, fp32 on the CPU), fp32, fp16 or bf16.",
                             check=one_of("auto", *PRECISION_DTYPES))
+    decode: str | None = option(None, "gpu (nvjpeg; the default on a GPU) or cpu (libjpeg-turbo in the loader workers:"
+                                " the CPU's pixels, as the papers' PIL within a level; docs/fidelity.md).",
+                                read=_decoder)
     limit: int | None = option(None, "Only the first N images of each split (protocol drawn on the full dataset).",
                                kind=int, check=at_least(1, fix="use at least 1 image per split (or leave it out for"
                                                                 " all)"))

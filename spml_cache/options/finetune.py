@@ -43,6 +43,14 @@ def _read_hparams(value, flag: str) -> dict:
     return hparams
 
 
+def _decoder(value: str, flag: str) -> str:
+    """`--decode`, checked by the images' own rule (gpu or cpu)."""
+    from spml_cache.images import check_decode
+
+    check_decode(value)
+    return value
+
+
 def _hparams_differ(given_hparams: dict, stored: "FinetuneOptions"):
     """`--hp key=value` beside `--resume`: each value given against the run's own (resolved) value."""
     from spml_cache.losses import Overrides
@@ -91,6 +99,8 @@ class FinetuneOptions(Options):
     fidelity: Fidelity | None = given(
         Fidelity.EXACT, "exact (default): the papers' math, computed stably; authors: their code's numerics,"
         " evaluation and early stopping (docs/fidelity.md).", read=Fidelity.check)
+    decode: str | None = given(None, "gpu (nvjpeg) or cpu (libjpeg-turbo in the reader processes); default: the cache's"
+                               " decoder, so that epoch 0 is the linear head.", read=_decoder)
 
 
 @dataclass(frozen=True, kw_only=True)
