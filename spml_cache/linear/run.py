@@ -59,7 +59,8 @@ def run_linear(options: LinearOptions | None = None, placement: LinearPlacement 
         if options is not None or placement is not None:
             raise TypeError("run_linear takes a LinearOptions and a LinearPlacement, or their fields as keywords")
         options, placement = from_keywords(keywords, LinearOptions, LinearPlacement)
-    return _run_linear(options or LinearOptions(), placement or LinearPlacement())
+    return _run_linear(LinearOptions() if options is None else options,
+                       LinearPlacement() if placement is None else placement)
 
 
 def _run_linear(options: LinearOptions, placement: LinearPlacement) -> LinearRun | None:

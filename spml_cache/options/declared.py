@@ -96,8 +96,9 @@ class Option(Param):
         if self.kind in (int, float):  # a number (a whole one for int), never a bool
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or (self.kind is int and value != int(value)):
-                whole = "a whole number" if self.kind is int else "a number"
-                raise SpmlError(f"{self.cli_flag} {_bad(value)}: {self.must or 'use ' + whole}")
+                whole = "a whole number" if self.kind is int else "a number"  # unless the fix says it already
+                fix = self.must if "number" in self.must else f"use {whole}"
+                raise SpmlError(f"{self.cli_flag} {_bad(value)}: {fix}")
         return value if self.kind in (str, bool) else self.kind(value)
 
     def contradictions(self, given, stored: "Options") -> list[tuple[str, str]]:
@@ -125,7 +126,7 @@ class Option(Param):
 
 def _bad(value) -> str:
     """A refused value as its one line shows it: text quoted (it may be empty, or spaced), the rest as written."""
-    return repr(value) if isinstance(value, str) else str(value)
+    return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def text(value) -> str:
