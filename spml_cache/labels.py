@@ -240,6 +240,24 @@ def for_figures(matrix) -> np.ndarray | None:
     return None if is_sparse(matrix) else np.asarray(matrix)
 
 
+def to_arrays(matrix, name: str) -> dict[str, np.ndarray]:
+    """A label matrix as named arrays for an .npz file (`from_arrays` reads them back): a dense one as `name`; a
+    sparse one as its CSR parts, `name_csr_indptr`, `_indices`, `_values`, `_classes` (never made dense)."""
+    if not is_sparse(matrix):
+        return {name: np.asarray(matrix)}
+    return {f"{name}_csr_indptr": matrix.indptr, f"{name}_csr_indices": matrix.indices,
+            f"{name}_csr_values": matrix.values, f"{name}_csr_classes": np.array(matrix.num_classes, np.int64)}
+
+
+def from_arrays(arrays, name: str):
+    """The label matrix `to_arrays` wrote as `name` into `arrays` (an open .npz file), in its form; else None."""
+    if name in arrays or f"{name}_csr_indptr" not in arrays:
+        return np.asarray(arrays[name]) if name in arrays else None
+    parts = [np.asarray(arrays[f"{name}_csr_{part}"], dtype) for part, dtype in
+             (("indptr", np.int64), ("indices", np.int32), ("values", np.int8))]
+    return SparseLabels(*parts, int(arrays[f"{name}_csr_classes"]))
+
+
 def hide_unannotated(observed, mask):
     """`observed` with every unannotated entry (mask 0) unknown: a rule never observes a label nobody annotated
     (its 0 is not a known negative). Sparse observed labels stay sparse (a sparse mask is never made dense)."""
@@ -270,16 +288,6 @@ def count_positive(matrix, mask=None) -> int:
     if is_sparse(matrix) and is_sparse(mask):
         return int(contains(mask.keys()[mask.values != 0], matrix.keys()[matrix.values > 0]).sum())
     return int(((dense(matrix) > 0) & (dense(mask) != 0)).sum())
-
-
-def unordered_row(matrix: SparseLabels) -> int | None:
-    """The first row whose stored classes are not strictly ascending (a class twice, or out of order), or None:
-    every reader (`rows`, `columns`, `keys`, the content hash) takes a row's classes as a sorted set."""
-    within = np.diff(matrix.indices) <= 0  # entry k+1 not after entry k ...
-    starts = matrix.indptr[1:-1]
-    within[starts[(starts > 0) & (starts < matrix.nnz)] - 1] = False  # ... unless k+1 starts the next row
-    bad = np.flatnonzero(within)
-    return int(np.searchsorted(matrix.indptr, bad[0], side="right") - 1) if len(bad) else None
 
 
 def signed_annotations(labels, mask):
@@ -329,9 +337,35 @@ def observed_for_loss(observed, whole: bool):
     return None if found is None else torch.from_numpy(found)
 
 
-def _class_blocks(num_rows: int, num_classes: int):
-    width = max(1, SCORED_BLOCK_ENTRIES // max(num_rows, 1))
-    return [(low, min(low + width, num_classes)) for low in range(0, num_classes, width)]
+def class_blocks(matrix) -> list[tuple[int, int]]:
+    """The class ranges `(low, high)` a split of this label matrix is scored in (SCORED_BLOCK_ENTRIES each at most):
+    `columns(matrix, low, high)` is then a bounded dense block, whatever the form and the class count."""
+    width = max(1, SCORED_BLOCK_ENTRIES // max(len(matrix), 1))
+    return [(low, min(low + width, matrix.shape[1])) for low in range(0, matrix.shape[1], width)]
+
+
+def _tensor_columns(matrix, low: int, high: int, device):
+    """The classes `low:high` as a tensor on `device`: sliced from a tensor, built from a numpy or sparse matrix."""
+    import torch
+
+    if isinstance(matrix, torch.Tensor):
+        return matrix[:, low:high].to(device)
+    return torch.from_numpy(columns(matrix, low, high)).to(device)
+
+
+def decision_counts(predicted, labels, mask=None):
+    """`metrics.decision_counts` (`[..., 3, C]`) of bool `predicted [..., N, C]` against a split's labels and mask,
+    dense (numpy, tensor) or sparse, a block of classes at a time (each class counted alone: the same counts)."""
+    import torch
+
+    from spml_cache import metrics
+
+    parts = []
+    for low, high in class_blocks(labels):
+        labelled = _tensor_columns(labels, low, high, predicted.device)
+        annotated = None if mask is None else _tensor_columns(mask, low, high, predicted.device)
+        parts.append(metrics.decision_counts(predicted[..., low:high], labelled, annotated))
+    return torch.cat(parts, dim=-1)
 
 
 def scored_classes(labels, mask) -> np.ndarray | None:
@@ -340,7 +374,7 @@ def scored_classes(labels, mask) -> np.ndarray | None:
     if mask is None:
         return None
     return np.concatenate([((columns(labels, low, high) > 0) & (columns(mask, low, high) > 0)).any(axis=0)
-                           for low, high in _class_blocks(len(labels), labels.shape[1])])
+                           for low, high in class_blocks(labels)])
 
 
 def average_precision(scores, labels, mask=None):
@@ -352,9 +386,9 @@ def average_precision(scores, labels, mask=None):
     from spml_cache import metrics
 
     aps, scored = [], []
-    for low, high in _class_blocks(len(labels), labels.shape[1]):
-        labelled = torch.from_numpy(columns(labels, low, high)).to(scores.device)
-        annotated = None if mask is None else torch.from_numpy(columns(mask, low, high)).to(scores.device)
+    for low, high in class_blocks(labels):
+        labelled = _tensor_columns(labels, low, high, scores.device)
+        annotated = None if mask is None else _tensor_columns(mask, low, high, scores.device)
         aps.append(metrics.average_precision(scores[:, low:high], labelled, annotated))
         if mask is not None:
             scored.append(metrics.scored_classes(labelled, annotated))

@@ -151,3 +151,80 @@ def mean_average_precision(scores: torch.Tensor | np.ndarray, labels: torch.Tens
         raise SpmlError(f"mean_average_precision wants scores [N, C] with C >= 1, got {tuple(scores.shape)}")
     ap = average_precision(scores, labels, mask)
     return float(mean_over_classes(ap, scored_classes(labels, mask)))
+
+
+# --- decisions: the F1 family of the multi-label literature (docs/protocol.md, "Decisions at a threshold") -----
+
+THRESHOLD = 0.5  # on the sigmoid score: a label is predicted where its score is at least this
+TOP_K = 3  # the most labels predicted per image by the top-k variants (`cf1@3`): the COCO literature's three
+
+
+def predicted(scores: torch.Tensor | np.ndarray, top_k: int | None = None) -> torch.Tensor:
+    """bool `[..., N, C]`: the labels predicted from sigmoid `scores [..., N, C]`: each score >= THRESHOLD (ML-GCN's
+    `logit >= 0`: a score of exactly 0.5 is predicted); with `top_k`, of each image's k highest scores those at or
+    above the threshold, as ML-GCN's evaluation code (`overall_topk`, which the COCO papers' top-3 tables reuse)
+    takes them, so an image has at most k. Among tied scores the lower class index goes first (a stable sort)."""
+    scores = _as_tensor(scores)
+    if top_k is None:
+        return scores >= THRESHOLD
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    top = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
+    return top & (scores >= THRESHOLD)
+
+
+def decision_counts(predicted: torch.Tensor, labels: torch.Tensor | np.ndarray,
+                    mask: torch.Tensor | np.ndarray | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 `[..., 3, C]`: per class the true positives, the predicted positives and the positives of the bool
+    `predicted [..., N, C]` against 0/1 `labels [N, C]`, over the annotated entries only (`mask`, partial labels:
+    an unannotated entry is neither a false positive nor a missed one, as mAP leaves it out). With `weights`
+    (`[B, N]`, an image's count in each bootstrap resample) each image counts that many times: `[..., B, 3, C]`."""
+    device = predicted.device
+    positive = _as_tensor(labels).to(device) > 0
+    if mask is not None:
+        annotated = _as_tensor(mask).to(device) != 0
+        predicted, positive = predicted & annotated, positive & annotated
+    counts = torch.stack(torch.broadcast_tensors(predicted & positive, predicted, positive), dim=-2)  # [..., N, 3, C]
+    counts = counts.flatten(-2)  # [..., N, 3C]: a count is a sum over the images ...
+    if weights is None:
+        summed = counts.sum(dim=-2, dtype=torch.float64)
+    else:  # ... or a weighted sum, one per resample: a matrix product, in float32 exact for whole counts (each
+        # partial sum is a whole number no larger than the resample's size, N < 2^24)
+        summed = torch.matmul(weights.to(device, torch.float32), counts.to(torch.float32)).to(torch.float64)
+    return summed.unflatten(-1, (3, -1))
+
+
+def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator, 0 where the denominator is 0 (scikit-learn's `zero_division=0`)."""
+    return torch.where(denominator > 0, numerator / denominator.clamp(min=1e-300), 0.0)
+
+
+def _harmonic(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return _ratio(2 * first * second, first + second)
+
+
+F1_FAMILY = ("cp", "cr", "cf1", "op", "or", "of1")
+
+
+def f1_family(counts: torch.Tensor, partial: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The multi-label literature's CP, CR, CF1, OP, OR, OF1 (0..100, `[...]` each) and the per-class F1 (0..1,
+    `[..., C]`) from `decision_counts` `[..., 3, C]`.
+
+    Per class, precision = TP / predicted and recall = TP / positives, 0 where the denominator is 0 (a class never
+    predicted has precision 0: ML-GCN's code and scikit-learn's `zero_division=0`). CP and CR are their means over
+    the classes; CF1 is the harmonic mean of CP and CR, as ML-GCN and ASL define it: NOT scikit-learn's macro F1,
+    the mean of the per-class F1s (the two differ whenever the classes' precisions and recalls differ). OP, OR and
+    OF1 take the counts over every entry (scikit-learn's micro averages). `partial` (a split with a label mask):
+    the class means are over the classes with an annotated positive, as that split's mAP is."""
+    true_pos, chosen, positives = counts.unbind(-2)
+    precision, recall = _ratio(true_pos, chosen), _ratio(true_pos, positives)
+    if partial:
+        scored = (positives > 0).to(torch.float64)
+    else:
+        scored = torch.ones_like(positives)
+    classes = scored.sum(-1).clamp(min=1)
+    cp, cr = (precision * scored).sum(-1) / classes, (recall * scored).sum(-1) / classes
+    op, overall_recall = _ratio(true_pos.sum(-1), chosen.sum(-1)), _ratio(true_pos.sum(-1), positives.sum(-1))
+    values = {"cp": cp, "cr": cr, "cf1": _harmonic(cp, cr), "op": op, "or": overall_recall,
+              "of1": _harmonic(op, overall_recall)}
+    # 2TP / (predicted + positives) is 2PR / (P + R) of the class; 0 for a class neither predicted nor positive
+    return {name: 100.0 * value for name, value in values.items()}, _ratio(2 * true_pos, chosen + positives)

@@ -14,7 +14,8 @@ from rich.console import Console
 from cli_support import run_cli
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 from spml_cache import cache, datasets
-from spml_cache.labels import SparseLabels, unordered_row
+from spml_cache.cache.csr import unordered_row
+from spml_cache.labels import SparseLabels
 from spml_cache.linear import run_linear
 from spml_cache.runtime.errors import SpmlError
 
@@ -166,6 +167,22 @@ def test_a_sealed_cache_gives_no_such_note(tmp_path):
     sealed = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20, classes=4, dim=8)
     first = run_linear(cache=sealed, out=tmp_path / "runs", console=quiet(), **GRID)
     assert NO_CHECKSUM not in printed(cache=sealed, out=tmp_path / "runs", from_run=first.run_dir, **GRID)
+
+
+def test_a_new_run_on_a_cache_edited_in_place_is_refused(tmp_path, monkeypatch, capsys):
+    """Only --resume and --from read the checksum: a new run trained on the edited features and recorded the sealed
+    content's id. In memory the check is one more pass over what is loaded; streamed it is left to --resume."""
+    from cli_support import run_main
+
+    path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20, classes=4, dim=8)
+    with h5py.File(path, "r+") as file:
+        file["val"]["features"][3, 1] += 0.5
+    code, err = run_main("linear", "--cache", str(path), "--loss", "an", "--epochs", "1", cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: {path} was changed after it was written (its contents no longer match its checksum): extract it"
+        " again, or put the original back"], err
+    assert not (tmp_path / "runs").exists()
 
 
 # --- a CSV class column without a name ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from PIL import Image
 from rich.console import Console
 from sklearn.metrics import average_precision_score
 
-from spml_cache import cache, extract, finetune, linear, losses, runs
+from spml_cache import cache, extract, finetune, linear, losses, metrics, runs
 from spml_cache.backbones.checkpoints import RandomWeightsWarning
 from spml_cache.demo import data as demo_data
 from spml_cache.finetune import images as data, parallel
@@ -150,7 +150,12 @@ def test_cli_run_names_its_start_and_selects_the_best_val_epoch(world, cli_run):
         f"{torch.load(world.linear / 'best.pt', weights_only=True)['role']['epoch']}, val mAP "
         f"{runs.read_json(world.linear / 'results.json')['losses']['role']['val_map']:.2f})")
     names = {p.name for p in cli_run.run_dir.iterdir()}
-    assert names == {"config.json", "env.json", "metrics.jsonl", "results.json", "best.pt", "scores", "labels.npz"}
+    assert names == {"config.json", "env.json", "metrics.jsonl", "results.json", "best.pt", "scores", "labels.npz",
+                     "test_labels.npz"}
+    kept = runs.read_stored_test(cli_run.run_dir, "role")  # every seed's test scores, for report's F1 family and --ci
+    assert kept.seeds == [0] and kept.scores.shape == (1, *kept.labels.shape)
+    assert 100 * metrics.average_precision(torch.from_numpy(kept.scores[0]), kept.labels).mean().item() == \
+        pytest.approx(cli_run.results["losses"]["role"]["test_map"], abs=1e-4)
     assert [m["epoch"] for m in cli_run.metrics] == [0, 1, 2]  # epoch 0: the start, never selected
     trained = cli_run.metrics[1:]
     best = 0  # the first epoch of the highest val mAP: a later one replaces it only when strictly greater

@@ -92,6 +92,9 @@ def test_sparse_and_dense_labels_fine_tune_alike(world, one_thread, loss, masked
         np.testing.assert_allclose(stored["scores"][split].astype(np.float32), values.astype(np.float32), atol=1e-3)
     # labels.npz is written for a dense cache only (as stage two: report's label figures read dense matrices)
     assert (dense["run_dir"] / "labels.npz").is_file() and not (stored["run_dir"] / "labels.npz").exists()
+    # the test labels of report's metrics beside mAP: kept in the cache's form, CSR for a sparse one
+    assert "labels_csr_indptr" in np.load(stored["run_dir"] / "test_labels.npz")
+    assert ("mask_csr_indptr" in np.load(stored["run_dir"] / "test_labels.npz")) == masked
 
 
 def test_a_split_is_scored_in_blocks_of_classes_as_if_at_once(monkeypatch):

@@ -218,3 +218,16 @@ def test_several_contradictions_are_one_line_naming_each_flag(tmp_path, tiny_cac
         f"--resume {run_dir}: --dataset coco contradicts the run's voc; --epochs 3 contradicts the run's 2; --seeds 1"
         " contradicts the run's 2 (a resumed run keeps its own settings): leave out --dataset, --epochs and --seeds,"
         " or start a new run with them")
+
+
+def test_resume_refuses_an_out_it_would_not_write_to(tmp_path, stopped_run, monkeypatch, capsys):
+    """`--resume RUN --out elsewhere` went on in RUN and left --out unused without a word."""
+    from cli_support import run_main
+
+    code, err = run_main("linear", "--resume", str(stopped_run), "--out", str(tmp_path / "elsewhere"), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    own = stopped_run.resolve().parent.parent
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: --out {tmp_path / 'elsewhere'}: --resume {stopped_run} goes on in its own run directory, under {own};"
+        " leave out --out (a new run in another folder: leave out --resume)"], err
+    assert len(KeptParts(stopped_run).read()) == 1 and not (tmp_path / "elsewhere").exists()

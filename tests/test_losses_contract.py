@@ -228,9 +228,9 @@ def test_cli_losses_json(tmp_path):
         assert set(row) == {
             "name", "description", "reference", "defaults", "dataset_defaults", "state", "oracle",
             "needs_train_logits", "reconstructed", "needs_similarity", "authors", "paper_grid", "per_head",
-            "observed_negative", "origin",
+            "observed_negative", "origin", "error",
         }
-        assert row["origin"] is None  # a built-in loss has no plugin origin
+        assert row["origin"] is None and row["error"] is None  # a built-in loss: no plugin origin, and it loads
     assert by_name["vlpl"]["needs_similarity"] is True and by_name["crisp"]["needs_similarity"] is False
     assert by_name["ll_r"]["paper_grid"]["values"] == {"delta": [0.001, 0.002, 0.003, 0.004, 0.005]}
     assert "issue 8" in by_name["ll_r"]["paper_grid"]["source"] and by_name["an"]["paper_grid"] is None

@@ -113,7 +113,10 @@ def test_terminal_table_lists_every_loss_and_marks_best(runs):
 
 
 def parse_markdown(text):
-    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
+    """The first table of a Markdown report (every metric's tables follow the notes)."""
+    lines = text.splitlines()
+    first = lines[: lines.index("")] if "" in lines else lines
+    rows = [line.strip("|").split("|") for line in first if line.startswith("|")]
     header = [h.strip() for h in rows[0]]
     return header, [[c.strip() for c in row] for row in rows[2:]]
 

@@ -45,7 +45,7 @@ from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.options import (
     ExtractOptions, ExtractPlacement, FinetuneOptions, FinetunePlacement, LinearOptions, LinearPlacement,
 )
-from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
+from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
 
 app = typer.Typer(
     name="spml-cache",
@@ -183,7 +183,7 @@ def main() -> None:
         except KeyboardInterrupt:
             last_line(Text("interrupted", style="yellow"), exit_code())
         except SystemExit as done:  # typer turns a KeyboardInterrupt it sees (one during an import) into exit 130
-            if stop_requested() is None or not isinstance(done.__context__, typer.Exit):
+            if stop_requested() is None or work_finished() or not isinstance(done.__context__, typer.Exit):
                 raise
             last_line(Text("interrupted", style="yellow"), exit_code())
         except SpmlError as err:

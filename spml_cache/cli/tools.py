@@ -161,8 +161,11 @@ def report_command(
     fmt: Optional[str] = typer.Option(None, "--format", help="csv, md or json instead of the terminal table."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG figures into DIR (needs matplotlib)."),
-    compare: Optional[str] = typer.Option(None, "--compare", help="Two losses for the per-class AP figure, e.g. an,role (default: the best two)."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="Two losses a,b, e.g. an,role: their paired difference a - b per dataset and stage (bootstrap interval, p-value), and the per-class AP figure's pair (default there: the best two)."),
     pivot: Optional[str] = typer.Option(None, "--pivot", help="backbone: one dataset's linear runs as losses x backbones (with their feature kind); --plots then draws that table."),
+    metric: Optional[str] = typer.Option(None, "--metric", help="The table's metric: map (the default), cp, cr, cf1, op, or, of1 (labels scoring 0.5 or more), or one of those with @K (cf1@3: of each image's K highest, those at 0.5 or more). csv, md and json carry every one."),
+    ci: bool = typer.Option(False, "--ci", help="Add each cell's 95% bootstrap interval over the test images (the same resamples for every loss of a dataset)."),
+    resamples: Optional[int] = typer.Option(None, "--resamples", help="Bootstrap resamples of the test images for --ci and --compare (default: 1,000)."),
 ) -> None:
     """Table-1 style table of test mAP (mean ± std over seeds) per loss, dataset and stage, and figures.
 
@@ -170,9 +173,11 @@ def report_command(
 
     Example: spml-cache report --paper --plots figures --format md --out table1.md
     Example: spml-cache report runs/voc --pivot backbone --plots figures
+    Example: spml-cache report --metric cf1 --ci --compare an,role
     """
     from spml_cache import report
 
     report.report_command(report.ReportOptions(
         run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots, compare=compare, pivot=pivot,
+        ci=ci, **{key: value for key, value in (("metric", metric), ("resamples", resamples)) if value is not None},
     ), console)

@@ -38,7 +38,7 @@ from spml_cache.options import FinetuneOptions, FinetunePlacement, from_keywords
 from spml_cache.protocol import initial_head
 from spml_cache.runtime import locks
 from spml_cache.runtime.devices import default_workers
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 from spml_cache.runtime.progress import progress_bar
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
@@ -92,7 +92,9 @@ def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     before any checkpoint leaves nothing."""
     processes, going_on = setup.processes, f"spml-cache finetune --resume {shlex.quote(str(run_dir))}"
     try:
-        return _run_grid(setup, run_dir, resumed=resumed, say=say)
+        results = _run_grid(setup, run_dir, resumed=resumed, say=say)
+        finished()  # the results are written: a stop now has nothing to stop
+        return results
     except KeyboardInterrupt:
         if not processes.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
@@ -137,26 +139,30 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         dist.barrier()  # rank 0 has written every best model
     selection = select_config(records)
     model = copy.deepcopy(setup.initial).to(setup.processes.device, memory_format=torch.channels_last)
-    train_maps, saved, scores = [], {}, {}
+    train_maps, saved, scores, tests = [], {}, {}, []
     for record in selection.records if selection else []:
         state = runs.load_checkpoint(checkpoints.checkpoint(run_dir, record, best=True))
         model.load_state_dict(state["model"])
         train = torch.sigmoid(_score(model, setup, "train"))
         train_maps.append(average_precision(train, _labels(setup, "train"))[1])
+        tests.append(torch.sigmoid(_score(model, setup, "test")))  # every seed's: report's F1 family and intervals
         if record is selection.representative:
             saved = {"model": state["model"], "loss_state": state["loss_state"], "lr": record.lr,
                      "batch_size": record.batch_size, "seed": record.seed, "epoch": record.best_epoch,
                      "hparams": settings.hparams}
-            scores = {"train": train, **{s: torch.sigmoid(_score(model, setup, s)) for s in ("val", "test")}}
+            scores = {"train": train, "val": torch.sigmoid(_score(model, setup, "val")), "test": tests[-1]}
     if not setup.processes.main:
         return {}
     entry = loss_results(records, selection, settings.hparams, train_maps, time.perf_counter() - began)
     if scores:
-        runs.write_scores(run_dir, settings.key, **scores)
+        per_seed = runs.SeedScores([r.seed for r in selection.records], torch.stack(tests), _labels(setup, "test"),
+                                   _label_mask(setup, "test"))
+        runs.write_scores(run_dir, settings.key, per_seed, **scores)
     features, rows = setup.features, setup.rows
     runs.write_labels(run_dir, train_labels=take(features.train.labels, rows["train"]),
                       train_observed=take(features.train.observed, rows["train"]),
-                      val_labels=take(features.val.labels, rows["val"]), test_labels=take(features.test.labels, rows["test"]))
+                      val_labels=take(features.val.labels, rows["val"]), test_labels=_labels(setup, "test"),
+                      test_mask=_label_mask(setup, "test"))
     if selection and all(record.start for record in selection.records):  # a run begun before epoch 0 had none
         entry.update(start_summary(selection.records, entry["test_map"]))
     if settings.rule != DEFAULT_RULE:

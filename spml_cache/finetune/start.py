@@ -10,6 +10,7 @@ import torch
 
 from spml_cache import backbones, cache, runs
 from spml_cache.backbones.resnet50 import WEIGHT_NAMES
+from spml_cache.losses import plugins as loss_plugins
 from spml_cache.runtime import plugins
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.plugins import Origin
@@ -107,3 +108,15 @@ def check_head(head: runs.LinearHead, features: cache.FeatureSet) -> None:
             " rows: fine-tune with the cache that run used"
         )
     runs.check_same_cache(head, cache.cache_id(features.attrs), cache_path)
+    check_same_loss_code(head)
+
+
+def check_same_loss_code(head: runs.LinearHead) -> None:
+    """A plugin loss fine-tunes with the code that trained its head: the linear run's record of it (config.json's
+    `plugins`) against the code loaded now, as `linear --resume` compares them."""
+    config = runs.read_json(head.run / "config.json", dict) if (head.run / "config.json").exists() else {}
+    recorded, now = (config.get("plugins") or {}).get(head.loss), loss_plugins.origin(head.loss)
+    change = Origin.read(recorded).change(Origin.read(now)) if recorded and now else None
+    if change is not None:
+        raise SpmlError(f"--loss {head.loss}: the loss plugin changed since linear run {head.run} trained its head"
+                        f" ({change}); restore it, or train a new linear run with it")

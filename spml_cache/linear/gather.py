@@ -111,7 +111,11 @@ def select_loss(run_dir: Path, name: str, records: list[HeadRecord], combos: lis
                       for r in selection.records]
         train = head_scores(best.best_state["head"], data.train_features)
         evaluated = head_scores(best.best_state["head"], data.eval_features)
-        runs.write_scores(run_dir, name, train=train, val=evaluated[: data.num_val], test=evaluated[data.num_val :])
+        tests = torch.stack([head_scores(r.best_state["head"], data.eval_features)[data.num_val :]
+                             for r in selection.records])  # every seed's: report's F1 family and intervals
+        per_seed = runs.SeedScores([r.seed for r in selection.records], tests, data.test_labels, data.test_mask)
+        runs.write_scores(run_dir, name, per_seed, train=train, val=evaluated[: data.num_val],
+                          test=evaluated[data.num_val :])
     else:  # no [N, C] scores: train mAP a block of classes at a time (unmeasured when the train rows stream)
         train_maps = [None if data.streams_train else train_map(r.best_state["head"], data)
                       for r in selection.records]

@@ -25,6 +25,7 @@ from spml_cache.linear.graphs import Lockstep, graphs_available
 from spml_cache.linear.parts import Part
 from spml_cache.linear.settings import LinearSettings, StartHead
 from spml_cache.losses import plugins
+from spml_cache.losses.contract import loss_faults
 from spml_cache.losses.overrides import Combination
 from spml_cache.runtime.children import die_with_parent, ignore_interrupts, interrupts_held_back
 from spml_cache.runtime.errors import SpmlError, check_stop
@@ -116,25 +117,30 @@ def train_jobs(plan: JobPlan, jobs: list[Job], workers: int):
     device = first.device
     grouped = any(job.lrs for job in jobs)  # the heads do not fit the memory budget at once: one job at a time
     if workers == 1 and plan.graphs and graphs_available(device) and first.dense_in_memory and not grouped:
-        yield from _in_lockstep(jobs, used, settings, data, starts)
+        with loss_faults(list(dict.fromkeys(job.loss for job in jobs))):
+            yield from _in_lockstep(jobs, used, settings, data, starts)
         return
     if workers == 1:
         for job in jobs:
-            start = time.perf_counter()
-            run = SeedRun.for_job(job, settings, used[job.loss], data[job.rule], starts.get(job.loss))
-            for epoch in range(1, settings.epochs):
-                lines = run.run_epoch(epoch)
-                yield JobEvent(job, (epoch, best_so_far(run.records)), lines)
-            lines = run.run_epoch(settings.epochs)
-            records = run.host_records()
-            # The job's heads and optimiser state go before its part is kept and selected from, and before the
-            # next job's are made (lr groups: the memory budget); the allocator hands their memory back.
-            del run
-            give_back_freed()
-            yield JobEvent(job, (settings.epochs, best_so_far(records)), lines,
-                           Part(records, time.perf_counter() - start))
+            with loss_faults([job.loss]):
+                yield from _in_process(job, settings, used, data, starts)
         return
     yield from _in_workers(plan, jobs, workers)
+
+
+def _in_process(job: Job, settings: LinearSettings, used, data, starts):
+    start = time.perf_counter()
+    run = SeedRun.for_job(job, settings, used[job.loss], data[job.rule], starts.get(job.loss))
+    for epoch in range(1, settings.epochs):
+        lines = run.run_epoch(epoch)
+        yield JobEvent(job, (epoch, best_so_far(run.records)), lines)
+    lines = run.run_epoch(settings.epochs)
+    records = run.host_records()
+    # The job's heads and optimiser state go before its part is kept and selected from, and before the next job's
+    # are made (lr groups: the memory budget); the allocator hands their memory back.
+    del run
+    give_back_freed()
+    yield JobEvent(job, (settings.epochs, best_so_far(records)), lines, Part(records, time.perf_counter() - start))
 
 
 def _in_workers(plan: JobPlan, jobs: list[Job], workers: int):
@@ -162,8 +168,10 @@ def _in_workers(plan: JobPlan, jobs: list[Job], workers: int):
             while not progress.empty():
                 yield progress.get()
             for future in done:
-                part, lines = future.result()
-                yield JobEvent(pending.pop(future), lines=lines, done=part)
+                job = pending.pop(future)
+                with loss_faults([job.loss]):  # what the job raised in its worker
+                    part, lines = future.result()
+                yield JobEvent(job, lines=lines, done=part)
     except BaseException:  # Ctrl-C, an error, or the caller stopping early: the running jobs are not waited for
         _stop_workers(pool, progress)
         raise

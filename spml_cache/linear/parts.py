@@ -112,6 +112,10 @@ class KeptParts:
             kept[(result_key(first.loss, first.rule), first.seed, first.batch_size)] = part
         return kept
 
+    def losses(self) -> set[str]:
+        """The losses with a kept part."""
+        return {part.records[0].loss for part in self.read().values()}
+
     def _load(self, path: Path) -> Part:
         state = runs.load_checkpoint(path)
         records = []

@@ -10,7 +10,7 @@ those of an uninterrupted run.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 
@@ -20,12 +20,15 @@ from spml_cache.cache import cache_id, find_cache, verify
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.gather import Gathering
 from spml_cache.linear.jobs import JobEvent, JobPlan, train_jobs
+from spml_cache.losses.contract import LossFailed
 from spml_cache.linear.live import LiveTable
 from spml_cache.linear.out_of_core import load_within
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.runtime import locks, memory
 from spml_cache.runtime.devices import resolve_device
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
+from spml_cache.runtime.errors import (
+    DiskFull, Interrupted, SpmlError, check_stop, finished, stop_exit_code, stops_deferred,
+)
 from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_options
 from spml_cache.metrics import mean_average_precision
 from spml_cache.options import LinearOptions, LinearPlacement, from_keywords, refuse_differences
@@ -64,13 +67,14 @@ def run_linear(options: LinearOptions | None = None, placement: LinearPlacement 
 
 
 def _run_linear(options: LinearOptions, placement: LinearPlacement) -> LinearRun | None:
+    _refuse_other_out(placement.resume, placement.out)
     with stops_deferred():
         ranks = current_ranks()  # under torchrun: this process's share of the parts
         planned = _plan(options, placement, ranks)
         if ranks and not ranks.main:
             return _train_other_rank(ranks, planned.jobs)
         resume = placement.resume
-        run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out, planned)
+        run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out or "runs", planned)
         budget = planned.taken.memory_budget
         binding = [memory.FLAG, memory.flag_text(budget)] if planned.budget_binds else []  # it shaped the run
         going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
@@ -81,10 +85,36 @@ def _run_linear(options: LinearOptions, placement: LinearPlacement) -> LinearRun
                 raise _interrupted(run_dir, planned.jobs, stop, going_on) from None
             except DiskFull as full:  # what was kept before is kept
                 raise full.going_on(f"go on with: {going_on}") from None
+            except LossFailed as failed:  # so are the parts trained before
+                raise _loss_failed(run_dir, planned.jobs, failed, going_on) from failed
             KeptParts(run_dir).remove()
+            finished()  # the results are written: a stop now has nothing to stop
         if ranks:
             ranks.leave()
         return LinearRun(run_dir, results)
+
+
+def _verified(features, carried_on: bool, streamed: bool) -> str | None:
+    """The cache's content against its checksum (`cache.verify`). What goes on (`--resume`) or starts from a head
+    and its state (`--from`) must read the very same arrays; a new run checks them too when they are in memory
+    (one pass over what is loaded, ~2 s per GB on two EPYC cores), so that the cache id its config.json records is
+    its content's. Streamed, that would be one more read of a cache larger than memory: left to --resume. The note
+    on a cache too old to have a checksum is for --resume and --from."""
+    if not carried_on and streamed:
+        return None
+    note = verify(features)
+    return note if carried_on else None
+
+
+def _refuse_other_out(resume, out) -> None:
+    """`--out` beside `--resume RUN`: a resumed run goes on in its own directory, so a runs folder other than the
+    one holding it is refused rather than left unused without a word."""
+    if resume is None or out is None:
+        return
+    own = Path(resume).resolve().parent.parent  # <runs folder>/<dataset>/<run>
+    if Path(out).resolve() != own:
+        raise SpmlError(f"--out {out}: --resume {resume} goes on in its own run directory, under {own}; leave out"
+                        " --out (a new run in another folder: leave out --resume)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,13 +138,30 @@ def _interrupted(run_dir: Path, plan: JobPlan, stop: BaseException, going_on: st
                        going_on)
 
 
+def _loss_failed(run_dir: Path, plan: JobPlan, failed: LossFailed, going_on: str) -> SpmlError:
+    """A loss failed while it trained: its line, what was kept, and how to go on once it is fixed: `--resume`, which
+    takes a plugin's changed code only while none of its parts is kept (else a new run)."""
+    settings, kept = plan.settings, KeptParts(run_dir).read()
+    parts = len(plan.units) * len(settings.seeds) * len(settings.batch_sizes)
+    own = [key for key in kept if plan.units[key[0]][0] in failed.names]
+    where = f"{len(kept)} of {parts} parts are kept in {run_dir}"
+    if own and any(loss_registry.plugins.origin(name) for name in failed.names):
+        return SpmlError(f"{failed}; {where}, {len(own)} of them trained by this code of {','.join(failed.names)}:"
+                         " once it is fixed, start a new run")
+    return SpmlError(f"{failed}; {where}: once it is fixed, go on with: {going_on}")
+
+
 def _given_settings(options: LinearOptions, placement: LinearPlacement):
     """`(config or None, options, settings, cache path)`: a resumed run's own options (any option given beside
     `--resume` that contradicts them refused), else those given (the protocol's defaults where not given)."""
     resume, config = placement.resume, None
     if resume is not None:
-        config = runs.open_for_resume(resume, "linear")
+        # a plugin that changed since the run began goes on only while none of its parts is kept (fixed after it
+        # failed)
+        config = runs.open_for_resume(resume, "linear", renewable=lambda name: name not in KeptParts(resume).losses())
         stored = stored_options(config)
+        if options.chunk_rows and config.get("num_train"):  # more than the training rows is all of them, as planned
+            options = replace(options, chunk_rows=min(options.chunk_rows, config["num_train"]))
         refuse_differences(resume, options.differences(stored))
         stored = stored.filled_from(options)
         return config, stored, LinearSettings.of(stored), Path(stored.cache)
@@ -137,8 +184,7 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
         workers = _streaming(settings, workers) if not chunks.train_in_memory else 1
     check_train_test(len(features.train), features.test.labels, features.test.label_mask, str(features.path))
     check_val_split(features.val.labels, str(features.path))
-    # what goes on, or starts from a head and its state, must read the very same arrays
-    unverified = verify(features) if config is not None or options.from_run is not None else None
+    unverified = _verified(features, config is not None or options.from_run is not None, chunks.streams)
     settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
     observation.refuse_unobserved(observed, features.path)
@@ -151,6 +197,7 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
     if ranks is None or ranks.main:
         _print_notes(placement.console, [unverified, observation.drawn_note(observed, features.path), *text_notes,
                                          *notes, chunks.streams and chunks.describe(),
+                                         _clamped_note(options.chunk_rows, chunks),
                                          lrs_at_once and _grouped_note(lrs_at_once)])
     whole = LinearData.from_features(features, target, settings.val_labels, chunks)
     data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
@@ -165,6 +212,13 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
 def _several(settings: LinearSettings) -> bool:
     """Whether the run trains under other observation rules than `single` alone."""
     return [rule.text for rule in settings.rules] != [observation.DEFAULT_RULE]
+
+
+def _clamped_note(chunk_rows: int | None, chunks) -> str | None:
+    if not chunk_rows or chunk_rows <= chunks.chunk_rows:
+        return None
+    return (f"--chunk-rows {chunk_rows:,} is more than the {chunks.chunk_rows:,} training rows: one chunk of them all,"
+            " in the order an in-memory run takes")
 
 
 def _grouped_note(lrs_at_once: int) -> str:
@@ -206,6 +260,7 @@ def _train_other_rank(ranks: Ranks, plan: JobPlan) -> None:
                       train_jobs(plan, jobs, workers) if event.lines or event.done])
     except (KeyboardInterrupt, PeerLost):
         raise SystemExit(stop_exit_code()) from None
+    finished()  # its parts are with rank 0
     ranks.leave()
     return None
 
@@ -215,9 +270,10 @@ def _train_in(run_dir: Path, resuming: bool, ranks, console, plan: JobPlan) -> d
     features, observed = plan.features, plan.observed
     several = _several(plan.settings)
     # first: report's figures need it, whatever happens next (dense label matrices only)
-    if not (run_dir / "labels.npz").exists():
+    if not (run_dir / runs.TEST_LABELS).exists():
         runs.write_labels(run_dir, train_labels=features.train.labels, train_observed=features.train.observed,
                           val_labels=features.val.labels, test_labels=features.test.labels,
+                          test_mask=features.test.label_mask,
                           rules={rule: found.train for rule, found in observed.items() if several})
     kept = KeptParts(run_dir).read() if resuming else {}
     if ranks:

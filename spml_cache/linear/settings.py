@@ -14,6 +14,7 @@ from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.labels import observed_for_loss
 from spml_cache.losses import Overrides
+from spml_cache.losses.contract import loss_faults
 from spml_cache.losses.overrides import Combination
 from spml_cache.observation import Observed, Rule
 from spml_cache.options import LinearOptions
@@ -139,17 +140,18 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
     by building the loss once."""
     text = features.train_similarities() if any(
         loss_registry.get(name).needs_similarity for name in settings.losses) else {}
-    return {
-        name: Combination.of([
-            loss_registry.resolve_hparams(
-                name, combo, num_classes=len(features.classes), dataset=features.dataset,
-                train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
-                expected_positives=features.attrs.get("expected_positives"), **text,
-            )
-            for combo in settings.overrides.combinations(name)
-        ])
-        for name in settings.losses
-    }
+    used = {}
+    for name in settings.losses:
+        with loss_faults([name]):  # its construction raised: one line naming it
+            used[name] = Combination.of([
+                loss_registry.resolve_hparams(
+                    name, combo, num_classes=len(features.classes), dataset=features.dataset,
+                    train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
+                    expected_positives=features.attrs.get("expected_positives"), **text,
+                )
+                for combo in settings.overrides.combinations(name)
+            ])
+    return used
 
 
 def start_heads(from_run: Path | str | None, names: list[str], features: FeatureSet) -> dict[str, StartHead]:

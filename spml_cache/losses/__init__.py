@@ -9,6 +9,7 @@ import torch
 from spml_cache.losses import plugins
 from spml_cache.losses.base import LOSSES, Loss, register
 from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
+from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.plugins import Origin
 
 if TYPE_CHECKING:
@@ -89,35 +90,45 @@ def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: st
 def describe(specs: tuple[str, ...] = ()) -> list[dict]:
     """One row per registered loss, then per installed plugin (entry points) and per plugin spec in `specs`, what
     `spml-cache losses` prints: name, description, reference, defaults (a default derived at build time shows
-    how, e.g. "1/(C-1)"), per-dataset defaults, state, flags and, for a plugin, its origin."""
-    rows = []
-    found = {**dict(LOSSES.items()), **{cls.name: cls for cls in map(get, [*plugins.installed(), *specs])}}
-    for name, cls in found.items():
-        rows.append(
-            {
-                "name": name,
-                "origin": plugins.origin(name),
-                "description": getattr(cls, "description", ""),  # a plugin may leave them out
-                "reference": getattr(cls, "reference", ""),
-                "defaults": {
-                    key: cls.derived.get(key, "derived at build time") if value is None else value
-                    for key, value in cls.defaults.items()
-                },
-                "dataset_defaults": cls.dataset_defaults,
-                "state": cls.state,
-                "observed_negative": cls.observed_negative,
-                "oracle": cls.oracle,
-                "needs_train_logits": cls.needs_train_logits,
-                "reconstructed": cls.reconstructed,
-                "needs_similarity": cls.needs_similarity,
-                "authors": {"log_eps": cls.authors_log_eps, "early_stop": cls.authors_early_stop,
-                            "drop_last": cls.authors_drop_last, "defaults": cls.authors_defaults},
-                "paper_grid": {"values": dict(cls.paper_grid), "source": cls.paper_grid_source} if cls.paper_grid
-                else None,
-                "per_head": list(cls.per_head),
-            }
-        )
-    return rows
+    how, e.g. "1/(C-1)"), per-dataset defaults, state, flags and, for a plugin, its origin. An installed plugin
+    that cannot be loaded is a row of its name and `error`, the one line that says why, and the rest are listed;
+    a spec named in `specs` that cannot be loaded is refused (it was asked for)."""
+    found, broken = dict(LOSSES.items()), {}
+    for name in plugins.installed():
+        try:
+            cls = get(name)
+        except SpmlError as err:  # one distribution's fault: said on its row
+            broken[name] = str(err)
+            continue
+        found[cls.name] = cls
+    found.update({cls.name: cls for cls in map(get, specs)})
+    rows = [_describe_row(name, cls) for name, cls in found.items()]
+    return rows + [{"name": name, "origin": None, "error": error} for name, error in broken.items()]
+
+
+def _describe_row(name: str, cls: type[Loss]) -> dict:
+    return {
+        "name": name,
+        "origin": plugins.origin(name),
+        "error": None,  # an installed plugin that cannot be loaded: why
+        "description": getattr(cls, "description", ""),  # a plugin may leave them out
+        "reference": getattr(cls, "reference", ""),
+        "defaults": {
+            key: cls.derived.get(key, "derived at build time") if value is None else value
+            for key, value in cls.defaults.items()
+        },
+        "dataset_defaults": cls.dataset_defaults,
+        "state": cls.state,
+        "observed_negative": cls.observed_negative,
+        "oracle": cls.oracle,
+        "needs_train_logits": cls.needs_train_logits,
+        "reconstructed": cls.reconstructed,
+        "needs_similarity": cls.needs_similarity,
+        "authors": {"log_eps": cls.authors_log_eps, "early_stop": cls.authors_early_stop,
+                    "drop_last": cls.authors_drop_last, "defaults": cls.authors_defaults},
+        "paper_grid": {"values": dict(cls.paper_grid), "source": cls.paper_grid_source} if cls.paper_grid else None,
+        "per_head": list(cls.per_head),
+    }
 
 
 def _format_hparams(values: dict) -> str:
@@ -147,6 +158,9 @@ def describe_table(rows: list[dict] | None = None) -> Table:
     table.add_column("defaults", ratio=2)
     table.add_column("state / flags", ratio=2)
     for row in rows:
+        if row.get("error"):
+            table.add_row(row["name"], Text("cannot be loaded: " + row["error"], style="red"), "-", "-")
+            continue
         defaults = [_format_hparams(row["defaults"]) or "-"]
         defaults += [f"{dataset}: {_format_hparams(values)}" for dataset, values in row["dataset_defaults"].items()]
         flags = [row["state"]] if row["state"] else []

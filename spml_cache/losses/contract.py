@@ -8,6 +8,8 @@ the head's weight, and the gradient of their sum with respect to the logits and 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import BrokenExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,9 @@ def values_of(loss: Loss, data: Problem, rows: torch.Tensor, logits: torch.Tenso
     """The per-head values a step takes the gradient of: the loss, plus its penalty on the head's weight."""
     per_head = loss(logits, data.observed.index_select(0, rows),
                     labels=data.labels.index_select(0, rows) if loss.oracle else None, index=rows)
+    if not isinstance(per_head, torch.Tensor):
+        raise Failed(f"forward returned a {type(per_head).__name__}, not a tensor; return one value per head, a [K]"
+                     " tensor computed from the logits (mean_over_entries(terms) of the [K, B, C] terms)")
     return per_head + loss.penalty(weight) if loss.penalises_weight else per_head
 
 
@@ -282,9 +287,10 @@ CHECKS: tuple[Callable[[type[Loss]], str], ...] = (
     check_finite, check_gradient, check_stacked, check_capture_safe, check_deterministic, check_rules)
 
 
-def run_checks(cls: type[Loss]) -> Iterator[tuple[bool, str]]:
+def run_checks(cls: type[Loss], checks: tuple[Callable[[type[Loss]], str], ...] = CHECKS
+               ) -> Iterator[tuple[bool, str]]:
     """(passed, one line) per check, in order, stopping after the first failure."""
-    for check in CHECKS:
+    for check in checks:
         try:
             yield True, check(cls)
         except Failed as failure:
@@ -298,3 +304,59 @@ def run_checks(cls: type[Loss]) -> Iterator[tuple[bool, str]]:
             yield False, (f"{check.__name__.removeprefix('check_')}: the loss raised {type(err).__name__}: {said};"
                           f" see {GUIDE} for what forward receives")
             return
+
+
+def training_failure(names: list[str], err: BaseException) -> str:
+    """Why training `names` (one loss, or the losses of stacks trained in lockstep) failed (`err`, what it raised),
+    in one line: the line check-loss gives for the first check a loss fails on a small problem (the same fault, in
+    the same words), naming that loss, its file and how to check it (a built-in's: a bug to report); else what
+    training raised."""
+    from spml_cache import losses
+
+    for name in names:
+        failed = next((line for passed, line in run_checks(losses.get(name), (check_finite,)) if not passed), None)
+        if failed is not None:
+            return _failed_loss(name, failed)
+    said = " ".join(str(err).split())[:300]
+    raised = f"training it raised {type(err).__name__}" + (f": {said}" if said else "")
+    if len(names) == 1:
+        return _failed_loss(names[0], raised)
+    return f"--loss {','.join(names)} (trained together) failed: {raised}; run with --debug for the traceback"
+
+
+def _failed_loss(name: str, failed: str) -> str:
+    from spml_cache.losses import plugins
+
+    origin = plugins.origin(name)
+    if origin is None:
+        return (f"--loss {name} failed: {failed}; a bug in spml-cache's {name}: please report it with the"
+                " traceback (--debug)")
+    spec = origin.get("spec", name)
+    return (f"--loss {name} ({origin.get('path') or spec}) failed: {failed}; fix the plugin (spml-cache check-loss"
+            f" {spec} checks it on a small problem)")
+
+
+class LossFailed(SpmlError):
+    """A loss failed while it trained (its forward raised, returned no [K] tensor, its construction raised): one
+    line naming it, its file and what went wrong (losses.contract.training_failure, check-loss's words); `names`:
+    the losses that were training."""
+
+    def __init__(self, names: list[str], err: BaseException) -> None:
+        super().__init__(training_failure(names, err))
+        self.names = list(names)
+
+
+# What training raises that is no fault of the loss's: said as the command says it everywhere else.
+NOT_THE_LOSS = (SpmlError, MemoryError, OSError, torch.OutOfMemoryError, BrokenExecutor)
+
+
+@contextmanager
+def loss_faults(names: list[str]):
+    """Whatever else the code training `names` raises (a loss's forward, its construction, what a step makes of
+    what it returned) is `LossFailed`, one line naming the loss."""
+    try:
+        yield
+    except NOT_THE_LOSS:
+        raise
+    except Exception as err:
+        raise LossFailed(names, err) from err

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from spml_cache.losses.base import LOSSES, Loss
@@ -22,6 +24,9 @@ from spml_cache.runtime.plugins import Origin
 GROUP = KIND.group
 GUIDE = KIND.guide
 NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # a result key, a file stem and an --hp prefix as it is
+# A name is part of file names (a run directory's, `scores/NAME@RULE.npz`, a kept part's state files with its lr and
+# swept values), which filesystems cap at 255 bytes: 64 characters leave room for the rest of each.
+NAME_MAX = 64
 
 _LOADED: dict[str, tuple[type[Loss], dict]] = {}  # loss name -> (class, origin record)
 
@@ -88,6 +93,9 @@ def _register(found: loader.Loaded) -> type[Loss]:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise SpmlError(f"--loss {spec}: set the class attribute name = \"my_loss\" (letters, digits and _,"
                         f" a letter first); it names the loss's results ({GUIDE})")
+    if len(name) > NAME_MAX:
+        raise SpmlError(f"--loss {spec}: its name is {len(name)} characters ({name[:16]}...); give it at most"
+                        f" {NAME_MAX} (it is part of file names, which filesystems cap at 255 bytes)")
     if name in LOSSES:
         raise SpmlError(f"--loss {spec}: its name {name!r} is a built-in loss's; give the plugin another name")
     if cls.forward is Loss.forward:  # torch's placeholder, which raises at the first step
@@ -101,10 +109,13 @@ def _register(found: loader.Loaded) -> type[Loss]:
     return cls
 
 
-def load_recorded(recorded: dict | None, *, run_dir: Path | str, strict: bool) -> None:
+def load_recorded(recorded: dict | None, *, run_dir: Path | str, strict: bool,
+                  renewable: Callable[[str], bool] | None = None) -> dict[str, dict]:
     """Load the plugins a run's config.json records (`records`, today's keys or an earlier version's). `strict`
     (`--resume`): refuse one whose code changed since the run began (another file content, distribution version
-    or spec)."""
+    or spec), unless `renewable(name)` says nothing it trained was kept (a plugin fixed after it failed): it goes
+    on with the code found now, whose records are returned (`{name: origin}`, for config.json)."""
+    renewed = {}
     for name, record in (recorded or {}).items():
         was = Origin.read(record)
         if name not in _LOADED:
@@ -113,6 +124,11 @@ def load_recorded(recorded: dict | None, *, run_dir: Path | str, strict: bool) -
                 raise SpmlError(f"{run_dir}: its loss plugin {name} is gone ({was.spec} now names {cls.name!r});"
                                 " restore it, or start a new run")
         change = was.change(Origin.read(_LOADED[name][1]))
-        if strict and change is not None:
+        if strict and change is not None and renewable is not None and renewable(name):
+            warnings.warn(f"--resume {run_dir}: the loss plugin {name} changed since the run began ({change}); none"
+                          " of its parts was kept, so it trains with the code found now")
+            renewed[name] = origin(name)
+        elif strict and change is not None:
             raise SpmlError(f"--resume {run_dir}: the loss plugin {name} changed since the run began ({change});"
                             " restore it, or start a new run")
+    return renewed

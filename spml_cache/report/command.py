@@ -6,14 +6,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 
 from spml_cache.report.collect import collect_runs
+from spml_cache.report.confidence import DEFAULT_RESAMPLES, Resampling, add_intervals, check_resamples, compare
+from spml_cache.report.measures import MAP, StoredTests, add_metrics, parse_metric
 from spml_cache.report.pivot import check_pivot, pivot_backbone, plot_backbones
 from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
-from spml_cache.report.tables import build_table, formatter, print_notes, print_table
+from spml_cache.report.tables import (
+    Table, build_table, by_metric, formatter, print_comparisons, print_notes, print_table,
+)
 from spml_cache.runs import replace_atomically
+from spml_cache.runtime.devices import single_threaded
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -25,8 +31,9 @@ def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console 
 @dataclass(frozen=True)
 class ReportOptions:
     """The flags of `spml-cache report`: which runs (`paths`, [] means `runs_root`), the table's format and file,
-    the figures' folder, the per-class figure's pair of losses, and `pivot="backbone"` (the loss x backbone table
-    of one dataset, pivot.py; with `plots_dir` its figure alone)."""
+    the figures' folder, `compare` (two losses: their paired difference per column, and the per-class figure's
+    pair), `pivot="backbone"` (the loss x backbone table of one dataset, pivot.py; with `plots_dir` its figure
+    alone), the table's `metric` (measures.py's names), and `ci` (bootstrap intervals from `resamples`)."""
 
     paths: list[Path] = field(default_factory=list)
     runs_root: Path = Path("runs")
@@ -36,6 +43,9 @@ class ReportOptions:
     plots_dir: Path | None = None
     compare: str | None = None
     pivot: str | None = None
+    metric: str = MAP
+    ci: bool = False
+    resamples: int = DEFAULT_RESAMPLES
 
 
 def report_command(options: ReportOptions, console: Console) -> None:
@@ -43,35 +53,58 @@ def report_command(options: ReportOptions, console: Console) -> None:
     paths, runs_root, paper, fmt, output = options.paths, options.runs_root, options.paper, options.fmt, options.output
     plots_dir, compare, pivot = options.plots_dir, options.compare, options.pivot
     check_pivot(pivot)
+    metric, pair = parse_metric(options.metric), parse_compare(compare)
+    check_resamples(options.resamples)
+    if paper and metric != MAP:
+        raise SpmlError(f"--paper: the papers publish mAP only; leave out --paper or --metric {options.metric}")
     if output is not None and fmt is None:
         fmt = {".csv": "csv", ".md": "md", ".json": "json"}.get(output.suffix.lower())
         if fmt is None:
             raise SpmlError(f"--out {output}: cannot tell the format from the suffix; add --format csv|md|json")
     render = formatter(fmt) if fmt is not None else None
-    if compare is not None and plots_dir is None:
-        raise SpmlError("--compare chooses the losses of the per-class figure: add --plots DIR")
     if plots_dir is not None:
         require_matplotlib()
-        pair = parse_compare(compare)
     runs = collect_runs(paths, runs_root=runs_root)
-    table = build_table(runs, paper=paper)
+    table = _measured(build_table(runs, paper=paper), options, metric, pair, every=render is not None)
     table = pivot_backbone(table) if pivot == "backbone" else table
     if render is None:
         print_table(table, console)
     elif output is None:
         console.out(render(table), highlight=False, end="")
+        if fmt == "csv":  # a CSV has no place for them: on stderr, so that stdout stays one CSV
+            print_comparisons(table, Console(stderr=True))
     else:
         with _writing("--out", output):
             output.parent.mkdir(parents=True, exist_ok=True)
             replace_atomically(output, lambda file: file.write(render(table).encode("utf-8")))
         console.print(f"wrote {escape(str(output))} ({len(table.rows)} losses x {len(table.columns)} columns)")
         print_notes(table, console)
+        print_comparisons(table, console)
     if plots_dir is not None:
         with _writing("--plots", plots_dir):
             written = [plot_backbones(require_matplotlib(), table, plots_dir)] if pivot else \
                 plot_runs(runs, plots_dir, compare=pair, console=console)
         for path in written:
             console.print(f"wrote {escape(str(path))}")
+
+
+def _measured(table: Table, options: ReportOptions, metric: str, pair, every: bool) -> Table:
+    """`table` with the metrics beside mAP (for `every` format file, or when `metric` is another), the table's
+    metric, its intervals (--ci) and the paired comparison (--compare), from the runs' stored test scores."""
+    tests = StoredTests()
+    table.metric = metric
+    with single_threaded(torch.device("cpu")):  # small tensor ops: a second thread only waits (devices.py)
+        if every or metric != MAP:
+            add_metrics(table, tests)
+        if metric != MAP:
+            by_metric(table, metric)
+        if options.ci or pair is not None:
+            resampling = Resampling(options.resamples, tests, metric)
+            if options.ci:
+                add_intervals(table, resampling)
+            if pair is not None:
+                table.comparisons = compare(table, pair, resampling)
+    return table
 
 
 @contextmanager

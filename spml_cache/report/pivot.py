@@ -16,6 +16,7 @@ import numpy as np
 
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import DATASET_LABELS
+from spml_cache.report.measures import title
 from spml_cache.report.tables import ZERO_SHOT, Table
 from spml_cache.runs import replace_atomically
 from spml_cache.runtime.errors import SpmlError
@@ -44,7 +45,8 @@ def pivot_backbone(table: Table) -> Table:
     rows = [(loss, {labels[label]: cell for label, cell in cells.items() if label in labels})
             for loss, cells in table.rows]
     rows = [(loss, cells) for loss, cells in rows if cells]
-    notes = [f"{DATASET_LABELS.get(datasets[0], datasets[0])}: linear probe, test mAP per loss and backbone"]
+    notes = [f"{DATASET_LABELS.get(datasets[0], datasets[0])}: linear probe, test {title(table.metric)} per loss and"
+             " backbone"]
     notes += [f"left out of the pivot (another stage or rule): {', '.join(left_out)}"] if left_out else []
     return replace(table, columns=columns, rows=rows, notes=notes + table.notes)
 
@@ -78,7 +80,7 @@ def plot_backbones(Figure, table: Table, out_dir: Path) -> Path:
             axes.scatter(*zip(*best), s=140, facecolors="none", edgecolors=line[0].get_color(), linewidths=1.5)
     axes.set_yticks(positions, [f"{loss} (oracle)" if loss in table.oracles else loss for loss in losses],
                     fontsize=8)
-    axes.set(xlabel="test mAP (mean ± std over seeds)", title=f"{DATASET_LABELS.get(dataset, dataset)}: linear probe"
+    axes.set(xlabel=f"test {title(table.metric)} (mean ± std over seeds)", title=f"{DATASET_LABELS.get(dataset, dataset)}: linear probe"
              " per loss and backbone\n(circled: each backbone's best single-positive loss)")
     axes.grid(axis="x", alpha=0.3)
     # below the axes: inside, it would hide the markers of some loss

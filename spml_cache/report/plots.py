@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 import re
-import zipfile
-import zlib
 from pathlib import Path
 
 import numpy as np
-from numpy.lib.npyio import NpzFile
 from rich.console import Console
 from rich.text import Text
 
@@ -35,7 +31,7 @@ from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
 from spml_cache.report.layout import under_suptitle, wrapped
-from spml_cache.runs import replace_atomically, scores_path
+from spml_cache.runs import read_npz, replace_atomically, scores_path
 from spml_cache.runtime.errors import SpmlError
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
@@ -166,9 +162,9 @@ def _train_summary(run: Run, loss: str) -> dict:
     score_file, label_file = scores_path(run.path, run.key(loss)), run.path / "labels.npz"
     if not (score_file.exists() and label_file.exists()):
         return summary
-    labels = run_arrays(label_file, (run.observed_key, "train_observed", "train_labels"))
+    labels = read_npz(label_file, (run.observed_key, "train_observed", "train_labels"))
     observed = labels[run.observed_key if run.observed_key in labels else "train_observed"]
-    train, full = run_arrays(score_file, ("train",))["train"].astype(np.float32), labels["train_labels"]
+    train, full = read_npz(score_file, ("train",))["train"].astype(np.float32), labels["train_labels"]
     if train.shape != full.shape or full.shape != observed.shape:
         raise SpmlError(f"{score_file}: train scores {train.shape} do not match {label_file} {full.shape}; re-run the stage")
     unobserved = observed == 0
@@ -179,22 +175,6 @@ def _train_summary(run: Run, loss: str) -> dict:
     if summary["train_map"] is None:
         summary["train_map"] = mean_average_precision(train, full)
     return summary
-
-
-def run_arrays(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The arrays `keys` of an .npz file a run wrote (those it holds; the last key is required), or one line
-    naming the file: a file damaged or replaced by something else stops the report, not as a traceback."""
-    try:
-        found = np.load(path)
-        if not isinstance(found, NpzFile):
-            raise ValueError("an .npy array, not an .npz archive")
-        with found:
-            if keys[-1] not in found:
-                raise ValueError(f"no {keys[-1]!r} array in it")
-            return {key: found[key] for key in keys if key in found}
-    except (OSError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, zlib.error) as err:
-        raise SpmlError(f"{path} is not the .npz file of a run ({err}): run that stage again, or remove the"
-                        " file") from None
 
 
 def _train_histograms(Figure, title: str, summaries: dict[str, dict]):

@@ -2,7 +2,8 @@
 
 One row per loss, one column per dataset x stage x cache x observation rule (a rule other than `single` is named
 in its column's label, so a table over rules is loss x rule); a cell is the test mAP at the selected epoch, mean +-
-std over the run's seeds. When a loss was run several times for the same column, the newest run (by the stamp
+std over the run's seeds, or another metric (`--metric`, report/measures.py), with its bootstrap interval over the
+test images (`--ci`, report/confidence.py) where asked. The file formats carry every metric. When a loss was run several times for the same column, the newest run (by the stamp
 in its directory name) is used and the older ones are named in the notes (`collect.select_newest`), so
 re-running one loss replaces just that row.
 """
@@ -24,6 +25,7 @@ from spml_cache.runtime.errors import SpmlError, unknown_name
 from spml_cache.report.collect import (
     DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
 )
+from spml_cache.report.measures import MAP, every_metric, title as metric_title, top_k_of
 from spml_cache.report.paper import PAPERS, paper_number
 
 
@@ -38,6 +40,9 @@ class Cell:
     source: str | None = None
     swept: dict | None = None  # the selected values of the hyperparameters the run swept (and its weight decay)
     start: float | None = None  # fine-tuned: the test mAP of its model before any step (epoch 0)
+    key: str = ""  # the result's key in its run's files (`loss@rule` under a rule other than single)
+    metrics: dict | None = None  # {metric: [mean, std or None]}, None where n/a (report/measures.py)
+    interval: list | None = None  # [low, high]: the table metric's 95% bootstrap interval over the test images
 
     @property
     def diff(self) -> float | None:
@@ -57,6 +62,9 @@ class Table:
     paper: bool
     notes: list[str] = field(default_factory=list)
     incomplete: list[Run] = field(default_factory=list)
+    metric: str = MAP  # what the cells' mean and std are (report/measures.py's names)
+    resamples: int | None = None  # the bootstrap resamples of the cells' intervals (--ci), None without
+    comparisons: list = field(default_factory=list)  # --compare's paired differences (confidence.Comparison)
 
 
 ZERO_SHOT = "zero-shot (reference)"  # the row of a CLIP cache's image-text similarity alone, no training
@@ -71,7 +79,7 @@ def _cell(run: Run, loss: str) -> Cell:
     selected = result.get("selected") or {}
     swept = {**(selected.get("swept") or {}), **({"wd": selected["wd"]} if "wd" in selected else {})}  # linear --wd
     return Cell(mean=mean, std=None if std is None or mean is None else float(std), seeds=seeds, run=run.path,
-                swept=swept or None, start=None if start is None else float(start))
+                swept=swept or None, start=None if start is None else float(start), key=run.key(loss))
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:
@@ -93,11 +101,8 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
                 cell.paper, cell.source = published
         rows.append((loss, cells))
     reference = _zero_shot_cells(columns, chosen)
+    mark_best(columns, rows, oracles)
     for column in columns:
-        candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells
-                      and cells[column.label].mean is not None]
-        if candidates:
-            max(candidates, key=lambda c: c.mean).best = True
         if paper and column.backbone != DEFAULT_BACKBONE:
             notes.append(f"{column.label}: backbone {column.backbone}; the papers' numbers are ResNet-50's, so none"
                          " is shown beside it")
@@ -106,6 +111,28 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
                          " the comparison is not like for like")
     rows += [(ZERO_SHOT, reference)] if reference else []  # after the best marks: never the best loss
     return Table(columns, rows, oracles & present, paper, notes, [run for run in runs if run.results is None])
+
+
+def mark_best(columns: list[Column], rows: list, oracles: set[str]) -> None:
+    """Star each column's best single-positive cell by its mean (oracles and n/a cells excluded)."""
+    for column in columns:
+        candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells
+                      and cells[column.label].mean is not None]
+        for cell in candidates:
+            cell.best = False
+        if candidates:
+            max(candidates, key=lambda c: c.mean).best = True
+
+
+def by_metric(table: Table, metric: str) -> None:
+    """Make `metric` the table's: each cell's mean and std are that metric's (`measures.add_metrics`; n/a where the
+    run kept no scores), the best cells marked again by it; fine-tuning's start (an mAP) is not compared with it."""
+    table.metric = metric
+    for _, cells in table.rows:
+        for cell in cells.values():
+            cell.mean, cell.std = (cell.metrics or {}).get(metric) or [None, None]
+            cell.start = None
+    mark_best(table.columns, table.rows, table.oracles)
 
 
 def _zero_shot_cells(columns: list[Column], chosen: dict[tuple[str, str], Run]) -> dict[str, Cell]:
@@ -127,6 +154,7 @@ def cell_text(cell: Cell | None) -> str:
     if cell.mean is None:
         return "n/a"
     text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    text += f" [{cell.interval[0]:.2f}, {cell.interval[1]:.2f}]" if cell.interval else ""
     text += " ↓" if cell.below_start else ""
     return text + (" (" + " ".join(f"{key}={value:g}" for key, value in cell.swept.items()) + ")" if cell.swept else "")
 
@@ -152,8 +180,20 @@ def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def heading(table: Table) -> str:
+    """What a cell holds: the metric, the seeds' spread and, with --ci, the test set's (named apart)."""
+    text = f"Test {metric_title(table.metric)} at the selected epoch (mean ± std over seeds"
+    if table.resamples:
+        text += f"; [95% bootstrap interval over the test images, {table.resamples:,} resamples]"
+    return text + ")"
+
+
 def footnotes(table: Table) -> list[str]:
     notes = ["best single-positive loss per column in bold (*); oracles (full labels) excluded"] if table.rows else []
+    if table.resamples:
+        notes.append("± is the seeds' spread (population std over the run's seeds); [low, high] the test set's: the"
+                     " 2.5th and 97.5th percentiles of the mean over seeds on bootstrap resamples of the test images,"
+                     " the same resamples for every loss of a dataset")
     notes += table.notes
     notes += [f"↓ {loss}, {label}: fine-tuning ended below its start (test mAP {cell.start:.2f} before any step,"
               " epoch 0)" for loss, cells in table.rows for label, cell in cells.items() if cell.below_start]
@@ -165,10 +205,17 @@ def footnotes(table: Table) -> list[str]:
     return notes
 
 
+def _every(table: Table) -> list[str]:
+    return every_metric(top_k_of(table.metric))
+
+
 def to_csv(table: Table) -> str:
-    """Wide CSV for spreadsheets: per column `mean`, `std`, `seeds`, `best` (and `paper`, `diff`, `source`)."""
-    fields = ["mean", "std", "seeds", "best"] + (["paper", "diff", "source"] if table.paper else [])
+    """Wide CSV for spreadsheets: per column `mean`, `std`, `seeds`, `best` of the table's metric (with --ci `ci
+    low`, `ci high`; with --paper `paper`, `diff`, `source`), then every metric's `<name>` and `<name> std`."""
+    fields = ["mean", "std", "seeds", "best"] + (["ci low", "ci high"] if table.resamples else [])
+    fields += ["paper", "diff", "source"] if table.paper else []
     fields += ["swept"] if any(cell.swept for _, cells in table.rows for cell in cells.values()) else []
+    fields += [f"{name}{part}" for name in _every(table) for part in ("", " std")]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["loss"] + [f"{column.label} {name}" for column in table.columns for name in fields])
@@ -177,22 +224,59 @@ def to_csv(table: Table) -> str:
         for column in table.columns:
             cell = cells.get(column.label)
             values = {} if cell is None else {**vars(cell), "best": int(cell.best), "diff": cell.diff,
-                                              "swept": json.dumps(cell.swept) if cell.swept else None}
+                                              "swept": json.dumps(cell.swept) if cell.swept else None,
+                                              **_metric_fields(cell)}
             row += ["" if values.get(name) is None else values[name] for name in fields]
         writer.writerow(row)
     return buffer.getvalue()
 
 
+def _metric_fields(cell: Cell) -> dict:
+    """A cell's CSV fields beyond the table's metric: its interval, and every metric's mean and std."""
+    found = {"ci low": cell.interval[0], "ci high": cell.interval[1]} if cell.interval else {}
+    for name, (mean, std) in (cell.metrics or {}).items():
+        found.update({name: mean, f"{name} std": std})
+    return found
+
+
+def _markdown_rows(rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]]]
+
+
+def _every_metric_tables(table: Table) -> list[str]:
+    """Markdown: per column, every metric of every loss (mean ± std over seeds; n/a where the run kept no scores)."""
+    names, lines = _every(table), []
+    for column in table.columns:
+        rows = [["loss", *(metric_title(name) for name in names)]]
+        for loss, cells in table.rows:
+            cell = cells.get(column.label)
+            if cell is not None and cell.metrics:
+                rows.append([loss, *(_mean_std(cell.metrics.get(name)) for name in names)])
+        if len(rows) > 1:
+            lines += ["", f"Every metric, {column.label} (test, selected epoch; mean ± std over seeds):", "",
+                      *_markdown_rows(rows)]
+    return lines
+
+
+def _mean_std(value) -> str:
+    if value is None or value[0] is None:
+        return "n/a"
+    return f"{value[0]:.2f}" + (f" ± {value[1]:.2f}" if value[1] is not None else "")
+
+
 def to_markdown(table: Table) -> str:
     header, rows = _grid(table, lambda text: f"**{text}**")
-    lines = ["| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows]]
-    lines += [""] + [f"- {note}" for note in footnotes(table)] if footnotes(table) else []
+    lines = _markdown_rows([header, *rows])  # the table first: scripts read it from the first line
+    lines += ["", f"- {heading(table)}"] + [f"- {note}" for note in footnotes(table)]
+    lines += ["", "Paired comparisons:", ""] + [f"- {c.text()}" for c in table.comparisons] if table.comparisons else []
+    lines += _every_metric_tables(table)
     return "\n".join(lines) + "\n"
 
 
 def to_json(table: Table) -> str:
     payload = {
-        "metric": "test mAP (0-100) at the selected epoch; mean and std over the run's seeds",
+        "metric": heading(table), "metric_name": table.metric, "every_metric": _every(table),
+        "resamples": table.resamples,
         "columns": [vars(column) for column in table.columns],
         "rows": [{"loss": loss, "oracle": loss in table.oracles,
                   "cells": {label: {**vars(cell), "run": str(cell.run), "diff": cell.diff} for label, cell in cells.items()}}
@@ -200,6 +284,7 @@ def to_json(table: Table) -> str:
         "notes": table.notes,
         "incomplete": [{"path": str(run.path), "problem": run.problem} for run in table.incomplete],
         "paper_sources": PAPERS if table.paper else {},
+        "comparisons": [comparison.as_dict() for comparison in table.comparisons],
     }
     return json.dumps(payload, indent=2) + "\n"
 
@@ -215,7 +300,7 @@ def formatter(fmt: str):
 def print_table(table: Table, console: Console) -> None:
     # Text, never markup: column labels hold backbones in brackets ([clip:ViT-B-32]) that markup would eat
     header, rows = _grid(table, lambda text: Text(f"{text} *", style="bold green"))
-    title = "Test mAP at the selected epoch (mean ± std over seeds)"
+    title = heading(table)
     rich_table = RichTable(title=title, title_justify="left", min_width=len(title))
     for i, name in enumerate(header):  # the losses' names whole on their line: the cells wrap first
         rich_table.add_column(Text(name), justify="left" if i == 0 else "right", style="dim" if name == "paper" else None,
@@ -227,8 +312,14 @@ def print_table(table: Table, console: Console) -> None:
         rich_table.add_row(*cells, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
     console.print(rich_table if rows else "no complete runs to tabulate")
     print_notes(table, console)
+    print_comparisons(table, console)
 
 
 def print_notes(table: Table, console: Console) -> None:
     for note in footnotes(table):
         console.print(Text(note, style="dim"))  # Text: paths and names are not rich markup
+
+
+def print_comparisons(table: Table, console: Console) -> None:
+    for comparison in table.comparisons:
+        console.print(Text(comparison.text()))

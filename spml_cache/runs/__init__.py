@@ -9,6 +9,7 @@ from spml_cache.runs.files import (
     load_checkpoint,
     read_json,
     read_metrics,
+    read_npz,
     replace_atomically,
     save_checkpoint,
     temporary_path,
@@ -18,7 +19,9 @@ from spml_cache.runs.files import (
 from spml_cache.runs.handover import LinearHead, best_loss, check_same_cache, newest_run, read_linear_head
 from spml_cache.runs.layout import (
     RESULTS,
+    TEST_LABELS,
     Grid,
+    SeedScores,
     env_info,
     file_stem,
     finish_run,
@@ -29,12 +32,13 @@ from spml_cache.runs.layout import (
     write_labels,
     write_scores,
 )
-from spml_cache.runs.reading import is_complete, load_results, open_for_resume, run_stamp
+from spml_cache.runs.reading import StoredTest, is_complete, load_results, open_for_resume, read_stored_test, run_stamp
 
 __all__ = [
-    "RESULTS", "Grid", "LinearHead", "append_metrics", "best_loss", "check_same_cache", "env_info", "file_stem", "finish_run",
-    "is_complete", "jsonable", "load_checkpoint", "load_results", "make_run_dir", "newest_run", "open_for_resume",
-    "read_json", "read_linear_head", "read_metrics", "replace_atomically", "run_stamp", "safe_name",
+    "Grid", "LinearHead", "RESULTS", "SeedScores", "StoredTest", "TEST_LABELS", "append_metrics", "best_loss",
+    "check_same_cache", "env_info", "file_stem", "finish_run", "is_complete", "jsonable", "load_checkpoint",
+    "load_results", "make_run_dir", "newest_run", "open_for_resume", "read_json", "read_linear_head",
+    "read_metrics", "read_npz", "read_stored_test", "replace_atomically", "run_stamp", "safe_name",
     "save_checkpoint", "scores_path", "start_run", "temporary_path", "write_json", "write_labels", "write_npz",
     "write_scores",
 ]

@@ -7,13 +7,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
+import zipfile
+import zlib
 from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable
 
 import numpy as np
 import torch
+from numpy.lib.npyio import NpzFile
 
+from spml_cache.runtime.disk import remove_stale_temporaries, temporary_path
 from spml_cache.runtime.errors import DiskFull, SpmlError
 
 
@@ -38,15 +43,12 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def temporary_path(path: Path) -> Path:
-    """Where `path` is written before it is renamed into place: a hidden name that ends in `.tmp-<pid>`, so that no
-    reader's pattern (`*.pt`, `*.json`, ...) ever matches it, and two processes never share one."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def replace_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """`write(file)` into a temporary file, flushed to the disk, then renamed to `path`: a reader sees the old
-    file or the whole new one, never a part. Nothing is left behind on failure."""
+    file or the whole new one, never a part. Nothing is left behind on failure, and what a killed process left
+    behind for the same name is removed first."""
+    path = Path(path)
+    remove_stale_temporaries(path.parent, path.name)
     temporary = temporary_path(path)
     try:
         with open(temporary, "wb") as file:
@@ -135,3 +137,20 @@ def write_npz(path: Path | str, **arrays: np.ndarray) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(path, lambda file: np.savez_compressed(file, **arrays))
     return path
+
+
+def read_npz(path: Path, keys: tuple[str, ...] | None = None, required: bool = True) -> dict[str, np.ndarray]:
+    """The arrays `keys` (every array when None) of an .npz file a run wrote, those it holds (the last key required
+    unless not `required`), or one line naming the file: a file damaged or replaced by something else stops the
+    report, not as a traceback."""
+    try:
+        found = np.load(path)
+        if not isinstance(found, NpzFile):
+            raise ValueError("an .npy array, not an .npz archive")
+        with found:
+            if keys and required and keys[-1] not in found:
+                raise ValueError(f"no {keys[-1]!r} array in it")
+            return {key: found[key] for key in (keys or found.files) if key in found}
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, zlib.error) as err:
+        raise SpmlError(f"{path} is not the .npz file of a run ({err}): run that stage again, or remove the"
+                        " file") from None

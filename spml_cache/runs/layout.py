@@ -1,8 +1,8 @@
 """Where a run's files go and what they hold, for both training stages.
 
 `runs/<dataset>/<stage>-<loss or "all">-<YYYYmmdd-HHMMSS>/` holds `config.json` and `env.json` (`start_run`),
-`metrics.jsonl` (`files.append_metrics`), `scores/<loss>.npz` (`write_scores`), `labels.npz` (`write_labels`),
-then `best.pt` and `results.json` (`finish_run`; results last: without it the run is incomplete).
+`metrics.jsonl` (`files.append_metrics`), `scores/<loss>.npz` (`write_scores`), `labels.npz` and
+`test_labels.npz` (`write_labels`), then `best.pt` and `results.json` (`finish_run`; results last: without it the run is incomplete).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spml_cache import labels, metrics
 from spml_cache.cache import FeatureSet, cache_id
-from spml_cache.labels import for_figures
 from spml_cache.losses import plugins
 from spml_cache.losses.base import Fidelity
 from spml_cache.runs.files import save_checkpoint, write_json, write_npz
@@ -30,7 +30,7 @@ RESULTS = "results.json"
 def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs") -> Path:
     """Create `root/<dataset>/<stage>-<loss>-<stamp>/` (a `-2`, `-3`, ... suffix when that second is taken)."""
     parent = Path(root) / safe_name(dataset)
-    base = f"{stage}-{safe_name(loss)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = f"{stage}-{short_label(safe_name(loss))}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -43,6 +43,23 @@ def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs")
         except FileExistsError:
             continue
     raise SpmlError(f"cannot find a free run directory name under {parent}")
+
+
+# The most characters of a run directory's label (its losses): a directory name is capped at 255 bytes, and the label
+# is for people (config.json and results.json say what a run trained).
+LABEL_MAX = 120
+
+
+def short_label(label: str) -> str:
+    """`label` (`an+role+...`) as it is when short enough, else as many of its leading names as fit and how many
+    are left out (`an+role+12_more`)."""
+    if len(label) <= LABEL_MAX:
+        return label
+    names = label.split("+")
+    kept = [names.pop(0)[: LABEL_MAX - 10]]  # the first, cut if it alone is too long (room for "+N_more")
+    while names and len("+".join([*kept, names[0], f"{len(names)}_more"])) <= LABEL_MAX:
+        kept.append(names.pop(0))
+    return "+".join([*kept, f"{len(names)}_more"] if names else kept)
 
 
 def safe_name(text: str) -> str:
@@ -130,18 +147,45 @@ def scores_path(run_dir: Path | str, key: str) -> Path:
     return Path(run_dir) / "scores" / f"{file_stem(key)}.npz"
 
 
-def write_scores(run_dir: Path | str, key: str, **splits: torch.Tensor) -> Path:
-    """`scores/<key>.npz`: the selected head's sigmoid scores per split, as float16."""
+@dataclass(frozen=True)
+class SeedScores:
+    """Each seed's sigmoid test scores from the selected config's head at its best epoch (`[S, N, C]`, seeds in
+    results.json's `per_seed` order), and the test labels (and label mask) they are judged against: what report's
+    F1 family and bootstrap intervals read (docs/protocol.md, "Decisions" and "Intervals")."""
+
+    seeds: list[int]
+    test: torch.Tensor
+    labels: object  # the test split's labels as the stage holds them: numpy, a tensor, or SparseLabels
+    mask: object = None  # its label mask (partial labels), None where every label is known
+
+
+def write_scores(run_dir: Path | str, key: str, per_seed: SeedScores | None = None, **splits: torch.Tensor) -> Path:
+    """`scores/<key>.npz`: the selected head's sigmoid scores per split (float16); with `per_seed`, every seed's
+    test scores as float32 `test_seeds` (float16 would tie scores that the stage's mAP told apart) beside `seeds`,
+    and each seed's per-class F1 at the threshold (`per_class_f1`, `[S, C]`, 0..1) and for the top k
+    (`per_class_f1@3`)."""
     arrays = {split: values.detach().cpu().numpy().astype(np.float16) for split, values in splits.items()}
+    if per_seed is not None:
+        test = per_seed.test.detach().float()
+        for top_k, name in ((None, "per_class_f1"), (metrics.TOP_K, f"per_class_f1@{metrics.TOP_K}")):
+            counts = labels.decision_counts(metrics.predicted(test, top_k), per_seed.labels, per_seed.mask)
+            arrays[name] = metrics.f1_family(counts, per_seed.mask is not None)[1].cpu().numpy()
+        arrays.update(test_seeds=test.cpu().numpy(), seeds=np.asarray(per_seed.seeds, dtype=np.int64))
     return write_npz(scores_path(run_dir, key), **arrays)
 
 
-def write_labels(run_dir: Path | str, *, train_labels, train_observed, val_labels, test_labels,
+TEST_LABELS = "test_labels.npz"
+
+
+def write_labels(run_dir: Path | str, *, train_labels, train_observed, val_labels, test_labels, test_mask=None,
                  rules: dict[str, np.ndarray] | None = None) -> Path | None:
     """`labels.npz`: the labels the scores are judged against (what report's figures need); `rules`: other
     observation rules' training masks, as `train_observed@<rule>`. Sparse label matrices (a cache of many
-    classes) are not written (None: `labels.for_figures`)."""
-    if for_figures(train_labels) is None:
+    classes) are not written (None: `labels.for_figures`). And, in either form, `test_labels.npz`: the test
+    labels and label mask (`labels.to_arrays`: `labels`, `mask`), what report's metrics beside mAP read."""
+    mask = {} if test_mask is None else labels.to_arrays(test_mask, "mask")
+    write_npz(Path(run_dir) / TEST_LABELS, **labels.to_arrays(test_labels, "labels"), **mask)
+    if labels.for_figures(train_labels) is None:
         return None
     others = {f"train_observed@{rule}": observed for rule, observed in (rules or {}).items()}
     return write_npz(Path(run_dir) / "labels.npz", train_labels=train_labels, train_observed=train_observed,

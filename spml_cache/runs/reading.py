@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from spml_cache import labels
 from spml_cache.losses import plugins
-from spml_cache.runs.files import read_json
-from spml_cache.runs.layout import RESULTS
+from spml_cache.runs.files import read_json, read_npz, write_json
+from spml_cache.runs.layout import RESULTS, TEST_LABELS, scores_path
+from spml_cache.runtime import locks
 from spml_cache.runtime.errors import SpmlError
 
 
@@ -31,8 +37,10 @@ def load_results(run_dir: Path | str) -> dict:
     return read_json(run_dir / RESULTS, dict)
 
 
-def open_for_resume(run_dir: Path | str, stage: str) -> dict:
-    """`--resume RUN`: the `config.json` of an interrupted run of `stage`; a clear error for anything else."""
+def open_for_resume(run_dir: Path | str, stage: str, renewable: Callable[[str], bool] | None = None) -> dict:
+    """`--resume RUN`: the `config.json` of an interrupted run of `stage`; a clear error for anything else. Its
+    plugin losses are loaded, the very same code or refused, but for those `renewable(name)` says nothing was kept
+    of: those go on with the code found now, which config.json records from then on."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
@@ -42,5 +50,40 @@ def open_for_resume(run_dir: Path | str, stage: str) -> dict:
                         f" spml-cache {config.get('stage')} --resume {run_dir}")
     if is_complete(run_dir):
         raise SpmlError(f"--resume {run_dir}: that run is already complete ({RESULTS})")
-    plugins.load_recorded(config.get("plugins"), run_dir=run_dir, strict=True)  # the very same code, or refused
+    renewed = plugins.load_recorded(config.get("plugins"), run_dir=run_dir, strict=True, renewable=renewable)
+    if renewed:  # not while another process trains the run (with the code it recorded): that one is refused
+        with locks.held(run_dir, f"run directory {run_dir}"):
+            config["plugins"] = {**config["plugins"], **renewed}
+            write_json(run_dir / "config.json", config)
     return config
+
+
+@dataclass(frozen=True)
+class StoredTest:
+    """What a run keeps of one result's test split for the metrics beside mAP: each seed's sigmoid scores (`[S, N,
+    C]` float32, seeds in results.json's order), the split's labels and label mask (dense or sparse; None: fully
+    labelled)."""
+
+    seeds: list[int]
+    scores: np.ndarray
+    labels: object
+    mask: object
+
+
+def read_stored_test(run_dir: Path | str, key: str) -> StoredTest | None:
+    """Result `key`'s per-seed test scores and the run's test labels; None for a run written before they were kept
+    (its `scores/<key>.npz` without `test_seeds`, or no `test_labels.npz`) or without scores (out of core)."""
+    run_dir = Path(run_dir)
+    score_file, label_file = scores_path(run_dir, key), run_dir / TEST_LABELS
+    if not (score_file.exists() and label_file.exists()):
+        return None
+    found = read_npz(score_file, ("seeds", "test_seeds"), required=False)
+    if "test_seeds" not in found:
+        return None
+    stored = read_npz(label_file)
+    test, mask = labels.from_arrays(stored, "labels"), labels.from_arrays(stored, "mask")
+    scores = found["test_seeds"]
+    if test is None or scores.ndim != 3 or tuple(scores.shape[1:]) != tuple(test.shape):
+        raise SpmlError(f"{score_file}: test scores {scores.shape} do not match {label_file}"
+                        f" ({None if test is None else test.shape}); run that stage again")
+    return StoredTest([int(seed) for seed in found["seeds"]], scores, test, mask)

@@ -23,11 +23,12 @@ import json
 import os
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from pathlib import Path
 
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, stops_at_once
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,10 +186,8 @@ def installed(kind: Kind) -> list[str]:
 def load_entry_point(point: metadata.EntryPoint, kind: Kind) -> Loaded:
     """The object entry point `point` names; its origin is the entry point's with its module's file."""
     shown = f"{point.name} (entry point {point.value} of {_owner(point)})"
-    try:
+    with importing(shown, kind):
         target = point.load()
-    except (Exception, SystemExit) as err:  # the user's code, whatever it raised: one line naming it
-        raise import_failed(shown, err, kind) from None
     module = sys.modules.get(getattr(target, "__module__", None) or "") or sys.modules.get(point.module)
     distribution = {"distribution": point.dist.name, "version": point.dist.version} if point.dist else {}
     origin = Origin(kind=ENTRY_POINT, spec=point.name, value=point.value, **_file_origin(module), **distribution)
@@ -219,10 +218,27 @@ def missing(origin: Origin, kind: Kind) -> str | None:
     return None
 
 
+@contextmanager
+def importing(shown: str, kind: Kind):
+    """A plugin's import: code with no safe points (it may never return), so a signal stops it at once, even where
+    the command defers stops to its own safe points (stage two); a stop there is said naming the plugin, and
+    whatever the plugin raises itself (a KeyboardInterrupt or SystemExit too) is one line naming it."""
+    try:
+        with stops_at_once():
+            yield
+    except KeyboardInterrupt:
+        if stop_requested() is None:  # no signal asked for it: the plugin raised it itself
+            raise import_failed(shown, KeyboardInterrupt(), kind) from None
+        raise Interrupted(f"nothing was written ({kind.flag} {shown} was being imported)") from None
+    except (Exception, SystemExit) as err:
+        raise import_failed(shown, err, kind) from None
+
+
 def import_failed(shown: str, err: BaseException, kind: Kind) -> SpmlError:
     said = " ".join(str(err).split())  # one line, whatever the message holds
-    return SpmlError(f"{kind.flag} {shown}: importing it raised {type(err).__name__}: {said}; fix the plugin (run it"
-                     " with python to see the traceback)")
+    raised = f"{type(err).__name__}: {said}" if said else type(err).__name__
+    return SpmlError(f"{kind.flag} {shown}: importing it raised {raised}; fix the plugin (run it with python to see"
+                     " the traceback)")
 
 
 def _import_file(spec: str, path: Path, kind: Kind):
@@ -238,10 +254,11 @@ def _import_file(spec: str, path: Path, kind: Kind):
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # a class's module must be importable by name (pickling, dataclasses)
     try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as err:
+        with importing(spec, kind):
+            module_spec.loader.exec_module(module)
+    except BaseException:
         del sys.modules[module_name]
-        raise import_failed(spec, err, kind) from None
+        raise
     return module
 
 
@@ -254,15 +271,16 @@ def _with_current_folder() -> None:
 def _import_module(spec: str, module_name: str, kind: Kind):
     _with_current_folder()
     try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and (module_name == err.name or module_name.startswith(f"{err.name}.")):
+        with importing(spec, kind):
+            return importlib.import_module(module_name)
+    except SpmlError as failed:
+        err = failed.__context__
+        if isinstance(err, ModuleNotFoundError) and err.name and (module_name == err.name or
+                                                                   module_name.startswith(f"{err.name}.")):
             raise SpmlError(f"{kind.flag} {spec}: no module {err.name} on the Python path (the current folder"
                             " included); install its package, run from the folder that holds it, or add that"
                             f" folder to PYTHONPATH ({kind.guide})") from None
-        raise import_failed(spec, err, kind) from None
-    except (Exception, SystemExit) as err:
-        raise import_failed(spec, err, kind) from None
+        raise
 
 
 def _digest(path: Path) -> str:
