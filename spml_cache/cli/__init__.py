@@ -151,7 +151,7 @@ def linear_command(
     seeds: Optional[int] = typer.Option(None, "--seeds", help="Run seeds 0..N-1 (init and batch order); results are mean ± std (default: one seed)."),
     hp: Optional[List[str]] = typer.Option(None, "--hp", help="A hyperparameter key=value (repeatable); loss.key=value for one loss; key=v1,v2,... sweeps the values."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/."),
+    out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<backbone>-<loss>-<time>/."),
     val_labels: Optional[str] = typer.Option(None, "--val-labels", help="Select on clean (full) val labels, the default, or on the observed ones."),
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),

@@ -44,7 +44,7 @@ from spml_cache.selection import HeadRecord, loss_results, select_config, stops_
 
 def run_finetune(options: FinetuneOptions, run: FinetuneRun = FinetuneRun(), *,
                  log: Callable[[str], None] = lambda line: None) -> dict:
-    """Fine-tune and write `run.out/<dataset>/finetune-<loss>-<stamp>/`; returns its results plus `run_dir`.
+    """Fine-tune and write `run.out/<dataset>/finetune-<backbone>-<loss>-<stamp>/`; returns its results plus `run_dir`.
 
     Options left as None take their defaults or, with `run.resume`, the interrupted run's values (options given
     must match those). The first line logged names the linear run and head the model starts from.
