@@ -99,8 +99,8 @@ def draw_backbones(Figure, table: Table):
                            " each backbone's best single-positive loss)", figure))
     axes.grid(axis="x", alpha=0.3)
     # below the axes, under the x label: inside, it would hide the markers of some loss
-    widest = max((len(handle.get_label()) for handle in handles), default=1)
-    per_row = max(1, min(len(handles), int(figure.get_figwidth() * 72 * 0.9 / ((widest + 5) * MIN_POINTS * GLYPH_EM))))
+    entry = (max((len(handle.get_label()) for handle in handles), default=1) + 5) * MIN_POINTS * GLYPH_EM  # points
+    per_row = max(1, min(len(handles), int(figure.get_figwidth() * 72 * 0.9 / entry)))
     legend_below(figure, axes.legend(handles=handles, fontsize=MIN_POINTS, loc="lower center", ncol=per_row,
                                      bbox_to_anchor=(0.5, 0), bbox_transform=figure.transFigure, frameon=False))
     return figure
