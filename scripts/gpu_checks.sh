@@ -14,7 +14,9 @@
 #                   images at 448 px: extract, linear vs CPU on learnable      CPU cores at 64 px)
 #                   features, finetune's epoch 0 on a bf16 cache, demo)
 #   linear          stage two, VOC-shaped: an and role with graphs and         2-4 min (CPU: an 12 s, role 29 s, all
-#                   --no-graphs, the reference loop (1 epoch), all with graphs 7 min with 2 worker processes)
+#                   --no-graphs, the reference loop (1 epoch), all with graphs 7 min with 2 worker processes;
+#                   in both fidelities (--fidelity authors: heads stop early,  H200 2026-11-26: all 16.9 s, authors
+#                   their stacks capture anew into their pools, issue 42)      failed there in 11 s, 49 s eagerly)
 #   coco-1..coco-3  stage two, COCO-shaped (65,665 training rows, 80 classes)  2-4 min each, 6-10 min for all 26
 #                   --loss all with graphs, as three runs of 8-9 losses each   losses (CPU: ~10 min per loss)
 #   extract         stage one: 10,000 JPEGs at 448 px, end to end vs decode    3-5 min (CPU: 1 image/s end to end)
@@ -76,7 +78,9 @@ run_part() {
         python3 scripts/bench_linear.py --device cuda --shape voc --losses an,role --eager --reference-epochs 1 \
           --json docs/benchmarks/linear-voc-$slug.json 2>&1 | tee $out/bench-linear-voc.txt
         python3 scripts/bench_linear.py --device cuda --shape voc --losses all --no-reference \
-          --json docs/benchmarks/linear-voc-all-$slug.json 2>&1 | tee $out/bench-linear-voc-all.txt"
+          --json docs/benchmarks/linear-voc-all-$slug.json 2>&1 | tee $out/bench-linear-voc-all.txt
+        python3 scripts/bench_linear.py --device cuda --shape voc --losses all --fidelity authors --no-reference \
+          --json docs/benchmarks/linear-voc-all-authors-$slug.json 2>&1 | tee $out/bench-linear-voc-all-authors.txt"
       cp docs/benchmarks/linear-voc-*"$slug".json "$out/" 2>/dev/null
       ;;
     coco-1) bench_coco coco-1 "$COCO_1" ;;

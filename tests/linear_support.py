@@ -45,6 +45,22 @@ def write_synthetic_cache(path: Path, *, train: int = 96, val: int = 32, test: i
     return cache.write(path, attrs=attrs, **splits)
 
 
+def reordering_step(rows: int, classes: int) -> float:
+    """The least change of mAP (points, 0-100) that two adjacent scores of one class swapping or tying make, over
+    `rows` rows and `classes` classes: a positive at rank r moving past (or tying with) the score after it changes
+    its class's AP by i / (P r (r + 1)), with i >= 1 positives at or above it, P <= rows positives and r < rows,
+    so by at least 1 / (rows^2 (rows - 1)), and the mAP by that over `classes`.
+
+    Why the tests that compare a head in a stack of K with the same head alone (or in a sweep, an lr group, a
+    class block) use it: the two run their elementwise ops at other places of other shapes, and ATen's AVX2 /
+    AVX-512 kernels round a tensor's last elements (a scalar loop) otherwise than the rest, so the heads agree
+    to float32 rounding, not bit for bit. Their scores then rank alike unless two of them are within that
+    rounding (continuous synthetic scores are ~1e-2 apart), and equal rankings give mAPs equal to float64's
+    rounding. A mAP tolerance below this step asserts exactly that: the same ranking of every class's scores,
+    whatever the CPU's vector instructions; and with it, the same best epochs and selection."""
+    return 100 / (classes * rows * rows * (rows - 1))
+
+
 def quiet() -> Console:
     """A console that swallows the live table: tests read the run directory instead."""
     return Console(file=io.StringIO())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 
 import h5py
@@ -45,6 +46,38 @@ def wrong_width():
 
 def raises():
     raise RuntimeError("no weights here")
+
+
+class Faulty(torch.nn.Module):
+    # The channel means, then a fault: NaN rows (nan), or from its third call (the first is the width check, the
+    # second the first batch) an error (raises) or rows twice as wide (widens).
+
+    def __init__(self, fault):
+        super().__init__()
+        self.fault, self.calls = fault, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = x.mean(dim=(2, 3))
+        if self.fault == "nan":
+            return out * float("nan")
+        if self.calls >= 3 and self.fault == "raises":
+            raise RuntimeError("the weights server went away")
+        if self.calls >= 3 and self.fault == "widens":
+            return torch.cat([out, out], dim=1)
+        return out
+
+
+def nan():
+    return Faulty("nan"), Preprocess({side}), 3
+
+
+def raises_later():
+    return Faulty("raises"), Preprocess({side}), 3
+
+
+def widens_later():
+    return Faulty("widens"), Preprocess({side}), 3
 """
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (120, 120, 120), (250, 250, 10), (10, 240, 240),
            (90, 10, 160), (160, 90, 10), (60, 60, 60), (230, 230, 230)]
@@ -246,3 +279,52 @@ def test_the_guides_example_runs_offline_from_the_folder_that_holds_it_with_weig
     with h5py.File(data / "cache" / "csv-mynets_resnet18_trunk-32.h5", "r") as file:
         assert (file.attrs["weights"], file.attrs["feature_dim"], file.attrs["resolution"]) == ("none", 512, 32)
         assert np.isfinite(file["train"]["features"][()]).all()
+
+
+def extract_in_process(data, monkeypatch, capsys, backbone: str, *more: str) -> tuple[int, str]:
+    monkeypatch.syspath_prepend(str(data / "code"))
+    monkeypatch.setenv("SPML_CACHE", str(data / "cache"))
+    return run_main("extract", "csv", "--root", str(data), "--backbone", backbone, "--device", "cpu", "--workers",
+                    "0", "--batch-size", "2", *more, cwd=data, monkeypatch=monkeypatch, capsys=capsys)
+
+
+@pytest.mark.parametrize("function, said", [
+    ("raises_later", "it raised RuntimeError: the weights server went away"),
+    ("widens_later", "it returned rows of width 6, not its 3"),
+])
+def test_a_backbone_failing_mid_run_is_one_line_naming_it_and_the_run_goes_on(data, monkeypatch, capsys, function,
+                                                                              said):
+    """Its second batch raising, or coming back wider: raw errors naming neither the backbone nor what was kept (a
+    width change was even written, rows cut to the first width)."""
+    backbone, partial = f"tinynets37:{function}", data / "cache" / f"csv-tinynets37_{function}-{SIDE}.h5.partial"
+    for kept in (2, 4):  # the same command again goes on from the rows kept (and fails at its own second batch)
+        code, err = extract_in_process(data, monkeypatch, capsys, backbone)
+        assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert re.fullmatch(rf"error: backbone {backbone} failed on a batch of train images \(the first: \S+\.jpg\):"
+                            rf" {re.escape(said)}; fix it, then run the command again \(the {kept} images done are"
+                            rf" kept in {re.escape(str(partial))}\)", err.strip()), err
+        assert sorted(path.name for path in (data / "cache").iterdir()) == [partial.name]
+
+
+@pytest.mark.parametrize("on_bad_image", ["fail", "skip"])
+def test_a_backbone_giving_nan_is_its_fault_not_the_images(data, monkeypatch, capsys, on_bad_image):
+    """Every row NaN: the error blamed an image, and with --on-bad-image skip a "complete" cache of no rows was
+    sealed, exit 0, every image "undecodable"."""
+    code, err = extract_in_process(data, monkeypatch, capsys, "tinynets37:nan", "--on-bad-image", on_bad_image)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert re.match(r"error: backbone tinynets37:nan gave features that are not finite \(NaN or inf\) for image"
+                    r" \S+\.jpg and 1 more of its batch: the backbone is at fault, not the images: check its --weights"
+                    r" or its code", err), err
+    assert not (data / "cache" / f"csv-tinynets37_nan-{SIDE}.h5").exists()
+
+
+def test_a_cache_whose_every_image_was_left_out_is_never_sealed(data, monkeypatch, capsys):
+    for image in (data / "images").iterdir():
+        image.write_bytes(image.read_bytes()[:20])  # truncated: undecodable
+    code, err = extract_in_process(data, monkeypatch, capsys, "tinynets37:make", "--on-bad-image", "skip")
+    partial = data / "cache" / f"csv-tinynets37_make-{SIDE}.h5.partial"
+    assert code == 1 and [line for line in err.splitlines() if line.startswith("error")] == [  # after the progress
+        f"error: {partial}: every one of the 6 train images was left out as undecodable (e.g. images/0.jpg), so the"
+        " cache would have no train rows: check the images under --root, then run the command again with --force"
+    ], err
+    assert not partial.with_suffix("").exists()

@@ -8,6 +8,7 @@ stopped. Marked `cuda`: skipped where no CUDA GPU is visible."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -41,7 +42,10 @@ def data(tiny_cache):
 
 
 def seed_runs(names, data, fidelity="exact"):
-    return [SeedRun(name, dict(PHASES.get(name, {})), seed, SeedGrid([1e-2, 1e-3], [8, 16], EPOCHS), data,
+    """Every loss's heads at lrs 1e-2 and 1e-3, and one at an infinite lr: NaN from its first step, so every stack
+    stops a head after epoch 1 and captures anew in epoch 2, into the pool its first graphs held (which torch's
+    allocator allows only while one of them is alive: graphs.py), in both fidelities."""
+    return [SeedRun(name, dict(PHASES.get(name, {})), seed, SeedGrid([1e-2, 1e-3, math.inf], [8, 16], EPOCHS), data,
                     fidelity=fidelity)
             for name in names for seed in (0, 1)]
 

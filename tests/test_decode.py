@@ -91,7 +91,7 @@ def first_payload(device: torch.device, decode: str, data):
     (nothing is moved to that device here)."""
     paths = [data / "images" / f"{k}.jpg" for k in range(4)]
     run = BatchRun(preprocess=Preprocess(32), width=2048, batch_size=4, workers=0, device=device, precision="fp32",
-                   skip_bad=False, label="test", decode=decode)
+                   skip_bad=False, label="test", backbone="resnet50", decode=decode)
     loader, _ = _loader([("train", np.arange(4))], {"train": paths}, run, feed_thread=device.type == "cuda")
     return next(iter(loader))[2]
 

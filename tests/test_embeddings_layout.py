@@ -185,14 +185,14 @@ def test_a_stop_during_export_leaves_nothing_and_says_so(data, tmp_path, monkeyp
 
     root, layout, _ = data
     path = import_features(layout, dataset="csv", root=root, out=tmp_path / "a.h5").path
-    written = embeddings._write_part
+    written = embeddings._write_metadata
 
-    def stopped_after_the_first(folder, index, name, split):  # Ctrl-C arrives while the second part is written
-        if index == 1:
+    def stopped_after_the_first(file, name, split):  # Ctrl-C arrives while the second part is written
+        if name == "val":
             raise KeyboardInterrupt
-        written(folder, index, name, split)
+        written(file, name, split)
 
-    monkeypatch.setattr(embeddings, "_write_part", stopped_after_the_first)
+    monkeypatch.setattr(embeddings, "_write_metadata", stopped_after_the_first)
     with pytest.raises(Interrupted, match="nothing was written"):
         embeddings.export(path, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
@@ -216,3 +216,34 @@ def test_a_last4_cache_exported_comes_back_as_a_last4_cache(data, tmp_path):
     assert again.returncode == 0, again.stderr
     imported = cache.load(tmp_path / "again" / "csv-imported_last4-0.h5")
     assert imported.attrs["features"] == "last4"
+
+
+def dead_process_id() -> int:
+    """The id of a process that has ended (and been reaped)."""
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_what_a_killed_export_left_is_removed_by_the_next(data, tmp_path):
+    """An export killed with SIGKILL leaves its hidden `.OUT.tmp-PID` folder (beside a new --out, inside an empty
+    one), which no run ever removed; the next export removes those of processes that no longer run, and leaves a
+    running one's alone."""
+    from spml_cache.extract import import_features
+
+    root, layout, _ = data
+    path = import_features(layout, dataset="csv", root=root, out=tmp_path / "a.h5").path
+    (tmp_path / "empty").mkdir()
+    running = tmp_path / f".new.tmp-{os.getpid()}"  # this process runs: an export of its own, say
+    running.mkdir()
+    for name, folder in (("new", tmp_path), ("empty", tmp_path / "empty")):
+        killed = folder / f".{name}.tmp-{dead_process_id()}"
+        (killed / "img_emb").mkdir(parents=True)
+        (killed / "img_emb" / "img_emb_0.npy").write_bytes(b"\x93NUMPY half")
+        done = run_cli("export", str(path), "--out", str(tmp_path / name), cwd=tmp_path, env=environment(tmp_path))
+        assert done.returncode == 0, done.stderr
+        assert not killed.exists()
+        assert {p.name for p in (tmp_path / name).iterdir()} == {"img_emb", "metadata", "spml_cache.json"}
+    assert running.is_dir()

@@ -1,15 +1,17 @@
-"""The captured-graph engine (linear/graphs.py), run on the CPU with a stand-in for CUDA graphs that checks every
-replay against its capture: the op trace a CUDA graph would bake in (trace_support.py) must be the same at each
-replay, and training in lockstep must give exactly what the eager engine gives, for every loss.
+"""The captured-graph engine (linear/graphs.py), run on the CPU with a stand-in for CUDA graphs that checks what
+CUDA would: every replay against its capture (the op trace a CUDA graph would bake in, trace_support.py, must be the
+same at each replay), and the life of the graphs' memory pools as torch's caching allocator keeps it. Training in
+lockstep must give exactly what the eager engine gives, for every loss, in both fidelities, with heads stopping.
 
-On a GPU, tests/test_cuda.py runs the real graphs against the eager path.
+On a GPU, tests/test_cuda_graphs.py runs the real graphs against the eager path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from contextlib import nullcontext
+import math
+import weakref
+from contextlib import ExitStack, nullcontext
 
 import numpy as np
 import pytest
@@ -21,9 +23,10 @@ from trace_support import first_difference, record
 from spml_cache import cache, losses
 from spml_cache.linear.adam_kernel import fused_adam_available
 from spml_cache.linear.engine import LinearData, SeedGrid, SeedRun
-from spml_cache.linear.graphs import Lockstep
+from spml_cache.linear.graphs import CudaGraphs, Lockstep
 from spml_cache.runtime.devices import to_host
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.step_trace import HostReads, KernelHostReads, StepRecorder
 
 pytestmark = pytest.mark.skipif(not fused_adam_available(torch.device("cpu")),
                                 reason="captured steps need torch's fused Adam kernel, here on the CPU")
@@ -31,14 +34,69 @@ pytestmark = pytest.mark.skipif(not fused_adam_available(torch.device("cpu")),
 EPOCHS = 4
 # Every phase of every loss within EPOCHS: pseudo-labelling and corrections from epoch 2, schedules moving.
 PHASES = {"em_apl": {"warmup": 1}, "opml_sp": {"warmup": 1}}
+ALLOCATOR_REFUSAL = 'it->second->use_count > 0 INTERNAL ASSERT FAILED at "CUDACachingAllocator.cpp" (the stand-in)'
 
 
-class ReplayChecked:
-    """`graphs.CudaGraphs` on the CPU. Capturing runs the steps (so the graph's first replay is skipped) and
-    records their op trace; every later replay runs them again and must record the same trace."""
+class CheckedPool:
+    """A graph memory pool as torch's caching allocator keeps it (CUDACachingAllocator.cpp): `beginAllocateToPool`
+    makes a pool for an id it does not hold, and for one it holds asserts `use_count > 0` (a capture into it adds
+    one); a graph destroyed takes its one away (`releasePool`), and a pool at 0 stays in the allocator's books
+    until `empty_cache` frees its memory. Here the count is the captured graphs still alive (a weak set: a graph
+    the code drops is released at once under CPython's reference counting), and capturing into a pool that had
+    graphs and has none alive raises, as the allocator's assertion does. (The allocator forgets such a pool
+    after an `empty_cache`, and would then make it anew; the stand-in never forgets: stricter.)"""
+
+    def __init__(self) -> None:
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        self.ever = 0  # graphs ever captured into it
+
+    def capture_into(self, graph) -> None:
+        if self.ever and not self.live:
+            raise RuntimeError(ALLOCATOR_REFUSAL)
+        self.live.add(graph)
+        self.ever += 1
+
+
+class CheckedGraph:
+    """A CUDA graph on the CPU. Capturing runs the steps (so its first replay is skipped) and records their op
+    trace; every later replay runs them again and must record the same trace."""
+
+    def __init__(self) -> None:
+        self.steps, self.pool, self.ops, self.ran_at_capture = None, None, None, True
+        self.recording: ExitStack | None = None
+        self.recorder: StepRecorder | None = None
+
+    def capture_begin(self, pool) -> None:
+        pool.capture_into(self)
+        self.pool = pool
+        self.recorder, self.recording = StepRecorder(), ExitStack()  # trace_support.record's recorders, entered
+        for mode in (KernelHostReads(self.recorder), HostReads(self.recorder.forbidden), self.recorder):
+            self.recording.enter_context(mode)
+
+    def capture_end(self) -> None:
+        self.recording.close()
+        assert not self.recorder.forbidden, "a captured step may not sync or copy from the host:\n" + "\n".join(
+            self.recorder.forbidden)
+        self.ops = self.recorder.trace
+        ReplayChecked.captured += 1
+
+    def replay(self) -> None:
+        if self.ran_at_capture:
+            self.ran_at_capture = False
+            return
+        ops = record(self.steps)[1].trace
+        assert ops == self.ops, "a replay would not do what its capture did: " + first_difference(
+            self.ops, ops, ("captured", "replayed"))
+        ReplayChecked.replayed += 1
+
+
+class ReplayChecked(CudaGraphs):
+    """`graphs.CudaGraphs` on the CPU: its own `capture` (begin, the steps, end; the errors of each) with
+    `CheckedGraph`s and `CheckedPool`s."""
 
     captured = 0
     replayed = 0
+    graph = CheckedGraph
 
     @staticmethod
     def new_stream(device):
@@ -58,30 +116,17 @@ class ReplayChecked:
 
     @staticmethod
     def new_pool(device):
-        return object()
+        return CheckedPool()
 
-    @staticmethod
-    def capture(stream, steps, pool):
-        return CheckedGraph(steps, pool)
+    @classmethod
+    def new_graph(cls):
+        return cls.graph()
 
-
-class CheckedGraph:
-    def __init__(self, steps, pool) -> None:
-        self.steps, self.pool, self.ran_at_capture = steps, pool, True
-        _, recorded = record(steps)
-        assert not recorded.forbidden, "a captured step may not sync or copy from the host:\n" + "\n".join(
-            recorded.forbidden)
-        self.ops = recorded.trace
-        ReplayChecked.captured += 1
-
-    def replay(self) -> None:
-        if self.ran_at_capture:
-            self.ran_at_capture = False
-            return
-        ops = record(self.steps)[1].trace
-        assert ops == self.ops, "a replay would not do what its capture did: " + first_difference(
-            self.ops, ops, ("captured", "replayed"))
-        ReplayChecked.replayed += 1
+    @classmethod
+    def capture(cls, stream, steps, pool):
+        graph = super().capture(stream, steps, pool)
+        graph.steps = steps  # what its replays run again
+        return graph
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +139,9 @@ def data(tmp_path_factory):
     return dataclasses.replace(data, train_similarity=similarity.to(data.train_features.device))
 
 
-def seed_run(name, data, fidelity="exact"):
+def seed_run(name, data, fidelity="exact", lrs=(3e-1, 1e-2)):
     hparams = {**PHASES.get(name, {})}
-    return SeedRun(name, hparams, 0, SeedGrid([3e-1, 1e-2], [4, 8], EPOCHS), data, fidelity=fidelity)
+    return SeedRun(name, hparams, 0, SeedGrid(list(lrs), [4, 8], EPOCHS), data, fidelity=fidelity)
 
 
 def histories(run):
@@ -104,18 +149,49 @@ def histories(run):
             for r in run.records]
 
 
+def test_the_stand_in_refuses_a_capture_into_a_pool_whose_graphs_were_all_released():
+    """What the allocator asserts (`CheckedPool`): a pool with a live graph takes another capture; one whose graphs
+    are all gone does not; a fresh pool always does."""
+    pool, steps = CheckedPool(), lambda: torch.ones(2).add_(1)
+    first = ReplayChecked.capture(None, steps, pool)
+    second = ReplayChecked.capture(None, steps, pool)  # the first is alive
+    del first, second
+    with pytest.raises(RuntimeError, match="use_count > 0"):
+        ReplayChecked.capture(None, steps, pool)
+    assert ReplayChecked.capture(None, steps, CheckedPool()).pool is not pool
+
+
+# A head at an infinite lr: NaN from its first step in every loss and fidelity, so every stack stops a head at the
+# end of epoch 1 and captures its graphs anew in epoch 2 (a finite absurd lr would leave the authors' eps-guarded
+# logs finite). At lr 1, the authors' rules stop heads before the last epoch: `no_gain` (em, em_apl) and `drop` (the
+# large-loss family, gr, gpr) on these 45 rows.
+STOPPING_LRS = (1.0, 1e-2, math.inf)
+
+
+@pytest.mark.parametrize("fidelity", ["exact", "authors"])
 @pytest.mark.parametrize("name", losses.names())
-def test_lockstep_replays_train_every_loss_as_the_eager_engine_does(name, data):
-    eager = seed_run(name, data)
+def test_lockstep_replays_train_every_loss_as_the_eager_engine_does(name, fidelity, data):
+    """Every loss in both fidelities, with heads stopping (diverged, and stopped early by the authors' rules): each
+    stop makes its stack capture again, into the pool its earlier graphs shared, which the allocator allows only
+    while one of them is alive (`CheckedPool`); and the replays give the eager engine's results bit for bit (the
+    same rows in the same order, the same ops, in the same conditions: devices.head_conditions)."""
+    eager = seed_run(name, data, fidelity, STOPPING_LRS)
     expected = [eager.run_epoch(epoch) for epoch in range(1, EPOCHS + 1)]
-    graphed = seed_run(name, data)
+    graphed = seed_run(name, data, fidelity, STOPPING_LRS)
     together = Lockstep([graphed], unroll=2, backend=ReplayChecked)
     got = []
     for epoch in range(1, EPOCHS + 1):
         together.train_epoch(epoch)
         got.append(graphed.score(epoch))
-    assert got == expected  # the same rows in the same order, the same ops: bit for bit
+    assert got == expected
     assert histories(graphed) == histories(eager)
+    # the stops this test is for happened, and the graphs after them were captured and replayed
+    for stack in graphed.stacks:
+        assert [r.diverged_epoch for r in stack.records] == [None, None, 1]
+    rule = losses.get(name).authors_early_stop if fidelity == "authors" else None
+    early = {r.stopped_epoch for r in graphed.records} - {None, EPOCHS}
+    assert bool(early) == bool(rule), early
+    assert all(captured.captures > (2 if captured.stack.drop_last else 3) for captured in together.stacks)
 
 
 @pytest.mark.parametrize("name", ["an", "role"])
@@ -200,13 +276,20 @@ def test_to_host_gives_every_value_dtype_and_shape_back():
             assert array.dtype == tensor.numpy().dtype and np.array_equal(array, tensor.numpy(), equal_nan=True)
 
 
-class RefusesCapture(ReplayChecked):
-    """A capture that fails as CUDA's does at an op that syncs: raised from inside the step, at the op."""
+class RefusingGraph(CheckedGraph):
+    """A capture that fails as CUDA's does at an op that syncs: while the stream captures, the op raises."""
 
-    @staticmethod
-    def capture(stream, steps, pool):
-        with RaisesAt("aten.addmm"):
-            steps()
+    def capture_begin(self, pool) -> None:
+        pool.capture_into(self)
+        self.recording = ExitStack()
+        self.recording.enter_context(RaisesAt("aten.addmm"))
+
+    def capture_end(self) -> None:
+        self.recording.close()
+
+
+class RefusesCapture(ReplayChecked):
+    graph = RefusingGraph
 
 
 class RaisesAt(TorchDispatchMode):
@@ -233,6 +316,31 @@ def test_a_step_that_cannot_be_captured_stops_the_run_naming_the_loss_the_line_a
                               " permitted when stream is capturing at linear/head_matrix.py:")
     assert "torch.addmm(self.scaled_bias, features, self.scaled_weight)" in message
     assert message.endswith("rerun with --no-graphs, which launches each step eagerly (slower, the same results)")
+
+
+class RefusedPool(CheckedPool):
+    def capture_into(self, graph) -> None:
+        raise RuntimeError(ALLOCATOR_REFUSAL + "\nmore detail")
+
+
+class RefusesPool(ReplayChecked):
+    @staticmethod
+    def new_pool(device):
+        return RefusedPool()
+
+
+def test_a_capture_the_allocator_refuses_stops_the_run_blaming_the_pool_not_the_step(data):
+    """A capture that cannot begin (torch's allocator refusing the pool, as it did on the first GPU run when a
+    stack's graphs were all released) ran no op of the step: the line says so, instead of blaming the loss."""
+    together = Lockstep([seed_run("em", data, "authors")], unroll=2, backend=RefusesPool)
+    with pytest.raises(SpmlError) as stopped:
+        together.train_epoch(1)
+    message = str(stopped.value)
+    assert "\n" not in message and "step cannot be captured" not in message
+    assert message.startswith(f"linear: a CUDA graph capture of the em stack (batch 4) could not begin"
+                              f" ({ALLOCATOR_REFUSAL}): torch refused the graphs' memory pool or stream before any op"
+                              " of the step ran, a fault of spml-cache's graph bookkeeping (linear/graphs.py), not of"
+                              " the loss; rerun with --no-graphs")
 
 
 def test_run_linear_in_lockstep_writes_what_the_eager_run_writes(tmp_path, monkeypatch):

@@ -65,4 +65,4 @@ def test_the_command_line_builds_the_options_the_python_api_would(tmp_path, monk
     assert seen["options"] == LinearOptions(cache=Path("c.h5"), losses=["an", "role"], lrs=[0.1, 0.01],
                                             wds=[0.0, 1e-4], epochs=2, hparams={"delta": 0.1},
                                             observe=parse_rules("single,entry:0.1"), memory_budget=2**20)
-    assert seen["placement"] == LinearPlacement(device="cpu", out=Path("runs"), workers=2, graphs=False)
+    assert seen["placement"] == LinearPlacement(device="cpu", out=None, workers=2, graphs=False)  # None: runs/

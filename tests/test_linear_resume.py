@@ -189,3 +189,16 @@ def test_resume_takes_the_stored_budget_and_accepts_flags_that_agree(tmp_path, t
     resumed = run_linear(resume=run_dir, console=quiet(), **agreeing)
     assert budgets == [200 * 2**10]
     assert without_seconds(resumed.results) == without_seconds(whole.results)
+
+
+def test_resume_refuses_an_out_it_would_not_write_to(tmp_path, stopped_run, monkeypatch, capsys):
+    """`--resume RUN --out elsewhere` went on in RUN and left --out unused without a word."""
+    from cli_support import run_main
+
+    code, err = run_main("linear", "--resume", str(stopped_run), "--out", str(tmp_path / "elsewhere"), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    own = stopped_run.resolve().parent.parent
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: --out {tmp_path / 'elsewhere'}: --resume {stopped_run} goes on in its own run directory, under {own};"
+        " leave out --out (a new run in another folder: leave out --resume)"], err
+    assert len(KeptParts(stopped_run).read()) == 1 and not (tmp_path / "elsewhere").exists()

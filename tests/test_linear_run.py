@@ -284,3 +284,55 @@ def test_a_process_lost_while_rank_0_gathers_is_a_stop_with_the_tools_line(tmp_p
                                   f" Connection closed by peer [127.0.0.1]:29500): 1 of 2 (loss, seed, batch size)"
                                   f" parts are kept in {run_dir}")
     assert stopped.value.command == f"spml-cache linear --resume {run_dir}"
+
+
+# rank 1 dies while the group forms: once rank 0 has begun to join (the file it touches then), before joining itself
+DIES_WHILE_JOINING = """
+import os, sys, time
+from pathlib import Path
+
+import torch.distributed as dist
+
+joining = Path(os.environ["JOINING"])
+if os.environ["RANK"] == "1":
+    while not joining.exists():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os._exit(3)
+join = dist.init_process_group
+
+
+def announced(*args, **kwargs):
+    joining.touch()
+    return join(*args, **kwargs)
+
+
+dist.init_process_group = announced
+from spml_cache.cli import main
+
+sys.argv[0] = "spml-cache"
+main()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's CPU processes, as CI runs them")
+def test_a_process_lost_while_the_group_forms_lets_rank_0_stop_with_the_tools_line(tmp_path):
+    """Rank 0 waited in `init_process_group` (C++, where Python's handlers never run), deaf to torchrun's SIGTERM
+    until its SIGKILL 30 s later, and said nothing; it now stops at once with its line, exit 143."""
+    import time
+
+    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=40, val=16, test=20)
+    (tmp_path / "dies.py").write_text(DIES_WHILE_JOINING)
+    env = {**torchrun_env(), "JOINING": str(tmp_path / "joining")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "dies.py",
+               "linear", "--cache", str(cache_path), "--loss", "an", "--epochs", "1", "--device", "cpu"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    output = process.communicate(timeout=120)[0]
+    took = time.time() - (tmp_path / "joining").stat().st_mtime  # from rank 0's join to torchrun's end
+    line = ("interrupted: nothing was done: the 2 processes of this torchrun command were still joining (another"
+            " one ended, or a stop was asked for); go on with: torchrun --nproc-per-node 2 -m spml_cache linear"
+            f" --cache {cache_path} --loss an --epochs 1 --device cpu")
+    assert f"traceback : {line}" in output and "exitcode  : 143" in output, output  # rank 0's, in torchrun's report
+    assert took < 20, f"{took:.0f} s: torchrun had to kill rank 0"
+    assert not (tmp_path / "runs").exists()

@@ -329,3 +329,106 @@ def test_under_torchrun_the_line_is_also_the_error_file_torchrun_reports(tmp_pat
                          cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     (line,) = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and json.loads(error_file.read_text())["message"] == line
+
+
+# --- what a killed process leaves, and import-features' Ctrl-C (issue 48) ---------------------------------------
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_that_file(tmp_path):
+    """SIGKILL during an atomic write (a run directory's files, report's figures and tables) leaves its hidden
+    `.NAME.tmp-PID`, which no later run read but none removed either: the next write of NAME removes those of
+    processes that no longer run, and leaves a running one's."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    killed = tmp_path / f".figure.png.tmp-{ended.pid}"
+    killed.write_bytes(b"\x89PNG half")
+    running = tmp_path / f".figure.png.tmp-{os.getppid()}"  # pytest's parent: a process that runs
+    running.write_bytes(b"\x89PNG its own")
+    runs.replace_atomically(tmp_path / "figure.png", lambda file: file.write(b"\x89PNG whole"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["figure.png", running.name])
+
+
+@pytest.fixture(scope="module")
+def authors_folder(tmp_path_factory):
+    from test_import_features import write_authors_files
+
+    folder = tmp_path_factory.mktemp("authors")
+    write_authors_files(folder, num_train=20000, num_test=5000, dim=256)  # ~25 MB to write: time to signal it
+    return folder
+
+
+def test_ctrl_c_during_import_features_writes_nothing_and_says_so(tmp_path, authors_folder):
+    """A Ctrl-C landing in one of h5py's weakref callbacks was printed there ("Exception ignored in ...") and lost:
+    the cache was written, then "interrupted", exit 130. It is a request the writer takes between blocks."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="400")
+    out = tmp_path / "voc.h5"
+    process = subprocess.Popen([sys.executable, "-m", "spml_cache", "import-features", str(authors_folder),
+                                "--dataset", "voc", "--out", str(out)], cwd=tmp_path, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not out.with_name("voc.h5.partial").exists():  # writing: the window the stop was lost in
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.002)
+    os.killpg(process.pid, signal.SIGINT)
+    stderr = process.communicate(timeout=60)[1]
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert stderr.strip().splitlines() == [f"interrupted: nothing was written; go on with: spml-cache import-features"
+                                           f" {authors_folder} --dataset voc --out {out}"], stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_landing_in_a_library_callback_still_stops_an_import(tmp_path, monkeypatch):
+    """The same, made certain: the handler runs inside a weakref finalizer while the features are written."""
+    import weakref
+
+    from test_import_features import write_authors_files
+
+    from spml_cache.cache import writing
+    from spml_cache.cli.stopping import stopping_on_signals
+    from spml_cache.extract import import_features
+    from spml_cache.runtime.errors import Interrupted
+
+    write_authors_files(tmp_path / "authors")
+    rows, blocks = writing._feature_rows, []
+
+    class Held:  # an object whose last reference goes, as h5py's do at every write
+        pass
+
+    def block_with_a_signal_in_a_callback(features, start, stop):
+        blocks.append(start)
+        if len(blocks) == 1:
+            held = Held()
+            weakref.finalize(held, signal.getsignal(signal.SIGINT), signal.SIGINT, None)
+            del held  # the handler runs inside the finalizer's callback
+        return rows(features, start, stop)
+
+    monkeypatch.setattr(writing, "_feature_rows", block_with_a_signal_in_a_callback)
+    with stopping_on_signals(), pytest.raises(Interrupted, match="nothing was written"):
+        import_features(tmp_path / "authors", dataset="voc", out=tmp_path / "voc.h5")
+    assert len(blocks) == 1  # the next block's check took it
+    assert not list(tmp_path.glob("voc.h5*"))
+
+
+def test_a_stop_after_the_run_is_written_is_no_interruption(tmp_path, tiny_cache, monkeypatch, capsys):
+    """A Ctrl-C as the run ended (under torchrun: the launcher's copy) reached the command while it printed its
+    results: "interrupted" over a complete run, exit 130. Once the results are written a stop has nothing to stop:
+    the command prints them and ends as without one."""
+    from cli_support import run_main
+
+    import spml_cache.linear
+
+    table = spml_cache.linear.summary_table
+
+    def signalled_while_printing(results):
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        return table(results)
+
+    monkeypatch.setattr(spml_cache.linear, "summary_table", signalled_while_printing)
+    code, err = run_main("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", "1e-2", "--batch-size", "8",
+                         "--epochs", "1", "--out", str(tmp_path / "runs"), cwd=tmp_path, monkeypatch=monkeypatch,
+                         capsys=capsys)
+    assert code == 0 and "interrupted" not in err, err
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert (run_dir / "results.json").exists()

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import numpy as np
 from spml_cache.cache.reading import load
 from spml_cache.cache.schema import COPY_BLOCK_ROWS, SPLITS, cache_id, plain
 from spml_cache.labels import is_sparse
-from spml_cache.runtime.errors import Interrupted, SpmlError
+from spml_cache.runtime.disk import remove_stale_temporaries, require_room, temporary_path
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, finished, stops_deferred
 
 EMBEDDINGS, METADATA = "img_emb", "metadata"
 SIDECAR = "spml_cache.json"
@@ -33,6 +35,7 @@ KEY_COLUMNS = ("id", "image_path")  # what a metadata row names its image by, in
 # The cache attrs that say what the features are: an export keeps them, an import of it restores them.
 DESCRIBING = ("backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim", "clip_features",
               "backbone_origin", "features")
+EXPORT_MARGIN = 64 * 2**10  # bytes beyond `export_size` (an overestimate: parquet compresses): its footers
 
 
 def is_layout(folder: Path) -> bool:
@@ -146,18 +149,26 @@ def _fixed_lists(pa, rows: np.ndarray, value_type):
     return pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=value_type), rows.shape[1])
 
 
-def _write_part(folder: Path, index: int, name: str, split) -> None:
-    pa, pq = parquet()
+def _write_features(file, split) -> None:
+    """The split's features as a float32 .npy, written with plain writes a block at a time: a full disk is an
+    error here, where a memory map over a file whose blocks are not yet on the disk dies of SIGBUS."""
     total, width = len(split.ids), split.features.shape[1]
-    num_classes = split.labels.shape[1]
-    array = np.lib.format.open_memmap(folder / EMBEDDINGS / f"{EMBEDDINGS}_{index}.npy", mode="w+",
-                                      dtype=np.float32, shape=(total, width))
+    np.lib.format.write_array_header_1_0(file, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
+                                                "fortran_order": False, "shape": (total, width)})
+    for start in range(0, total, COPY_BLOCK_ROWS):
+        check_stop()
+        file.write(np.ascontiguousarray(split.features[start : start + COPY_BLOCK_ROWS], dtype=np.float32).data)
+
+
+def _write_metadata(file, name: str, split) -> None:
+    pa, pq = parquet()
+    total, num_classes = len(split.ids), split.labels.shape[1]
     schema = pa.schema([("id", pa.string()), ("image_path", pa.string()), ("split", pa.string()),
                         ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8(), num_classes))])
-    with pq.ParquetWriter(folder / METADATA / f"{METADATA}_{index}.parquet", schema) as writer:
+    with pq.ParquetWriter(file, schema) as writer:
         for start in range(0, max(total, 1), COPY_BLOCK_ROWS):  # labels made dense a block at a time
+            check_stop()
             stop = min(start + COPY_BLOCK_ROWS, total)
-            array[start:stop] = np.asarray(split.features[start:stop], dtype=np.float32)
             ids = split.ids[start:stop]
             observed = (pa.nulls(stop - start, schema.field("observed").type) if split.observed is None else
                         _fixed_lists(pa, _dense_rows(split.observed, start, stop, np.int8), pa.int8()))
@@ -165,35 +176,96 @@ def _write_part(folder: Path, index: int, name: str, split) -> None:
                                          pa.array([name] * (stop - start), pa.string()),
                                          _fixed_lists(pa, _dense_rows(split.labels, start, stop, np.uint8), pa.uint8()),
                                          observed], schema=schema))
-    array.flush()
-    del array
+
+
+def _write_file(path: Path, write) -> None:
+    """`write(file)` into a new file at `path`, flushed to the disk before it is closed."""
+    with open(path, "xb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _write_layout(folder: Path, path: Path, features) -> None:
+    """The whole layout of `features` (the cache at `path`) into the new folder `folder`."""
+    (folder / EMBEDDINGS).mkdir(parents=True)
+    (folder / METADATA).mkdir()
+    for index, name in enumerate(SPLITS):
+        split = getattr(features, name)
+        _write_file(folder / EMBEDDINGS / f"{EMBEDDINGS}_{index}.npy", lambda file: _write_features(file, split))
+        _write_file(folder / METADATA / f"{METADATA}_{index}.parquet",
+                    lambda file: _write_metadata(file, name, split))
+    sidecar = {"dataset": features.dataset, "classes": features.classes, "cache": str(path),
+               "cache_id": cache_id(features.attrs), "parts": dict(enumerate(SPLITS)),
+               "attrs": {key: plain(features.attrs[key]) for key in DESCRIBING if key in features.attrs}}
+    _write_file(folder / SIDECAR, lambda file: file.write(json.dumps(sidecar, indent=1).encode("utf-8")))
+
+
+def export_size(features) -> int:
+    """About the bytes an export of `features` takes: the .npy files exactly, the parquet files' columns before
+    compression (ids twice, one byte per label and per observed label)."""
+    splits = [getattr(features, name) for name in SPLITS]
+    arrays = sum(128 + 4 * len(split.ids) * split.features.shape[1] for split in splits)
+    tables = sum(sum(2 * len(i.encode("utf-8")) + 16 for i in split.ids) + 2 * split.labels.size for split in splits)
+    return arrays + tables
+
+
+def _move_into(temporary: Path, out: Path) -> None:
+    """The layout built in `temporary` (inside `out`, an empty folder that may be a mount point, which cannot be
+    replaced) moved into `out`: img_emb/ last, so that a reader finds the layout only once it is whole."""
+    for entry in (SIDECAR, METADATA, EMBEDDINGS):
+        os.replace(temporary / entry, out / entry)
+    temporary.rmdir()
+
+
+def _refuse_occupied(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpmlError(f"--out {out} exists and is not an empty folder: pick another --out (an export never"
+                        " writes over files)")
 
 
 def export(path: Path, out: Path) -> ExportReport:
     """Write the cache at `path` into `out` in the clip-retrieval layout (a new or empty folder), all at once: it
-    is built in a temporary folder beside `out` and renamed into place."""
+    is built in a temporary folder and renamed into place, beside `out` for a new folder, inside it for an
+    empty one (a mount point cannot be replaced). What an export killed before it finished left there (its
+    process gone) is removed first."""
     parquet()
     path, out = Path(path).expanduser(), Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SpmlError(f"--out {out} exists and is not an empty folder: pick another --out (an export never"
-                        " writes over files)")
+    remove_stale_temporaries(out.parent, out.name)
+    if out.is_dir():
+        remove_stale_temporaries(out, out.name)
+    _refuse_occupied(out)
     features = load(path)
-    temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    inside = out.is_dir()
+    temporary = temporary_path(out / out.name if inside else out)
+    needed = export_size(features)
+    require_room(out, needed, margin=EXPORT_MARGIN, disk=out if inside else out.parent)
     try:
-        (temporary / EMBEDDINGS).mkdir(parents=True)
-        (temporary / METADATA).mkdir()
-        for index, name in enumerate(SPLITS):
-            _write_part(temporary, index, name, getattr(features, name))
-        sidecar = {"dataset": features.dataset, "classes": features.classes, "cache": str(path),
-                   "cache_id": cache_id(features.attrs), "parts": dict(enumerate(SPLITS)),
-                   "attrs": {key: plain(features.attrs[key]) for key in DESCRIBING if key in features.attrs}}
-        (temporary / SIDECAR).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
-        if out.exists():
-            out.rmdir()
-        os.replace(temporary, out)
+        with stops_deferred():  # pyarrow's and h5py's callbacks would lose a KeyboardInterrupt: taken per block
+            _write_layout(temporary, path, features)
+            if inside:
+                _move_into(temporary, out)
+            else:
+                os.replace(temporary, out)
+            finished()  # in place: a stop that came meanwhile has nothing left to stop
     except BaseException as err:
         shutil.rmtree(temporary, ignore_errors=True)
-        if isinstance(err, KeyboardInterrupt):  # Ctrl-C, SIGTERM: the half-written folder is gone, nothing kept
-            raise Interrupted(f"nothing was written to {out}") from None
-        raise
+        if inside:  # what was moved in before the error (out was empty)
+            shutil.rmtree(out / EMBEDDINGS, ignore_errors=True)
+            shutil.rmtree(out / METADATA, ignore_errors=True)
+            with suppress(OSError):
+                (out / SIDECAR).unlink()
+        raise _export_error(err, out, needed) from None
     return ExportReport(out, {name: len(getattr(features, name)) for name in SPLITS})
+
+
+def _export_error(err: BaseException, out: Path, needed: int) -> BaseException:
+    """What an export that failed says: nothing of it is left, and why."""
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C, SIGTERM: the half-written folder is gone, nothing kept
+        return Interrupted(f"nothing was written to {out}")
+    if isinstance(err, Exception) and DiskFull.caused(err):
+        return DiskFull(out, f"export again (it needs about {needed / 2**20:.1f} MiB)")
+    if isinstance(err, OSError):
+        return SpmlError(f"cannot write the export in {out} ({err.strerror or err}): nothing was written; pick a"
+                         " writable --out folder")
+    return err

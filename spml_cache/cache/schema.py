@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, check_stop
 
 SCHEMA_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -191,6 +191,7 @@ def content_hash(splits: dict, text=None) -> str:
 def _digest_rows(digest, rows) -> None:
     """A row array's float32 bytes, a block of rows at a time (an h5py dataset is never read whole)."""
     for start in range(0, len(rows), COPY_BLOCK_ROWS):
+        check_stop()  # sealing a large cache reads all of it: a stop asked for meanwhile is taken here
         digest.update(np.ascontiguousarray(rows[start : start + COPY_BLOCK_ROWS], dtype="<f4").data)
 
 

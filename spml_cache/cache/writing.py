@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +21,7 @@ from spml_cache.cache.columns import ROW_DATASETS, RowShapes, TEXT_GROUP, row_sh
 from spml_cache.cache.csr import DEFAULT_FORMAT, read, resolve_format, store, stored_sparse
 from spml_cache.cache.rule_masks import RuleMasks, write_rules
 from spml_cache.labels import is_sparse, take
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import DiskFull, SpmlError, check_stop
 
 FEATURE_DTYPES = {"float32": np.float32, "float16": np.float16}  # how a cache may store its features
 
@@ -67,6 +68,10 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
         path.parent.mkdir(parents=True, exist_ok=True)
         file = h5py.File(path, "w")
     except OSError as err:
+        if DiskFull.caused(err):
+            with suppress(OSError):  # h5py leaves an empty file where the disk had no room for its first block
+                path.unlink(missing_ok=True)
+            raise DiskFull(path) from None
         raise SpmlError(f"cannot write {path} ({err.strerror or err}): pick a writable --out folder") from None
     try:
         _set_attrs(file, attrs)
@@ -92,10 +97,19 @@ def _create(path: Path, attrs: dict, splits: dict[str, SplitRows], feature_dim: 
         columns.write_text(file, text)
         file.flush()
     except BaseException:
-        file.close()
-        path.unlink(missing_ok=True)
+        _discard(file, path)
         raise
     return file
+
+
+def _discard(file: h5py.File, path: Path) -> None:
+    """Close `file` and remove it: a write that failed leaves nothing (closing flushes, which on a full disk fails
+    too, and must not keep the file)."""
+    try:
+        file.close()
+    except Exception:
+        pass
+    path.unlink(missing_ok=True)
 
 
 def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
@@ -139,11 +153,15 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, 
         raise SpmlError(f"features of the splits have different widths {sorted(dims)}")
     shapes = {key: np.asarray(train[key]).shape[1:] for key in ROW_DATASETS if key in train and key != "features"}
     shapes = {"features": (dims.pop(),), **shapes}
-    file = _create(temporary, attrs, splits, shapes, bad_rows=False, text=text, labels=labels, features=features)
+    try:
+        file = _create(temporary, attrs, splits, shapes, bad_rows=False, text=text, labels=labels, features=features)
+    except DiskFull:  # its partial file is gone: the cache is what the user named
+        raise DiskFull(path) from None
     try:
         for name, split in given.items():
             stored, total = file[name]["features"], len(splits[name])
             for start in range(0, max(total, 1), COPY_BLOCK_ROWS):
+                check_stop()  # a signal that only asked for a stop (`stops_deferred`) ends the write here
                 block = _feature_rows(split["features"], start, min(start + COPY_BLOCK_ROWS, total))
                 if start == 0 and not callable(split["features"]) and len(split["features"]) != total:
                     raise SpmlError(f"{name}: {len(split['features'])} feature rows for {total} ids")
@@ -156,11 +174,13 @@ def write(path: Path | str, *, attrs: dict, train: dict, val: dict, test: dict, 
             file[name]["done"][...] = True
         rules = train.get("rules") or {}
         write_rules(file, {rule: (mask, val["rules"][rule]) for rule, mask in rules.items()})
-    except BaseException:
-        file.close()
-        temporary.unlink(missing_ok=True)
+        check_stop()
+        return _seal(file, temporary, path)
+    except BaseException as err:
+        _discard(file, temporary)
+        if isinstance(err, (OSError, RuntimeError)) and DiskFull.caused(err):  # h5py's words: lines of HDF5's
+            raise DiskFull(path) from None
         raise
-    return _seal(file, temporary, path)
 
 
 def _width(features) -> int:
@@ -279,6 +299,7 @@ class PartialCache:
             if not self.file[split]["done"][...].all():
                 raise SpmlError(f"{partial_path(self.final)}: {split} has rows not yet extracted; resume the run")
         bad = {split: self.file[split]["bad"][...] for split in SPLITS}
+        self._refuse_emptied(bad)
         dropped = {split: [] for split in SPLITS}
         for split in SPLITS:
             if bad[split].any():
@@ -307,6 +328,17 @@ class PartialCache:
             store_rules(self.file)
             return _seal(self.file, partial_path(self.final), self.final), dropped
         return self._compact(attrs, bad, store_rules), dropped
+
+    def _refuse_emptied(self, bad: dict[str, np.ndarray]) -> None:
+        """A split whose every image was left out as undecodable would seal a cache of no rows there, which no
+        later stage can use: one line naming the split instead."""
+        for split in SPLITS:
+            if len(bad[split]) and bad[split].all():
+                raise SpmlError(
+                    f"{partial_path(self.final)}: every one of the {len(bad[split])} {split} images was left out as"
+                    f" undecodable (e.g. {self._ids(split)[0]}), so the cache would have no {split} rows: check the"
+                    " images under --root, then run the command again with --force"
+                )
 
     def _ids(self, split: str) -> list[str]:
         return list(self.file[split]["ids"].asstr()[...])

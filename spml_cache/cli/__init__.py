@@ -45,7 +45,7 @@ from spml_cache.cli.tools import (
     report_command,
 )
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
-from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested
+from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
 
 app = typer.Typer(
     name="spml-cache",
@@ -151,7 +151,7 @@ def linear_command(
     seeds: Optional[int] = typer.Option(None, "--seeds", help="Run seeds 0..N-1 (init and batch order); results are mean ± std (default: one seed)."),
     hp: Optional[List[str]] = typer.Option(None, "--hp", help="A hyperparameter key=value (repeatable); loss.key=value for one loss; key=v1,v2,... sweeps the values."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    out: Path = typer.Option(Path("runs"), "--out", help="Runs folder: writes <out>/<dataset>/linear-<backbone>-<loss>-<time>/."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Runs folder: writes <out>/<dataset>/linear-<backbone>-<loss>-<time>/ (default: runs)."),
     val_labels: Optional[str] = typer.Option(None, "--val-labels", help="Select on clean (full) val labels, the default, or on the observed ones."),
     workers: int = typer.Option(0, "--workers", help="Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU when the grid is big."),
     from_run: Optional[Path] = typer.Option(None, "--from", help="Start every head from this linear run's head of the same loss (else its best single-positive head)."),
@@ -276,7 +276,7 @@ def main() -> None:
         except KeyboardInterrupt:
             last_line(Text("interrupted", style="yellow"), exit_code())
         except SystemExit as done:  # typer turns a KeyboardInterrupt it sees (one during an import) into exit 130
-            if stop_requested() is None or not isinstance(done.__context__, typer.Exit):
+            if stop_requested() is None or work_finished() or not isinstance(done.__context__, typer.Exit):
                 raise
             last_line(Text("interrupted", style="yellow"), exit_code())
         except SpmlError as err:

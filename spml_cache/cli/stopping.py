@@ -42,6 +42,7 @@ exit_code = stop_exit_code  # 128 + the signal that stopped the command (130: Ct
 def stopping_on_signals():
     """SIGINT and SIGTERM stop the command within the block; the handlers before are put back after it (the
     command line may run inside another program: the tests)."""
+    clear_stop()  # a command run before this one in the same process (the tests) stopped, or finished
     before = {signum: signal.signal(signum, _stop_on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield

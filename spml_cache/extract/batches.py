@@ -108,8 +108,9 @@ def pooled_rows(trunk, batch, bad: np.ndarray, device, dtype, pad_to: int = 0, *
         inputs = batch.to(device, non_blocking=True)
         if pad_to > len(inputs):
             inputs = torch.cat([inputs, inputs[-1:].expand(pad_to - len(inputs), *inputs.shape[1:])])
+        normalised = preprocess.normalise(inputs, dtype)
         with _autocast(device, dtype):
-            pooled = trunk(preprocess.normalise(inputs, dtype)).float()[: len(batch)]
+            pooled = writer.checked_rows(lambda: trunk(normalised), len(inputs), width)[: len(batch)]
         return spread(pooled, bad, device)
 
 
@@ -119,7 +120,7 @@ def fed_rows(trunk, fed, feed: Feed, device, dtype, width: int) -> torch.Tensor:
         if fed.num_good == 0:
             return spread(torch.empty((0, width)), fed.bad, device)
         with _autocast(device, dtype):
-            pooled = trunk(fed.inputs).float()[: fed.num_good]
+            pooled = writer.checked_rows(lambda: trunk(fed.inputs), len(fed.inputs), width)[: fed.num_good]
         feed.release(fed)
         return spread(pooled, fed.bad, device)
 
@@ -136,10 +137,10 @@ def _bad_image(paths, partial, split, rows, error) -> SpmlError:
 class BatchRun:
     """How the trunk runs over the images: the backbone's `preprocess`, `width` (the columns of a trunk output
     row, `Description.row_width`), the batch size, reader processes, device, precision, whether a bad image is
-    skipped, the progress bar's label. `pad_batches` (every trunk input padded to the run's batch size) and
-    `feed_thread` (decoding in the feed thread) are on by default on a GPU only; the tests turn them on for the
-    CPU. `decode`: on a GPU, gpu (nvjpeg, the default) or cpu (the loader workers decode and resize as on the
-    CPU); on the CPU, cpu."""
+    skipped, the progress bar's label, the backbone's name (for the error its failure is). `pad_batches` (every
+    trunk input padded to the run's batch size) and `feed_thread` (decoding in the feed thread) are on by default
+    on a GPU only; the tests turn them on for the CPU. `decode`: on a GPU, gpu (nvjpeg, the default) or cpu (the
+    loader workers decode and resize as on the CPU); on the CPU, cpu."""
 
     preprocess: Preprocess
     width: int
@@ -149,6 +150,7 @@ class BatchRun:
     precision: str
     skip_bad: bool
     label: str
+    backbone: str
     pad_batches: bool | None = None
     feed_thread: bool | None = None
     decode: str | None = None  # None: gpu on a GPU
@@ -173,27 +175,26 @@ def _loader(batches, paths, run: BatchRun, feed_thread: bool):
     return loader, lambda blobs, bad: decode_batch(blobs, bad, device, preprocess, skip_bad)
 
 
-def run_batches(partial, paths, trunk, run: BatchRun):
-    """Extract every pending row of the partial cache; returns the number of rows computed and, per split,
-    the ids left out because their features were not finite even in fp32."""
+def run_batches(partial, paths, trunk, run: BatchRun) -> int:
+    """Extract every pending row of the partial cache; returns the number of rows computed. The backbone failing
+    on a batch (raising, another width, non-finite features) is one line naming it, the rows done kept."""
     preprocess, width, batch_size, device = run.preprocess, run.width, run.batch_size, run.device
-    precision, skip_bad, label, pad_batches, feed_thread = (run.precision, run.skip_bad, run.label, run.pad_batches,
-                                                             run.feed_thread)
     batches = []
     for name in cache.SPLITS:
         pending = partial.pending(name)
         batches += [(name, pending[i : i + batch_size]) for i in range(0, len(pending), batch_size)]
     total = sum(len(rows) for _, rows in batches)
     on_gpu = device.type == "cuda"
-    pad_batches = on_gpu if pad_batches is None else pad_batches
-    feed_thread = on_gpu if feed_thread is None else feed_thread
+    pad_batches = on_gpu if run.pad_batches is None else run.pad_batches
+    feed_thread = on_gpu if run.feed_thread is None else run.feed_thread
     largest = max((len(rows) for _, rows in batches), default=1)  # the one shape: batch_size unless fewer rows
     pad_to = largest if pad_batches else 0
     loader, decode = _loader(batches, paths, run, feed_thread)
-    dtype = PRECISIONS[precision]
-    rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, skip_bad=skip_bad,
+    dtype = PRECISIONS[run.precision]
+    rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, backbone=run.backbone,
                                 normalise=preprocess.normalise)
-    with progress_bar(label, total=total, unit="img") as bar:
+    batch = None  # (split, rows) of the batch the trunk runs on
+    with progress_bar(run.label, total=total, unit="img") as bar:
         advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
         try:
             if feed_thread:
@@ -202,6 +203,7 @@ def run_batches(partial, paths, trunk, run: BatchRun):
                             normalise=preprocess.normalise)  # fmt: skip
                 try:
                     for fed in feed:
+                        batch = (fed.split, fed.rows)
                         if fed.error is not None:
                             raise _bad_image(paths, partial, fed.split, fed.rows, fed.error)
                         features = fed_rows(trunk, fed, feed, device, dtype, width)
@@ -210,6 +212,7 @@ def run_batches(partial, paths, trunk, run: BatchRun):
                     feed.close()
             else:
                 for split, rows, payload, bad, error in loader:
+                    batch = (split, rows)
                     if on_gpu and error is None:
                         payload, error = decode(payload, bad)
                     if error is not None:
@@ -217,6 +220,9 @@ def run_batches(partial, paths, trunk, run: BatchRun):
                     features = pooled_rows(trunk, payload, bad, device, dtype, pad_to, preprocess=preprocess,
                                            width=width)
                     advance(rows_out.put(split, rows, features, bad, payload))
+        except writer.TrunkFailed as failure:
+            raise writer.backbone_failed(run.backbone, failure, paths[batch[0]][batch[1][0]], batch[0],
+                                         partial) from None
         finally:
             advance(rows_out.flush())
-    return total, rows_out.left_out
+    return total

@@ -23,8 +23,8 @@ from spml_cache.backbones import DEFAULT_FEATURES, slug
 from spml_cache.cache import embeddings
 from spml_cache.extract.pipeline import run_attrs
 from spml_cache.extract.plan import plan_rows, refuse_foreign_file
-from spml_cache.extract.published import ImportReport
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.extract.published import ImportReport, write_import
+from spml_cache.runtime.errors import SpmlError, check_stop
 
 FOREIGN = {"backbone": "imported", "weights": "unknown", "resolution": 0,
            "resize": "unknown (embeddings imported in the clip-retrieval layout)"}
@@ -92,8 +92,11 @@ def import_embeddings(folder: Path, *, dataset: str, root: Path, out: Path | Non
     unless `force`."""
     folder = Path(folder).expanduser()
     parts = embeddings.read_parts(folder)
+    check_stop()  # import_features takes a stop between its steps (`stops_deferred`)
     images = datasets.read(dataset, root)
+    check_stop()
     protocol_result = protocol.apply_protocol(images)
+    check_stop()
     rows = plan_rows(protocol_result, 0)
     ids = [image_id for name in cache.SPLITS for image_id in rows[name].ids]
     positions, column, unmatched = _positions(parts, images, ids)
@@ -107,8 +110,9 @@ def import_embeddings(folder: Path, *, dataset: str, root: Path, out: Path | Non
     if path.exists() and not force:
         raise SpmlError(f"{path} already exists: pass --force to replace it, or pick another --out")
     splits = {name: _split(rows[name], parts, positions, name) for name in cache.SPLITS}
+    check_stop()
     attrs = _attrs(images, protocol_result.attrs, described, folder)
-    written = cache.write(path, attrs=attrs, **splits)
+    written = write_import(path, attrs, splits)
     note = (f"matched {len(ids)} of {int(parts.offsets[-1])} embedding rows to the images of {images.dataset} by"
             f" {column}" + (f"; {unmatched} rows name no image of it and were left out" if unmatched else ""))
     return ImportReport(written, {name: len(rows[name]) for name in cache.SPLITS}, [note, *images.notes])

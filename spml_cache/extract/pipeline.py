@@ -19,7 +19,10 @@ A corrupt or truncated image stops the run naming the file (`on_bad_image="fail"
 in the partial file and its row dropped when the cache is finalised, its id listed in the `skipped_images`
 attr: no row ever carries features of an image that was not decoded. No row carries a non-finite feature
 either (writer.py): rows non-finite in fp16/bf16 are recomputed in fp32 and counted in `recomputed_fp32`;
-a row non-finite even in fp32 is treated as a bad image.
+a row non-finite even in fp32 is the backbone's fault (its weights or its code), never an image's: an error
+naming the backbone, whatever `on_bad_image` says. A backbone that raises, or changes its output's width, mid-run
+is one line naming it too, the rows done kept in the partial file. A cache with a split whose every image was
+left out is never sealed.
 """
 
 from __future__ import annotations
@@ -41,14 +44,15 @@ from spml_cache.extract.batches import BatchRun, run_batches
 from spml_cache.extract.options import ExtractOptions
 from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
-    estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_room, require_writable,
+    estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_writable,
     settings_attrs,
 )
 from spml_cache.cache.csr import resolve_format
 from spml_cache.extract.rules import RuleStore
 from spml_cache.images import DECODERS, decoder_version, resolve_decode
 from spml_cache.runtime.devices import default_workers, resolve_device
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.disk import require_room
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 
 @dataclass
 class ExtractReport:
@@ -56,7 +60,7 @@ class ExtractReport:
     status: str  # "written", "up to date" or "dry run"
     counts: dict[str, int]  # rows per split of the cache (planned, for a dry run)
     extracted: int = 0  # rows computed by this run
-    left_out: int = 0  # of them, rows flagged bad (undecodable, or not finite even in fp32): not in the cache
+    left_out: int = 0  # of them, rows flagged bad (undecodable images): not in the cache
     resumed: int = 0  # rows found already done in the partial file
     skipped: dict[str, list[str]] = field(default_factory=dict)  # undecodable images dropped, per split
     recomputed: dict[str, int] = field(default_factory=dict)  # rows recomputed in fp32 after non-finite fp16/bf16 features
@@ -139,7 +143,7 @@ def run_extract(options: ExtractOptions) -> ExtractReport | None:
     with locks.held(plan.writing, f"the cache {plan.writing}"):  # one writer: a second `--force` would swap its file
         partial, text = _open(plan, trunk, resume)
         try:
-            left_out = _run(plan, partial, trunk)
+            _run(plan, partial, trunk)
             final = None if plan.shard else _seal(plan, partial)
         except (OSError, RuntimeError) as err:
             if DiskFull.caused(err):  # h5py's own words for it are two lines of HDF5 internals
@@ -148,11 +152,12 @@ def run_extract(options: ExtractOptions) -> ExtractReport | None:
         finally:
             partial.close()
     if plan.shard:
-        joined = _join(plan, text, left_out)
-        if joined is None:
+        final = _join(plan, text)
+        if final is None:
+            finished()  # its shard is joined
             return None  # rank 0 reports for every rank
-        final, left_out = joined
-    return _written(plan, final, left_out)
+    finished()  # the cache is sealed: a stop now has nothing to stop
+    return _written(plan, final)
 
 
 @dataclass
@@ -255,19 +260,20 @@ def _open(plan: _Plan, trunk, resume: bool):
                                      plan.label_format), text
 
 
-def _run(plan: _Plan, partial, trunk) -> dict:
+def _run(plan: _Plan, partial, trunk) -> None:
     """Every row this process has not done yet, batch by batch, into the partial file; the report counts them.
-    Returns the rows left out as not finite, per split. Ctrl-C keeps what is done and says how to go on."""
+    Ctrl-C keeps what is done and says how to go on."""
     report, shard, options = plan.report, plan.shard, plan.options
     report.resumed, bad_before = partial.num_done(), partial.num_bad()
     paths = {name: [plan.images.path(image_id) for image_id in plan.own[name].ids] for name in cache.SPLITS}
     computing = time.perf_counter()
     try:
-        report.extracted, left_out = run_batches(partial, paths, trunk, BatchRun(
-            plan.described.preprocess, plan.described.row_width, options.batch_size,
-            default_workers(plan.device) if options.workers is None else options.workers, plan.device,
-            plan.precision, options.on_bad_image == "skip", f"extract {plan.images.dataset}",
-            options.pad_batches, options.feed_thread, plan.decode))
+        report.extracted = run_batches(partial, paths, trunk, BatchRun(
+            preprocess=plan.described.preprocess, width=plan.described.row_width, batch_size=options.batch_size,
+            workers=default_workers(plan.device) if options.workers is None else options.workers,
+            device=plan.device, precision=plan.precision, skip_bad=options.on_bad_image == "skip",
+            label=f"extract {plan.images.dataset}", backbone=plan.described.backbone,
+            pad_batches=options.pad_batches, feed_thread=options.feed_thread, decode=plan.decode))
     except KeyboardInterrupt:
         if shard and not shard.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
@@ -278,7 +284,6 @@ def _run(plan: _Plan, partial, trunk) -> dict:
     report.seconds = time.perf_counter() - computing
     report.left_out = partial.num_bad() - bad_before
     report.recomputed = partial.recomputed()
-    return left_out
 
 
 def _seal(plan: _Plan, partial) -> Path:
@@ -288,12 +293,12 @@ def _seal(plan: _Plan, partial) -> Path:
     return final
 
 
-def _join(plan: _Plan, text, left_out) -> tuple[Path, dict] | None:
+def _join(plan: _Plan, text) -> Path | None:
     """Under torchrun: rank 0 joins every rank's shard into the cache (and the report of the whole); None on the
     other ranks."""
     shard, report = plan.shard, plan.report
     done = {"extracted": report.extracted, "left_out": report.left_out, "resumed": report.resumed,
-            "seconds": report.seconds, "not_finite": left_out}
+            "seconds": report.seconds}
     with locks.held(plan.path, f"the cache {plan.path}") if shard.main else nullcontext():
         joined = shards.join(shard, plan.path, shards.Joined(
             plan.settings, plan.rows, plan.described.row_shapes(),
@@ -303,16 +308,16 @@ def _join(plan: _Plan, text, left_out) -> tuple[Path, dict] | None:
     if joined is None:
         return None
     final, report.skipped, report.recomputed, totals = joined
-    report.extracted, report.left_out, report.resumed, report.seconds, left_out = (
-        totals[key] for key in ("extracted", "left_out", "resumed", "seconds", "not_finite"))
-    return final, left_out
+    report.extracted, report.left_out, report.resumed, report.seconds = (
+        totals[key] for key in ("extracted", "left_out", "resumed", "seconds"))
+    return final
 
 
-def _written(plan: _Plan, final: Path, left_out) -> ExtractReport:
+def _written(plan: _Plan, final: Path) -> ExtractReport:
     report = plan.report
     report.status, report.size_bytes = "written", final.stat().st_size
     report.counts = {name: report.counts[name] - len(report.skipped[name]) for name in cache.SPLITS}
-    report.notes += writer.notes(report.recomputed, left_out, plan.precision)
+    report.notes += writer.notes(report.recomputed, plan.precision)
     if plan.rule_store.rules:
         report.notes.append(f"stored observation rules {', '.join(r.text for r in plan.rule_store.rules)} beside"
                             " single")

@@ -1,13 +1,12 @@
 """What stage one's cache file will hold, planned before any feature is computed: its rows, its settings
 attrs and its size; whether a cache or partial file already on disk was built with the same settings; and where
-it goes, and whether that folder is writable and has room for it.
+it goes, and whether that folder is writable (its room: `runtime/disk.py`'s `require_room`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import h5py
@@ -146,8 +145,6 @@ def estimated_size(rows: dict[str, cache.SplitRows], num_classes: int, row_width
     return total
 
 
-
-
 def output_path(out: Path | None, dataset: str, resolution: int, slug: str = "resnet50") -> Path:
     """`--out` (a file, or a folder for the default name), else `<dataset>-<backbone slug>-<R>.h5` in the cache
     folder."""
@@ -165,14 +162,3 @@ def require_writable(folder: Path) -> None:
         raise SpmlError(f"cannot create the output folder {folder} ({problem}); pick another --out") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SpmlError(f"the output folder {folder} is not writable; pick another --out")
-
-
-ROOM_MARGIN = 16 * 2**20  # bytes beyond the estimate: HDF5's own structures, and the estimate's error
-
-
-def require_room(path: Path, needed: int) -> None:
-    """The disk of `path` has room for `needed` more bytes (and a margin), else one line with both figures."""
-    free = shutil.disk_usage(path.parent).free
-    if free < needed + ROOM_MARGIN:
-        raise SpmlError(f"not enough space for {path}: it needs about {(needed + ROOM_MARGIN) / 2**20:.1f} MiB, and"
-                        f" {free / 2**20:.1f} MiB are free on that disk: free some space, or pick another --out")

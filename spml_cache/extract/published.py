@@ -24,9 +24,11 @@ import torch
 from spml_cache import cache, datasets, protocol
 from spml_cache.datasets import voc
 from spml_cache.extract.pipeline import run_attrs
-from spml_cache.extract.plan import refuse_foreign_file
+from spml_cache.cache.csr import DEFAULT_FORMAT, resolve_format
+from spml_cache.extract.plan import estimated_size, refuse_foreign_file
 from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
-from spml_cache.runtime.errors import SpmlError, unknown_name
+from spml_cache.runtime.disk import require_room
+from spml_cache.runtime.errors import SpmlError, check_stop, unknown_name
 
 FILES = {
     "images": "formatted_{split}_images.npy",
@@ -53,6 +55,7 @@ def _load(folder: Path, kind: str, split: str) -> np.ndarray:
         path = folder / f"formatted_{split}_uniform_labels_obs.npy"
     if not path.is_file():
         raise SpmlError(f"missing {folder / FILES[kind].format(split=split)}: expected the authors' {kind} file")
+    check_stop()  # import_features takes a stop between its steps (`stops_deferred`)
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as err:
@@ -111,6 +114,17 @@ def _classes(dataset: str, num_classes: int, classes_file: Path | None) -> tuple
         return list(voc.CLASSES), []
     note = f"class names are not in the authors' files: named class_0 .. class_{num_classes - 1} (pass --classes FILE)"
     return [f"class_{i}" for i in range(num_classes)], [note]
+
+
+def write_import(path: Path, attrs: dict, splits: dict[str, dict]) -> Path:
+    """The imported cache written at `path` once the disk has room for it (`cache.write`: a full disk met anyway,
+    or a stop, leaves no partial file)."""
+    rows = {name: cache.SplitRows(split["ids"], split["labels"], split.get("observed"), split.get("label_mask"))
+            for name, split in splits.items()}
+    num_classes = int(attrs["num_classes"])
+    width = int(np.shape(splits["train"]["features"])[1])
+    require_room(path, estimated_size(rows, num_classes, width, resolve_format(DEFAULT_FORMAT, num_classes)))
+    return cache.write(path, attrs=attrs, **splits)
 
 
 def import_published(
@@ -173,7 +187,7 @@ def import_published(
         "device": "unknown (the authors' features)",
     }
     test_split = {"features": test["features"], "labels": test["labels"], "ids": test["ids"]}
-    written = cache.write(path, attrs=attrs, train=rows_of(train_rows), val=rows_of(val_rows), test=test_split)
+    written = write_import(path, attrs, {"train": rows_of(train_rows), "val": rows_of(val_rows), "test": test_split})
     counts = {"train": len(train_rows), "val": len(val_rows), "test": len(test["ids"])}
     return ImportReport(written, counts, notes)
 

@@ -113,7 +113,7 @@ class Joined:
 
 def join(shard: Shard, final: Path, joined: Joined, done: dict) -> tuple[Path, dict, dict, dict] | None:
     """Once every rank is done: rank 0 copies the shards into the cache `final` and removes them. `done` is this
-    rank's {extracted, left_out, resumed, seconds, not_finite}; returns (cache path, ids dropped per split, rows
+    rank's {extracted, left_out, resumed, seconds}; returns (cache path, ids dropped per split, rows
     recomputed in fp32 per split, the totals of every rank) on rank 0, None on the others."""
     settings, rows, feature_dim, attrs = joined.settings, joined.rows, joined.feature_dim, joined.attrs
     rule_masks, text, labels = joined.rule_masks, joined.text, joined.labels
@@ -122,8 +122,6 @@ def join(shard: Shard, final: Path, joined: Joined, done: dict) -> tuple[Path, d
         return None
     totals = {key: sum(part[key] for part in every) for key in ("extracted", "left_out", "resumed")}
     totals["seconds"] = max(part["seconds"] for part in every)  # they ran side by side
-    totals["not_finite"] = {split: [i for part in every for i in part["not_finite"].get(split, [])]
-                            for split in cache.SPLITS}
     shards = [cache.PartialCache.open(shard.path(final, rank)) for rank in range(shard.world)]
     try:
         full = cache.PartialCache.create(final, settings, rows, feature_dim, text, labels)

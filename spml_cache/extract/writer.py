@@ -7,9 +7,10 @@ below ~600 on these images, and CPU fp16/bf16 autocast gives none; the GPU-side 
 the cause, one such row poisons every later stage. So every batch gets a per-row finite mask, reduced on the
 device and copied to the host beside the features, behind the same event: the check adds no host sync of its
 own. Only a batch that has non-finite rows pays one more, when those rows are recomputed in fp32 from the
-batch's resized images, which stay alive until the batch lands. A row still non-finite in fp32 is treated as a
-bad image: an error naming the file, or with `--on-bad-image skip` a row flagged `bad`, which finalisation
-leaves out.
+batch's resized images, which stay alive until the batch lands. A row still non-finite in fp32 is the
+backbone's fault, not the image's (a decoded image is finite; a network that maps it to NaN in fp32 has broken
+weights or code): an error naming the backbone, whatever `--on-bad-image` says, never a row left out as if its
+image were bad (a backbone that gives NaN for every image would otherwise seal a cache of no rows).
 
 The pinned host buffers the rows come back through are a ring of two, taken in turn: with the writer one batch
 behind, the batch before the one being queued has always landed by then, so two are enough, and pinning fresh
@@ -87,20 +88,24 @@ class _Batch:
     slot: HostSlot | None = None  # the ring's buffers `features` and `finite` live in, on a GPU
 
 
+class TrunkFailed(Exception):
+    """The backbone's own code raised, or gave rows of another width, on a batch (`run_batches` names the
+    backbone and the batch)."""
+
+
 class RowWriter:
     """Writes feature rows into the partial cache after checking they are finite (see the module docstring)."""
 
     def __init__(
-        self, partial: cache.PartialCache, trunk, *, paths: dict[str, list[Path]], reduced: bool, skip_bad: bool,
+        self, partial: cache.PartialCache, trunk, *, paths: dict[str, list[Path]], reduced: bool, backbone: str,
         normalise=normalise,
     ) -> None:
         self.partial, self.trunk, self.paths = partial, trunk, paths
         self.normalise = normalise  # the backbone's, for the fp32 recompute from the resized uint8 images
         self.reduced = reduced  # features come from fp16/bf16 autocast, so fp32 may still give finite ones
-        self.skip_bad = skip_bad
+        self.backbone = backbone  # its name, for the error a non-finite row is
         self.pending: _Batch | None = None
         self.ring = HostRing()
-        self.left_out: dict[str, list[str]] = {split: [] for split in cache.SPLITS}  # non-finite even in fp32
 
     def put(self, split: str, rows: np.ndarray, features: torch.Tensor, bad: np.ndarray, images) -> int:
         """Queue one batch (`images`: what the features were computed from); returns the rows written now."""
@@ -131,7 +136,7 @@ class RowWriter:
         features, bad, recomputed = batch.features.numpy(), batch.bad, None
         broken = np.flatnonzero(~batch.finite.numpy())
         if len(broken):
-            features, bad = features.copy(), bad.copy()  # the loader's and the trunk's arrays stay as they were
+            features = features.copy()  # the trunk's array stays as it was
             if self.reduced:
                 fresh = self._in_fp32(batch, broken)
                 rescued = np.isfinite(fresh).all(axis=1)
@@ -140,18 +145,16 @@ class RowWriter:
                 recomputed[broken[rescued]] = True
                 broken = broken[~rescued]
             if len(broken):
-                if not self.skip_bad:
-                    raise SpmlError(
-                        f"image {self.paths[batch.split][batch.rows[broken[0]]]}: its features are not finite"
-                        " (NaN or inf) even in fp32: check the --weights, replace the image, or pass"
-                        " --on-bad-image skip to leave it out"
-                        f" (progress is kept in {cache.partial_path(self.partial.final)})"
-                    )
-                features[broken], bad[broken] = 0.0, True
-                ids = self.partial.file[batch.split]["ids"].asstr()
-                self.left_out[batch.split] += [ids[batch.rows[j]] for j in broken]
+                raise SpmlError(self._not_finite(batch, broken))
         self.partial.write_rows(batch.split, batch.rows, features, bad, recomputed)
         return len(batch.rows)
+
+    def _not_finite(self, batch: _Batch, broken: np.ndarray) -> str:
+        first = self.paths[batch.split][batch.rows[broken[0]]]
+        others = f" and {len(broken) - 1} more of its batch" if len(broken) > 1 else ""
+        return (f"backbone {self.backbone} gave features that are not finite (NaN or inf) for image {first}{others}"
+                f"{', in fp32 too' if self.reduced else ''}: the backbone is at fault, not the images: check its"
+                f" --weights or its code (the rows done are kept in {cache.partial_path(self.partial.final)})")
 
     def _in_fp32(self, batch: _Batch, broken: np.ndarray) -> np.ndarray:
         """float32 [len(broken), D] on the host: the trunk on just those rows' images, without autocast."""
@@ -159,11 +162,44 @@ class RowWriter:
         device = batch.images.device
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             images = batch.images[torch.from_numpy(places).to(device)]
-            return self.trunk(self.normalise(images, torch.float32)).float().cpu().numpy()
+            normalised = self.normalise(images, torch.float32)
+            try:
+                rows = checked_rows(lambda: self.trunk(normalised), len(broken), batch.features.shape[1])
+            except TrunkFailed as failure:  # this batch's, not the one the trunk runs on now (one behind)
+                raise backbone_failed(self.backbone, failure, self.paths[batch.split][batch.rows[broken[0]]],
+                                      batch.split, self.partial) from None
+        return rows.cpu().numpy()
 
 
-def notes(recomputed: dict[str, int], left_out: dict[str, list[str]], precision: str) -> list[str]:
-    """The report's lines about rows that were not finite: recomputed ones (over resumed runs), dropped ones."""
+def backbone_failed(backbone: str, failure: TrunkFailed, first: Path, split: str, partial) -> SpmlError:
+    """The one line a backbone failing on a batch is: what it did, on which images, and the rows kept."""
+    return SpmlError(f"backbone {backbone} failed on a batch of {split} images (the first: {first}): it {failure};"
+                     f" fix it, then run the command again (the {partial.num_done()} images done are kept in"
+                     f" {cache.partial_path(partial.final)})")
+
+
+def checked_rows(call, rows: int, width: int) -> torch.Tensor:
+    """`call()`, the trunk on `rows` images, checked to give [rows, width]; what its own code raises (or another
+    shape) is `TrunkFailed`."""
+    try:
+        out = call()
+    except (SpmlError, MemoryError, torch.OutOfMemoryError):  # memory: a batch too large, not the backbone's fault
+        raise
+    except Exception as err:  # the backbone's own code: a plugin's, or a library's on this input
+        said = str(err).splitlines()[0] if str(err).strip() else ""
+        raise TrunkFailed(f"raised {type(err).__name__}" + (f": {said}" if said else "")) from err
+    if not isinstance(out, torch.Tensor):
+        raise TrunkFailed(f"returned a {type(out).__name__}, not a tensor [{rows}, {width}]")
+    if out.shape != (rows, width):
+        width_only = out.ndim == 2 and out.shape[0] == rows
+        raise TrunkFailed(f"returned rows of width {out.shape[1]}, not its {width}" if width_only else
+                          f"returned a tensor {list(out.shape)}, not [{rows}, {width}]")
+    return out.float()
+
+
+def notes(recomputed: dict[str, int], precision: str) -> list[str]:
+    """The report's lines about rows that were not finite in reduced precision, recomputed in fp32 (over resumed
+    runs)."""
     lines = []
     if any(recomputed.values()):
         per_split = ", ".join(f"{split} {count}" for split, count in recomputed.items() if count)
@@ -171,8 +207,4 @@ def notes(recomputed: dict[str, int], left_out: dict[str, list[str]], precision:
             f"{sum(recomputed.values())} images gave non-finite features in {precision} and were recomputed in fp32"
             f" ({per_split}; the cache's recomputed_fp32 attr); --precision fp32 computes every row in fp32"
         )
-    dropped = [image_id for ids in left_out.values() for image_id in ids]
-    if dropped:
-        shown = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
-        lines.append(f"{len(dropped)} of the images left out have features that are not finite even in fp32: {shown}")
     return lines

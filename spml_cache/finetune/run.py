@@ -37,7 +37,7 @@ from spml_cache.observation import DEFAULT_RULE
 from spml_cache.protocol import initial_head
 from spml_cache.runtime import locks
 from spml_cache.runtime.devices import default_workers
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError
+from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 from spml_cache.runtime.progress import progress_bar
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
@@ -84,7 +84,9 @@ def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     before any checkpoint leaves nothing."""
     processes, going_on = setup.processes, f"spml-cache finetune --resume {shlex.quote(str(run_dir))}"
     try:
-        return _run_grid(setup, run_dir, resumed=resumed, say=say)
+        results = _run_grid(setup, run_dir, resumed=resumed, say=say)
+        finished()  # the results are written: a stop now has nothing to stop
+        return results
     except KeyboardInterrupt:
         if not processes.main:
             raise SystemExit(130) from None  # rank 0 says what was kept

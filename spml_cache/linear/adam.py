@@ -132,7 +132,7 @@ class StackedAdam:
         taken on the rows alone (otherwise it is read from `param.grad[:, rows]`)."""
         self.steps += 1
         self.step_count += 1  # a captured step reads its count from here, never from the Python int
-        self._stop_heads(active, self.steps - 1, check=False)
+        self._stop_heads(active, self.step_count - 1, check=False)  # the device count: a replay reads it anew
         if self._fused_groups is None:
             self._fused_groups = self._group_fused()
         if self._fused_groups:
@@ -221,7 +221,7 @@ class StackedAdam:
                 self.advance_rows(rows, self.steps, active)
                 return
 
-    def _stop_heads(self, active: torch.Tensor | None, taken: int, check: bool = True) -> None:
+    def _stop_heads(self, active: torch.Tensor | None, taken: int | torch.Tensor, check: bool = True) -> None:
         """Heads inactive in `active` stop (for good) after step `taken`: their lazy rows keep that state.
         `check`: look whether any head is inactive (a host sync, so not at every step: the trainer passes
         `active` to `step` only once a head has stopped)."""
@@ -229,7 +229,8 @@ class StackedAdam:
             return
         self._stopped = True
         # in place: a captured step reads `_halt` where it was (inside a step the update changes nothing: the
-        # epoch's start stopped the heads already, at a step at most `taken`)
+        # epoch's start stopped the heads already, at a step at most `taken`; a step passes `taken` on the device,
+        # so that its replays run the op its capture recorded, tests/test_linear_graphs.py)
         self._halt.copy_(torch.where(active.to(self._halt.device), self._halt, self._halt.clamp(max=taken)))
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ from spml_cache import losses as loss_registry
 from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.head_matrix import HeadMatrix
-from spml_cache.runtime.devices import flushing_denormals, single_threaded, to_host
+from spml_cache.runtime.devices import head_conditions, to_host
 from spml_cache.runtime.errors import check_stop
 from spml_cache.linear.out_of_core import (
     Batch, ChunkReader, blocked_average_precision, chunked_permutations, dense_targets, epoch_permutations,
@@ -312,13 +312,12 @@ class SeedRun:
 
     def run_epoch(self, epoch: int) -> list[dict]:
         """Train epoch `epoch` (1-indexed) and score every head; returns the metrics lines of the epoch."""
-        with single_threaded(self.data.device):
-            self._train(epoch)
-            return self.score(epoch)
+        self._train(epoch)
+        return self.score(epoch)
 
     def _train(self, epoch: int) -> None:
         data, order = self.data, self.permutations[epoch - 1]
-        with flushing_denormals(order.device):
+        with head_conditions(data.device):  # those of graphs.Lockstep's steps: the same bits (devices.py)
             for stack in self.stacks:
                 stack.start_epoch(epoch, self.epochs, order, data)
                 if bool(stack.active.any()):
@@ -338,6 +337,10 @@ class SeedRun:
     def score(self, epoch: int) -> list[dict]:
         """Every head's val and test AP in one batched scoring (per stack when its evaluation drops the last
         partial batch, whose rows depend on the batch size); the epoch's metrics lines."""
+        with head_conditions(self.data.device, training=False):
+            return self._score(epoch)
+
+    def _score(self, epoch: int) -> list[dict]:
         data = self.data
         if not any(stack.drop_last for stack in self.stacks):
             val_ap, test_ap = self._aps(self.stacks, data.num_val, len(data.test_labels))
@@ -363,7 +366,10 @@ class SeedRun:
         classes at a time (out_of_core.py; the same figures)."""
         data = self.data
         if data.scores_at_once:
-            scores = torch.sigmoid(torch.cat([stack.eval_logits(data) for stack in stacks]))
+            # each stack's sigmoid on its own: ATen's vector kernels leave a tensor's last elements to the scalar
+            # loop, which rounds differently (AVX2, AVX-512), so a head's scores would depend on the stacks scored
+            # with it (in-process or in workers, resumed or not)
+            scores = torch.cat([torch.sigmoid(stack.eval_logits(data)) for stack in stacks])
             val = average_precision(scores[:, :val_rows], dense_targets(data.val_targets, val_rows, data.device),
                                     dense_targets(data.val_mask, val_rows, data.device))
             test = average_precision(scores[:, data.num_val : data.num_val + test_rows],

@@ -15,11 +15,26 @@ the warm-up that lazy initialisations need) and again only when something it bak
 eagerly between epochs. The eager path (`SeedRun.run_epoch`) stays for the CPU and for `--no-graphs`; both give
 the same selection and logits up to float tolerance (tests/test_cuda_graphs.py).
 
-A step that cannot be captured (an op that syncs with the host, even inside an ATen kernel) stops the run with one
-line naming the loss, the line of code and `--no-graphs`. It does not fall back to eager training: a capture
-that fails can leave torch's caching allocator believing a capture is still under way (torch <= 2.11), after
-which every later capture fails and memory may be handed out wrongly; and a silent fallback would hide a step
-several times slower.
+A stack's graphs share one memory pool of torch's caching allocator for the whole run. The allocator counts a
+pool's live graphs (`use_count`: a capture into the pool adds one, a graph destroyed takes its one away) and asserts
+that a capture into a pool it still holds finds one alive (`beginAllocateToPool`, CUDACachingAllocator.cpp: "it->
+second->use_count > 0"); a pool whose graphs are all gone stays in its books, its memory cached, until
+`empty_cache` frees it. So when a head stops, the stack's old graphs are kept until the first graph of the new
+generation has been captured into the pool (`CapturedStack.retired`), then released: the pool always has a live
+graph when a capture begins, and the new generation reuses the old one's memory. (A fresh pool per generation
+would also satisfy the allocator, but each dead pool's memory would stay reserved until `empty_cache`, and the
+allocator does not free cached blocks to make room while a capture is under way: a run whose heads stop in many
+epochs could run out of memory mid-capture.)
+
+A capture that fails stops the run with one line naming its cause. One that cannot begin (the allocator refusing
+the stack's pool, or the stream) is this module's fault, not the step's: the line says so. One that fails in the
+step (an op that syncs with the host, even inside an ATen kernel) names the loss, the line of code and
+`--no-graphs`. Neither falls back to eager training: a capture that fails can leave torch's caching allocator
+believing a capture is still under way (torch <= 2.11), after which every later capture fails and memory may be
+handed out wrongly; and a silent fallback would hide a step several times slower.
+
+The steps run under `devices.head_conditions`, as the eager loop's do: on the CPU (the tests' stand-in for CUDA
+graphs) a replay gives the eager step's bits on any x86 CPU, whatever its vector instructions.
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import torch
 
 from spml_cache.linear.adam_kernel import fused_adam_available
 from spml_cache.linear.engine import HeadStack, SeedRun
+from spml_cache.runtime.devices import head_conditions
 from spml_cache.runtime.errors import SpmlError, check_stop
 
 UNROLL = 8  # full steps per graph: one launch where eight would each cost a Python round trip
@@ -67,8 +83,13 @@ class CudaGraphs:
             return torch.cuda.graph_pool_handle()
 
     @staticmethod
-    def capture(stream: torch.cuda.Stream, steps: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
-        """The graph of `steps()`, captured on `stream` (capturing runs nothing), its temporaries in `pool`.
+    def new_graph() -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    @classmethod
+    def capture(cls, stream: torch.cuda.Stream, steps: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+        """The graph of `steps()`, captured on `stream` (capturing runs nothing), its temporaries in `pool`; a
+        capture that cannot begin raises `CaptureNotBegun`, one that fails in `steps()` the step's error.
 
         Begun and ended here rather than by `torch.cuda.graph`, which first synchronises the whole device and
         empties the allocator's cache to make room for the graph: at every one of a run's hundreds of captures,
@@ -76,9 +97,12 @@ class CudaGraphs:
         shared by the graphs of one stack only: they replay one after another on its stream, so one's
         temporaries may reuse another's; the graphs of different stacks replay at the same time on their own
         streams and must not (a pool for all stacks would let them overwrite each other's temporaries)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
+        graph = cls.new_graph()
+        with cls.on(stream):
+            try:
+                graph.capture_begin(pool=pool)
+            except RuntimeError as error:  # nothing of the step ran: the allocator (its pool) or the stream refused
+                raise CaptureNotBegun(error_line(error)) from error
             try:
                 steps()
             except BaseException:
@@ -87,6 +111,10 @@ class CudaGraphs:
                 raise
             graph.capture_end()
         return graph
+
+
+class CaptureNotBegun(RuntimeError):
+    """`capture_begin` refused: the caching allocator (the pool) or the stream, before any op of the step."""
 
 
 class CapturedStack:
@@ -103,6 +131,8 @@ class CapturedStack:
         self.cursor = torch.zeros((), dtype=torch.long, device=device)  # where the next full batch starts
         self.offsets = torch.arange(stack.batch_size, device=device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        # the previous generation's graphs, released once a graph of this one holds the pool (module docstring)
+        self.retired: list[torch.cuda.CUDAGraph] = []
         self.warm: set[str] = set()  # batch shapes ("full", "partial") that have run once eagerly
         self.captured_for: torch.Tensor | None = None  # the `stopped` the graphs baked in
         self.captures = 0  # graphs captured so far (for tests and benchmarks)
@@ -128,6 +158,7 @@ class CapturedStack:
         # The stack makes `stopped` (and `frozen`) anew exactly when a head has stopped (its columns are frozen now):
         # the graphs read the old ones. Otherwise they stay, and so do the graphs.
         if self.stack.stopped is not self.captured_for:
+            self.retired += self.graphs.values()  # never replayed again, but the pool's last users until a capture
             self.graphs.clear()
             self.captured_for = self.stack.stopped
 
@@ -164,14 +195,21 @@ class CapturedStack:
             finally:
                 self.stack.set_step_counts(counts)
 
+        loss, size = self.stack.records[0].loss, self.stack.batch_size
         try:
             graph = self.backend.capture(self.stream, steps, self.pool)
+        except CaptureNotBegun as error:
+            raise SpmlError(f"linear: a CUDA graph capture of the {loss} stack (batch {size}) could not begin"
+                            f" ({error}): torch refused the graphs' memory pool or stream before any op of the step"
+                            " ran, a fault of spml-cache's graph bookkeeping (linear/graphs.py), not of the loss;"
+                            " rerun with --no-graphs, which launches each step eagerly (slower, the same results),"
+                            " and report it") from error
         except RuntimeError as error:  # an op that syncs with the host: capturing runs nothing, nothing to undo
-            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-            raise SpmlError(f"linear: the {self.stack.records[0].loss} step cannot be captured as a CUDA graph"
-                            f" ({reason}{failing_line(error)}): rerun with --no-graphs, which launches each step"
-                            " eagerly (slower, the same results)") from error
+            raise SpmlError(f"linear: the {loss} step cannot be captured as a CUDA graph ({error_line(error)}"
+                            f"{failing_line(error)}): rerun with --no-graphs, which launches each step eagerly"
+                            " (slower, the same results)") from error
         self.graphs[(kind, count)] = graph
+        self.retired.clear()  # the pool has a live graph of this generation now
         self.captures += 1
         return graph
 
@@ -192,17 +230,24 @@ class Lockstep:
 
     def train_epoch(self, epoch: int) -> None:
         """Train epoch `epoch` (1-indexed) of every stack; the caller then scores each run (`SeedRun.score`)."""
-        for run, order in zip(self.runs, self.orders):
-            order.copy_(run.permutations[epoch - 1])
-        for captured in self.stacks:
-            captured.begin_epoch(epoch)
-        # One graph launch of each stack in turn, so that every stream has work queued while Python launches more.
-        feeds = [captured.epoch_steps() for captured in self.stacks if bool(captured.stack.active.any())]
-        while feeds:
-            check_stop()  # a safe point between graph launches (errors.stops_deferred)
-            feeds = [feed for feed in feeds if next(feed, False) is None]
-        for captured in self.stacks:
-            captured.end_epoch()
+        with head_conditions(self.orders[0].device):  # the eager loop's (SeedRun._train): the same bits
+            for run, order in zip(self.runs, self.orders):
+                order.copy_(run.permutations[epoch - 1])
+            for captured in self.stacks:
+                captured.begin_epoch(epoch)
+            # One graph launch of each stack in turn, so that every stream has work queued while Python launches more.
+            feeds = [captured.epoch_steps() for captured in self.stacks if bool(captured.stack.active.any())]
+            while feeds:
+                check_stop()  # a safe point between graph launches (errors.stops_deferred)
+                feeds = [feed for feed in feeds if next(feed, False) is None]
+            for captured in self.stacks:
+                captured.end_epoch()
+
+
+def error_line(error: BaseException) -> str:
+    """The first line of `error`'s message (at most 200 characters), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def failing_line(error: BaseException) -> str:

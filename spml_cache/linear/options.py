@@ -70,7 +70,7 @@ class LinearPlacement:
     """Where and how this process runs a `linear` run, none of which changes its results."""
 
     device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: each process's own GPU)
-    out: Path | str = "runs"  # the runs folder a new run is written under
+    out: Path | str | None = None  # the runs folder a new run is written under (None: runs); a resumed run's own
     workers: int = 0  # processes training jobs in parallel (0: one per core on the CPU when the grid is big)
     graphs: bool = True  # on a GPU, every stack at once as replayed CUDA graphs (False: eagerly, for debugging)
     cache_dir: Path | str | None = None  # where `dataset`'s cache is looked for

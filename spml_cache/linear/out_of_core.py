@@ -228,7 +228,7 @@ def blocked_average_precision(heads: list, source, start: int, stop: int, target
         for features in chunks:
             for index, matrix in enumerate(heads):
                 logits[index].append(block_logits(matrix, features, low, high))
-        scores = torch.sigmoid(torch.cat([torch.cat(parts, dim=1) for parts in logits]))
+        scores = torch.cat([torch.sigmoid(torch.cat(parts, dim=1)) for parts in logits])  # per matrix: engine._aps
         del logits
         annotated = None if mask is None else target_block(mask, low, high, stop - start, device)
         out.append(average_precision(scores, target_block(targets, low, high, stop - start, device), annotated))
@@ -263,7 +263,9 @@ def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows:
         groups = next((n for n in range(heads // per_group, 0, -1) if fits(n)), 1)
         chosen = plan(budget, shapes, num_classes, groups * per_group, label_bytes, baseline)
     if chunk_rows:  # the chunk order asked for, or a resumed out-of-core run's own
-        chosen = replace(chosen, train_in_memory=False, chunk_rows=chunk_rows)
+        # More rows than the training rows is one chunk of them all, whose order (`chunked_permutations`) is the
+        # in-memory order: the same batches as `chunk_rows` = the training rows, without a buffer of the size given.
+        chosen = replace(chosen, train_in_memory=False, chunk_rows=max(1, min(chunk_rows, shapes["train"][0])))
     if not chosen.streams:
         return cache.load(path), chosen, groups
     features = cache.load(path, in_memory=False)

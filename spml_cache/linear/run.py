@@ -29,7 +29,9 @@ from spml_cache.linear.options import LinearOptions, LinearPlacement
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.runtime import locks, memory
 from spml_cache.runtime.devices import resolve_device
-from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, stop_exit_code, stops_deferred
+from spml_cache.runtime.errors import (
+    DiskFull, Interrupted, SpmlError, check_stop, finished, stop_exit_code, stops_deferred,
+)
 from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
                                        stored_settings)
 from spml_cache.metrics import mean_average_precision
@@ -83,13 +85,14 @@ def run_linear_options(options: LinearOptions, placement: LinearPlacement = Line
     `wds`: the probe's L2 weight decays (None: 0 alone, the papers' grid), a grid axis beside the lrs: one head
     per (lr, weight decay) in the same stacks, selected on val like the rest.
     """
+    _refuse_other_out(options.resume, placement.out)
     with stops_deferred():
         ranks = current_ranks()  # under torchrun: this process's share of the parts
         planned = _plan(options, placement, ranks)
         if ranks and not ranks.main:
             return _train_other_rank(ranks, planned.jobs)
         resume = options.resume
-        run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out, planned)
+        run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out or "runs", planned)
         binding = [memory.FLAG, memory.flag_text(planned.budget)] if planned.budget_binds else []  # it shaped the run
         going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
         with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
@@ -102,9 +105,33 @@ def run_linear_options(options: LinearOptions, placement: LinearPlacement = Line
             except LossFailed as failed:  # so are the parts trained before
                 raise _loss_failed(run_dir, planned.jobs, failed, going_on) from failed
             KeptParts(run_dir).remove()
+            finished()  # the results are written: a stop now has nothing to stop
         if ranks:
             ranks.leave()
         return LinearRun(run_dir, results)
+
+
+def _verified(features, carried_on: bool, streamed: bool) -> str | None:
+    """The cache's content against its checksum (`cache.verify`). What goes on (`--resume`) or starts from a head
+    and its state (`--from`) must read the very same arrays; a new run checks them too when they are in memory
+    (one pass over what is loaded, ~2 s per GB on two EPYC cores), so that the cache id its config.json records is
+    its content's. Streamed, that would be one more read of a cache larger than memory: left to --resume. The note
+    on a cache too old to have a checksum is for --resume and --from."""
+    if not carried_on and streamed:
+        return None
+    note = verify(features)
+    return note if carried_on else None
+
+
+def _refuse_other_out(resume, out) -> None:
+    """`--out` beside `--resume RUN`: a resumed run goes on in its own directory, so a runs folder other than the
+    one holding it is refused rather than left unused without a word."""
+    if resume is None or out is None:
+        return
+    own = Path(resume).resolve().parent.parent  # <runs folder>/<dataset>/<run>
+    if Path(out).resolve() != own:
+        raise SpmlError(f"--out {out}: --resume {resume} goes on in its own run directory, under {own}; leave out"
+                        " --out (a new run in another folder: leave out --resume)")
 
 
 @dataclass(frozen=True)
@@ -179,8 +206,7 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
         workers = _streaming(settings, workers) if not chunks.train_in_memory else 1
     check_train_test(len(features.train), features.test.labels, features.test.label_mask, str(features.path))
     check_val_split(features.val.labels, str(features.path))
-    # what goes on, or starts from a head and its state, must read the very same arrays
-    unverified = verify(features) if options.resume is not None or from_run is not None else None
+    unverified = _verified(features, options.resume is not None or from_run is not None, chunks.streams)
     settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
     observation.refuse_unobserved(observed, features.path)
@@ -192,6 +218,7 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
     if ranks is None or ranks.main:
         _print_notes(placement.console, [unverified, observation.drawn_note(observed, features.path), *text_notes,
                                          *notes, chunks.streams and chunks.describe(),
+                                         _clamped_note(chunk_rows, chunks),
                                          lrs_at_once and _grouped_note(lrs_at_once)])
     whole = LinearData.from_features(features, target, settings.val_labels, chunks)
     data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
@@ -203,6 +230,13 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
 def _several(settings: LinearSettings) -> bool:
     """Whether the run trains under other observation rules than `single` alone."""
     return [rule.text for rule in settings.rules] != [observation.DEFAULT_RULE]
+
+
+def _clamped_note(chunk_rows: int | None, chunks) -> str | None:
+    if not chunk_rows or chunk_rows <= chunks.chunk_rows:
+        return None
+    return (f"--chunk-rows {chunk_rows:,} is more than the {chunks.chunk_rows:,} training rows: one chunk of them all,"
+            " in the order an in-memory run takes")
 
 
 def _grouped_note(lrs_at_once: int) -> str:
@@ -247,6 +281,7 @@ def _train_other_rank(ranks: Ranks, plan: JobPlan) -> None:
                       train_jobs(plan, jobs, workers) if event.lines or event.done])
     except (KeyboardInterrupt, PeerLost):
         raise SystemExit(stop_exit_code()) from None
+    finished()  # its parts are with rank 0
     ranks.leave()
     return None
 

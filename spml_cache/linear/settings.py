@@ -264,7 +264,9 @@ def _resume_flags(config: dict, settings: LinearSettings, given: Mapping):
         ("--fidelity", get("fidelity"), get("fidelity") and Fidelity.check(get("fidelity")), settings.fidelity),
         ("--observe", rules and _text(rules), rules, [rule.text for rule in settings.rules]),
         ("--from", get("from_run"), get("from_run") and Path(get("from_run")).resolve(), starts[0] if starts else None),
-        ("--chunk-rows", get("chunk_rows"), get("chunk_rows"), (config.get("out_of_core") or {}).get("chunk_rows")),
+        ("--chunk-rows", get("chunk_rows"), get("chunk_rows") and min(get("chunk_rows"), config.get("num_train") or
+                                                                       get("chunk_rows")),
+         (config.get("out_of_core") or {}).get("chunk_rows")),  # more than the training rows is all of them
         # a run from before the budget was stored takes the one given
         ("--memory-budget", budget, budget, budget if stored_budget is None else memory.flag_text(stored_budget)),
         *_hparam_flags(settings, get("hparams"), get("hp_grid")),

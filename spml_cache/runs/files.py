@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from numpy.lib.npyio import NpzFile
 
+from spml_cache.runtime.disk import remove_stale_temporaries, temporary_path
 from spml_cache.runtime.errors import DiskFull, SpmlError
 
 
@@ -42,15 +43,12 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def temporary_path(path: Path) -> Path:
-    """Where `path` is written before it is renamed into place: a hidden name that ends in `.tmp-<pid>`, so that no
-    reader's pattern (`*.pt`, `*.json`, ...) ever matches it, and two processes never share one."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def replace_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """`write(file)` into a temporary file, flushed to the disk, then renamed to `path`: a reader sees the old
-    file or the whole new one, never a part. Nothing is left behind on failure."""
+    file or the whole new one, never a part. Nothing is left behind on failure, and what a killed process left
+    behind for the same name is removed first."""
+    path = Path(path)
+    remove_stale_temporaries(path.parent, path.name)
     temporary = temporary_path(path)
     try:
         with open(temporary, "wb") as file:

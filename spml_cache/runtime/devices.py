@@ -1,5 +1,6 @@
 """Resolve `--device auto|cpu|cuda|cuda:N` once, at the boundary; how many reader processes a device wants; small
-tensors to the host in one copy; on the CPU, one thread and denormals flushed while small heads train."""
+tensors to the host in one copy; on the CPU, the conditions stage two's heads train and score in (`head_conditions`:
+one thread, denormals flushed while they train)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,25 @@ def to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
         arrays.append(flat[start : start + t.numel()].reshape(tuple(t.shape)).astype(dtype))
         start += t.numel()
     return arrays
+
+
+@contextmanager
+def head_conditions(device: torch.device, *, training: bool = True):
+    """The conditions in which stage two's heads train (and, `training=False`, are scored) on the CPU, set here
+    only: one intra-op thread (`single_threaded`), and denormals flushed while they train (`flushing_denormals`).
+
+    Both change the arithmetic, not only the speed: an op split over two threads adds its parts in another order
+    (and ATen's AVX2 / AVX-512 kernels and MKL cut their work by the thread count), and a flushed denormal is a
+    zero. The same step gives the same bits only under the same conditions, so the eager loop
+    (`SeedRun.run_epoch`), the lockstep loop (`graphs.Lockstep`) and scoring all enter this, and a replay equals
+    the eager step on any x86 CPU (tests/test_linear_graphs.py). Scoring does not flush: a flushed sigmoid would
+    tie the lowest scores (below ~1e-38), which the GPU's does not."""
+    with single_threaded(device):
+        if not training:
+            yield
+            return
+        with flushing_denormals(device):
+            yield
 
 
 @contextmanager

@@ -75,14 +75,28 @@ class Interrupted(Exception):
 
 # The stop a signal asked for: the signal and when (cli/stopping.py's handler sets it), and whether the code running
 # now checks it itself (`stops_deferred`) rather than taking a KeyboardInterrupt wherever the handler lands.
-_stop: dict = {"by": None, "at": 0.0, "deferred": 0}
+# `finished`: the command's work is done and written (`finished()`), so a stop has nothing left to stop.
+_stop: dict = {"by": None, "at": 0.0, "deferred": 0, "finished": False}
 
 
 def request_stop(signum: int) -> bool:
-    """A signal asks the command to stop; True when the running code checks for it at its safe points (the
-    handler then returns), False when the handler is to raise KeyboardInterrupt itself."""
+    """A signal asks the command to stop; True when the running code checks for it at its safe points, or has
+    finished its work (the handler then returns), False when the handler is to raise KeyboardInterrupt itself."""
     _stop.update(by=signum, at=time.monotonic())
-    return _stop["deferred"] > 0
+    return _stop["deferred"] > 0 or _stop["finished"]
+
+
+def finished() -> None:
+    """The command's work is done and written (a cache sealed, a run's results, every part handed over): a stop
+    asked for from now on is only recorded, and one asked for but not yet taken is forgotten, so that what the
+    command did is printed as done and it ends as without a stop. (Under torchrun a Ctrl-C that came as the run
+    ended said "interrupted" over a complete run.)"""
+    _stop.update(by=None, finished=True)
+
+
+def work_finished() -> bool:
+    """Whether the command's work is done and written (`finished`): a stop asked for since changes nothing."""
+    return _stop["finished"]
 
 
 def stop_requested() -> int | None:
@@ -101,7 +115,7 @@ def seconds_since_stop() -> float:
 
 
 def clear_stop() -> None:
-    _stop.update(by=None, at=0.0)
+    _stop.update(by=None, at=0.0, finished=False)
 
 
 def check_stop() -> None:

@@ -7,11 +7,16 @@ step; stage three's data parallelism joins over nccl on GPUs (finetune/parallel.
 from __future__ import annotations
 
 import os
+import shlex
+import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from spml_cache.runtime.errors import Interrupted, check_stop, stop_exit_code
 
 
 class PeerLost(Exception):
@@ -72,7 +77,9 @@ class Ranks:
 def current(backend: str = "gloo") -> Ranks | None:
     """This process's place under torchrun, None when it runs alone. Joins the process group over `backend`
     unless the caller has joined one already (then that group is used, and left to the caller); over nccl, on
-    this process's own GPU, chosen before joining so that nccl's communicators are made there."""
+    this process's own GPU, chosen before joining so that nccl's communicators are made there. A stop while the
+    processes join (Ctrl-C, or torchrun's SIGTERM after another process ended before it joined) is `Interrupted`
+    on rank 0 and a quiet exit on the others, within `JOIN_POLL_S`."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -80,5 +87,48 @@ def current(backend: str = "gloo") -> Ranks | None:
         torch.cuda.set_device(local)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(backend)
+        try:
+            _join(backend, local)
+        except KeyboardInterrupt:
+            if int(os.environ.get("RANK", "0")) != 0:
+                raise SystemExit(stop_exit_code()) from None  # rank 0 says it
+            raise Interrupted(f"nothing was done: the {os.environ['WORLD_SIZE']} processes of this torchrun command"
+                              " were still joining (another one ended, or a stop was asked for)",
+                              launcher_command()) from None
     return Ranks(dist.get_rank(), dist.get_world_size(), local, owns_group)
+
+
+# How often the main thread looks at a stop while the processes join.
+JOIN_POLL_S = 0.2
+
+
+def _join(backend: str, local: int) -> None:
+    """`init_process_group` in a thread of its own while the main thread waits for it, ready to stop. The join
+    blocks in C++ (the rendezvous through torchrun's store, gloo's handshake) where Python's signal handlers never
+    run: a process whose peer died before joining sat deaf to torchrun's SIGTERM until its SIGKILL 30 s later.
+    The thread is a daemon: a process that stops leaves it blocked, and exits all the same."""
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(local)  # the current device is the thread's own
+            dist.init_process_group(backend)
+        except BaseException as err:  # raised again in the main thread
+            failed.append(err)
+
+    thread = threading.Thread(target=join, name="spml-cache join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(JOIN_POLL_S)  # a signal's handler runs here (and raises KeyboardInterrupt where not deferred)
+        check_stop()  # a stop the handler only recorded (`stops_deferred`)
+    if failed:
+        raise failed[0]
+
+
+def launcher_command() -> str:
+    """The torchrun command that goes on: this one's processes per node (and nodes), this command's arguments."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    nodes = int(os.environ.get("WORLD_SIZE", "1")) // max(per_node, 1)
+    return shlex.join(["torchrun", *(["--nnodes", str(nodes)] if nodes > 1 else []), "--nproc-per-node",
+                       str(per_node), "-m", "spml_cache", *sys.argv[1:]])

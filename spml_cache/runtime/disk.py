@@ -1,0 +1,85 @@
+"""What every writer needs from the disk: whether it has room for what is about to be written, and the hidden
+temporaries (`.<name>.tmp-<pid>`) a process writes before renaming them into place, which a process killed with
+SIGKILL (or a power cut) leaves behind: those of a process that no longer runs are nobody's, and the next writer
+of the same name removes them.
+
+The process is recognised by its id alone, on this machine: a folder shared with other machines could hold a
+temporary of a process running there under an id that is free here. Writers of run directories hold the
+directory's lock (`locks.held`), so none of theirs is touched; an export's folder has no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from spml_cache.runtime.errors import SpmlError
+
+ROOM_MARGIN = 16 * 2**20  # bytes beyond an estimate: HDF5's own structures, and the estimate's error
+
+
+def require_room(path: Path, needed: int, margin: int = ROOM_MARGIN, disk: Path | None = None) -> None:
+    """The disk `path` is written on (that of the folder `disk`, by default its parent) has room for `needed` more
+    bytes (and `margin`), else one line with both figures."""
+    free = shutil.disk_usage(_existing(Path(path).parent if disk is None else Path(disk))).free
+    if free < needed + margin:
+        raise SpmlError(f"not enough space for {path}: it needs about {(needed + margin) / 2**20:.1f} MiB, and"
+                        f" {free / 2**20:.1f} MiB are free on that disk: free some space, or pick another --out")
+
+
+def _existing(folder: Path) -> Path:
+    """`folder`, or the nearest folder above it that exists (on the disk it will be made on)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def temporary_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: a hidden name that ends in `.tmp-<pid>`, so that no
+    reader's pattern (`*.pt`, `*.json`, ...) ever matches it, and two processes never share one."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def process_runs(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (another user's counts)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:  # an id beyond the system's range: no such process
+        return False
+    return True
+
+
+def stale_temporaries(folder: Path, name: str) -> list[Path]:
+    """The temporaries of `name` in `folder` (`.<name>.tmp-<pid>`, files or folders) whose process has ended."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(\d+)")
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:  # no folder yet, or one this process cannot list: nothing of its own is there
+        return []
+    return sorted(entry for entry in entries
+                  if (match := pattern.fullmatch(entry.name)) and not process_runs(int(match.group(1))))
+
+
+def remove_stale_temporaries(folder: Path, name: str) -> list[Path]:
+    """Remove the temporaries of `name` in `folder` left by processes that have ended; returns those removed (one
+    that cannot be removed is left, unnamed: the write that follows does not depend on it)."""
+    removed = []
+    for entry in stale_temporaries(folder, name):
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:
+            continue
+        removed.append(entry)
+    return removed
