@@ -15,7 +15,7 @@ from test_report import PNG_SIGNATURE, make_run
 from test_report_backbones import with_cache_attrs
 
 from spml_cache import report
-from spml_cache.report import plots, val_curves
+from spml_cache.report import observed_fraction, plots, val_curves
 from spml_cache.report.figure_files import FigureFiles
 from spml_cache.report.pivot import draw_backbones, pivot_backbone
 
@@ -165,3 +165,7 @@ def test_headings_count_one_loss_as_one(tmp_path):
     panels, _ = val_curves.panels_for(curves, test_map, set(curves) - {"an"})  # one single-positive loss
     assert [title for title, _ in panels][:2] == ["the best single-positive loss and the best oracle",
                                                    "oracles (1 loss)"]
+    for count, said in ((1, "the one loss"), (2, "both losses"), (3, "all 3 losses")):
+        curves = {name: [(0.1, 40.0), (0.5, 50.0 + i)] for i, name in enumerate(["an", "role", "epr"][:count])}
+        figure = observed_fraction._figure(plots.require_matplotlib(), "VOC linear", curves)
+        assert figure.axes[0].get_title().replace("\n", " ").endswith(f"; {said}")

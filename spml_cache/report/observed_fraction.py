@@ -58,8 +58,9 @@ def _figure(Figure, title: str, curves: dict[str, list[tuple[float, float]]]):
     if max(every) / min(every) >= 20:
         axes.set_xscale("log")
     largest = max(every)
-    which = (f"the best {len(shown)} of {len(ranked)} losses at P = {largest:g} (left out: {', '.join(ranked[SHOWN:])})"
-             if len(ranked) > SHOWN else "the one loss" if len(ranked) == 1 else f"all {len(ranked)} losses")
+    which = {1: "the one loss", 2: "both losses"}.get(len(ranked), f"all {len(ranked)} losses")
+    if len(ranked) > SHOWN:
+        which = f"the best {len(shown)} of {len(ranked)} losses at P = {largest:g} (left out: {', '.join(ranked[SHOWN:])})"
     axes.set(xlabel="fraction of training labels observed (entry:P)", ylabel="test mAP")
     heading = f"{title}: test mAP against the fraction of labels observed; {which}"
     axes.set_title(wrapped(heading, figure, 10), fontsize=10)
