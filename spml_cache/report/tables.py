@@ -92,7 +92,7 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
                 continue
             cells[column.label] = cell = _cell(run, loss)
             if "wd" in (cell.swept or {}):
-                decays.setdefault(column.label, set()).update(run.config.get("wds") or [cell.swept["wd"]])
+                decays.setdefault(column.label, set()).update(_swept_decays(run) or [cell.swept["wd"]])
             published = (paper and column.rule == DEFAULT_RULE and column.backbone == DEFAULT_BACKBONE
                          and paper_number(column.stage, column.dataset, loss))  # the papers' are ResNet-50's
             if published:
@@ -111,6 +111,12 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
               " a cell names it where it is not 0" for label, wds in decays.items()]
     rows += [(ZERO_SHOT, reference)] if reference else []  # after the best marks: never the best loss
     return Table(columns, rows, oracles & present, paper, notes, [run for run in runs if run.results is None])
+
+
+def _swept_decays(run: Run) -> list[float]:
+    """The weight decays a linear run swept (`--wd`): config.json's `options`, or its `wds` in runs written before
+    the options were stored whole."""
+    return list((run.config.get("options") or {}).get("wds") or run.config.get("wds") or [])
 
 
 def mark_best(columns: list[Column], rows: list, oracles: set[str]) -> None:
