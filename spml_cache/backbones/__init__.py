@@ -53,7 +53,7 @@ FEATURES = ("pooled", "last4")  # which activations make the features (layers.py
 DEFAULT_FEATURES = "pooled"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Description:
     """What a backbone is, known before its weights are loaded; its `attrs` go into the cache's settings."""
 
@@ -73,7 +73,7 @@ class Description:
     @property
     def slug(self) -> str:
         """The cache file's name for it: the backbone's slug, `_last4` after it for that kind."""
-        return slug(self.backbone) + ("" if self.features == DEFAULT_FEATURES else f"_{self.features}")
+        return feature_slug(self.backbone, self.features)
 
     @property
     def resolution(self) -> int:
@@ -123,7 +123,13 @@ def slug(name: str) -> str:
     return re.sub(r"[-:/]", "_", name)
 
 
-@dataclass(frozen=True)
+def feature_slug(backbone: str, features: str | None) -> str:
+    """A backbone and feature kind as file names carry them (the cache's, a run directory's): `resnet50`,
+    `timm_vit_base_patch14_dinov2.lvd142m_last4`."""
+    return slug(backbone) + ("" if features in (None, DEFAULT_FEATURES) else f"_{features}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Request:
     """What `describe` is asked for, as every family's `describe` takes it: the name within the family and the
     options (None: the family's default)."""
