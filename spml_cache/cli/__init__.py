@@ -46,6 +46,7 @@ from spml_cache.cli.tools import (
 )
 from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
+from spml_cache.runtime.install import mismatched_torchvision
 
 app = typer.Typer(
     name="spml-cache",
@@ -286,6 +287,9 @@ def main() -> None:
         except Exception as err:  # a bug or an environment failure: still one line unless --debug
             if _debug["on"]:
                 raise
+            known = mismatched_torchvision(err)  # a broken install, met as the command starts: the fix
+            if known is not None:
+                last_line(Text("error: ", style="bold red") + Text(str(known), style="red"), 1)
             message = f"{type(err).__name__}: {err} (run with --debug for the traceback)"
             last_line(Text("error: ", style="bold red") + Text(message, style="red"), 1)
 
