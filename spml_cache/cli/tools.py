@@ -105,22 +105,24 @@ def export_command(
 
 
 def losses_command(
-    specs: Optional[List[str]] = typer.Argument(None, help="Plugin losses to list too: path/to/file.py:Class or package.module:Class."),
+    names: Optional[List[str]] = typer.Argument(None, help="Only these losses: a built-in's name, an installed plugin's, path/to/file.py:Class or package.module:Class (default: every loss)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array (one object per loss) instead of a table."),
 ) -> None:
-    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags; then
-    the installed plugins (entry-point group spml_cache.losses) and the plugins named, with their origin.
+    """Every loss, or the losses named: name, description, paper reference, defaults (and per-dataset defaults), state, flags; with every loss, the installed plugins (entry-point group spml_cache.losses) too, with their origin.
 
     Override any default in training with --hp name=value. Your own loss: docs/your-own-loss.md.
 
+    Example: spml-cache losses role
     Example: spml-cache losses --json
     Example: spml-cache losses examples/masked_focal.py:MaskedFocal
     """
     import json
 
     from spml_cache import losses
+    from spml_cache.runtime.plugins import given_as_argument
 
-    rows = losses.describe(tuple(specs or ()))
+    with given_as_argument():  # refusals name each NAME as typed: no --loss was given
+        rows = losses.describe(tuple(names or ()))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
