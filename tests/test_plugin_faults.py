@@ -326,7 +326,7 @@ def test_finetune_refuses_a_loss_plugin_edited_since_its_linear_run(tmp_path, mo
     monkeypatch.setattr(plugins, "_LOADED", {})
     code, err = run_main("finetune", "--cache", "voc.h5", "--loss", "masked_focal", "--root", ".", "--device", "cpu",
                          cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    assert code == 1 and "images are missing under ." in err and "plugin" not in err
+    assert code == 1 and "the image root . holds none of the cache's" in err and "plugin" not in err
 
 
 # --- a name too long for a file name (15) ----------------------------------------------------------------------
