@@ -75,7 +75,8 @@ def main() -> None:
     observed[torch.arange(NUM_TRAIN), torch.arange(NUM_TRAIN) % NUM_CLASSES] = 1
     loss_fn = losses.build(args.loss, num_classes=NUM_CLASSES, dataset="voc", num_heads=1, train_observed=observed)
     loss_fn = loss_fn.to(device)
-    training = Training(model, model, loss_fn, make_optimizer(model, loss_fn, lr=1e-5), args.resolution, processes)
+    training = Training(model=model, trainer=model, loss_fn=loss_fn, optimizer=make_optimizer(model, loss_fn, lr=1e-5),
+                        preprocess=args.resolution, processes=processes)
     observed, labels = observed.to(device), observed.to(device).clamp(min=0).to(torch.uint8)
 
     blobs = synthetic_jpegs(args.batch_size)

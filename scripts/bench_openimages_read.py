@@ -72,7 +72,7 @@ def measure(folder: Path) -> dict:
     figures.update(train_images=len(train), test_images=len(test), classes=len(classes),
                    train_positives=train.labels.nnz, train_verified=train.mask.nnz, notes=notes,
                    label_bytes_sparse=sum(m.nbytes() for s in (train, test) for m in (s.labels, s.mask)))
-    images = LabeledImages("openimages", folder, classes, train, test, notes=notes)
+    images = LabeledImages(dataset="openimages", root=folder, classes=classes, train=train, test=test, notes=notes)
     started = time.perf_counter()
     result = protocol.apply_protocol(images)
     figures["protocol_seconds"] = round(time.perf_counter() - started, 2)

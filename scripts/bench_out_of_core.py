@@ -56,7 +56,8 @@ def voc_part(args) -> dict:
     original = out_of_core.plan
     for mode in ("in_memory", "out_of_core"):
         if mode == "out_of_core":
-            out_of_core.plan = lambda budget, *rest: MemoryPlan(budget, False, True, args.chunk_rows, 0)
+            out_of_core.plan = lambda budget, *rest: MemoryPlan(
+                budget=budget, train_in_memory=False, eval_in_memory=True, chunk_rows=args.chunk_rows, class_block=0)
         start = time.perf_counter()
         run = run_linear(cache=path, losses=[args.loss], epochs=args.epochs, seeds=args.seeds, device="cpu",
                          out=folder / mode, workers=1, console=Console(file=io.StringIO()))

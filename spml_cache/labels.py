@@ -290,16 +290,6 @@ def count_positive(matrix, mask=None) -> int:
     return int(((dense(matrix) > 0) & (dense(mask) != 0)).sum())
 
 
-def unordered_row(matrix: SparseLabels) -> int | None:
-    """The first row whose stored classes are not strictly ascending (a class twice, or out of order), or None:
-    every reader (`rows`, `columns`, `keys`, the content hash) takes a row's classes as a sorted set."""
-    within = np.diff(matrix.indices) <= 0  # entry k+1 not after entry k ...
-    starts = matrix.indptr[1:-1]
-    within[starts[(starts > 0) & (starts < matrix.nnz)] - 1] = False  # ... unless k+1 starts the next row
-    bad = np.flatnonzero(within)
-    return int(np.searchsorted(matrix.indptr, bad[0], side="right") - 1) if len(bad) else None
-
-
 def signed_annotations(labels, mask):
     """The annotated entries of `mask`, +1 where `labels` holds a positive and -1 elsewhere, 0 where unannotated:
     every annotated label observed (the `given` observation rule), in the labels' form (sparse stays sparse)."""

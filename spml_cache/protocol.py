@@ -8,7 +8,7 @@
 
 The metric lives in `metrics.py` (re-exported here: `protocol.mean_average_precision` is public API). torch is
 imported only when the metric or `initial_head` is first used, so that the command line checks its flags
-(`--observe`, observation.py) without loading it.
+(`--observe`, observation/) without loading it.
 
 The random draws must match the reference number for number, so that users can compare against (and import)
 the authors' formatted label files: the functions below consume the random stream in exactly the reference's
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -40,6 +41,29 @@ GRID_BATCH_SIZES = (8, 16)
 GRID_WDS = (0.0,)  # the probe's L2 weight decay: none in the papers' grid (linear --wd adds the axis)
 LINEAR_EPOCHS = 25
 FINETUNE_EPOCHS = 10
+
+
+class Fidelity(str, Enum):
+    """How a loss is computed and trained (docs/fidelity.md): `exact`, the papers' math computed stably (the
+    default), or `authors`, the authors' code's numerics and rules (eps in the logs, dropped last batches, early
+    stopping). A `str`, so that it compares and is stored as its name."""
+
+    EXACT = "exact"
+    AUTHORS = "authors"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def check(cls, value: "Fidelity | str | None" = None, flag: str = "--fidelity") -> "Fidelity":
+        """`value` as a Fidelity, None as the default; a bad value is one line naming the flag."""
+        if value is None:
+            return cls.EXACT
+        try:
+            return cls(value)
+        except ValueError:
+            names = " or ".join(member.value for member in cls)
+            raise SpmlError(f"{flag} {value!r}: use {names} (docs/fidelity.md)") from None
 
 
 @dataclass(frozen=True)
@@ -247,13 +271,19 @@ def check_wds(wds: Sequence[float]) -> list[float]:
         raise SpmlError(f"--wd {','.join(f'{v:g}' for v in values)}: every weight decay must be 0 or more (0: none)")
     return list(dict.fromkeys(values))
 
-def __getattr__(name: str):
-    """`average_precision` and `mean_average_precision`, metrics.py's (public API here too), on first use."""
-    if name in ("average_precision", "mean_average_precision"):
-        from spml_cache import metrics
 
-        return getattr(metrics, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def average_precision(scores, labels, mask=None):
+    """Per-class AP (0..1), `metrics.average_precision` (public API here too; torch loads on the first call)."""
+    from spml_cache import metrics
+
+    return metrics.average_precision(scores, labels, mask)
+
+
+def mean_average_precision(scores, labels, mask=None) -> float:
+    """mAP (0..100), `metrics.mean_average_precision` (public API here too; torch loads on the first call)."""
+    from spml_cache import metrics
+
+    return metrics.mean_average_precision(scores, labels, mask)
 
 
 def initial_head(in_features: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

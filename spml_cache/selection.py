@@ -4,7 +4,7 @@ Per head: the first epoch with the highest val mAP (a later epoch replaces it on
 Per loss: the (lr, batch size) config with the highest val mAP, averaged over seeds when there are several
 (strictly greater replaces, in grid order). Reported: the test mAP of each seed's head at its best epoch,
 as mean ± std over seeds (population std, 0 for one seed). Data in, data out: the run directory is
-written by `runs.py`.
+written by `runs/`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from spml_cache.observation import DEFAULT_RULE
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HeadRecord:
     """One head's history and its best epoch (docs/protocol.md: the first epoch with the highest val mAP)."""
 
@@ -36,7 +36,7 @@ class HeadRecord:
     best_val_map: float = -math.inf
     best_test_ap: np.ndarray | None = None  # per-class test AP (0..1) at the best epoch
     best_state: dict | None = None  # {"head": nn.Linear layout, "loss_state": num_heads=1 state} at the best epoch
-    rule: str = DEFAULT_RULE  # the observation rule of its training labels (observation.py)
+    rule: str = DEFAULT_RULE  # the observation rule of its training labels (observation/)
     wd: float | None = None  # its weight decay when the grid has that axis (linear --wd), else None: not recorded
     start: dict | None = None  # fine-tuning: {"val_map", "test_map"} of the model before any step (epoch 0)
 
@@ -105,7 +105,7 @@ def best_so_far(records: list[HeadRecord]) -> dict | None:
             **best.wd_entry(), "batch_size": best.batch_size, "epoch": best.best_epoch, "hparams": best.hparams}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Selection:
     lr: float
     batch_size: int
@@ -132,7 +132,9 @@ def select_config(records: list[HeadRecord]) -> Selection | None:
         mean_val = float(np.mean([head.best_val_map for head in heads]))
         if mean_val > best:
             heads = sorted(heads, key=lambda h: h.seed)
-            chosen, best = Selection(lr, batch_size, heads, mean_val, dict(heads[0].hparams), wd), mean_val
+            chosen = Selection(lr=lr, batch_size=batch_size, records=heads, mean_val_map=mean_val,
+                               hparams=dict(heads[0].hparams), wd=wd)
+            best = mean_val
     return chosen
 
 

@@ -124,7 +124,8 @@ def test_torchvision_enum_weights_offline_name_the_file(monkeypatch, tmp_path):
 def test_timm_model_records_its_pretrained_config():
     described = backbones.describe("timm:resnet10t", "none", 32)
     assert described.backbone == "timm:resnet10t" and described.slug == "timm_resnet10t"
-    assert described.preprocess == Preprocess(32, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 37, "bicubic")
+    assert described.preprocess == Preprocess(32, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), resize=37,
+                                                interpolation="bicubic")
     assert backbones.describe("timm:resnet10t", "pretrained").provenance == "resnet10t.c3_in1k"
     assert backbones.describe("timm:resnet10t", "pretrained").preprocess.resolution == 176  # its input_size
     for tag in ("c3_in1k", "resnet10t.c3_in1k"):  # a tag, or the provenance a cache records: the same weights

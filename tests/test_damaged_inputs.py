@@ -14,7 +14,8 @@ from rich.console import Console
 from cli_support import run_cli
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 from spml_cache import cache, datasets
-from spml_cache.labels import SparseLabels, unordered_row
+from spml_cache.cache.csr import unordered_row
+from spml_cache.labels import SparseLabels
 from spml_cache.linear import run_linear
 from spml_cache.runtime.errors import SpmlError
 

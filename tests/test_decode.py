@@ -130,14 +130,15 @@ SETTINGS = FinetuneSettings(init="best", loss="an", dataset="voc", cache="c.h5",
 
 
 def test_a_resumed_finetune_keeps_its_decoder_and_refuses_another(tmp_path):
-    assert SETTINGS.as_dict()["decode"] == "gpu" and FinetuneSettings.from_config(SETTINGS.as_dict()) == SETTINGS
-    assert FinetuneOptions.of(SETTINGS).decode == "gpu" and FinetuneOptions.of(SETTINGS).differences(SETTINGS) == []
-    assert FinetuneOptions(decode="cpu").differences(SETTINGS) == ["--decode cpu vs gpu"]
+    taken = SETTINGS.options()
+    assert taken.stored()["decode"] == "gpu" and FinetuneOptions.from_stored(taken.stored()) == taken
+    assert taken.decode == "gpu" and taken.differences(taken) == []
+    assert FinetuneOptions(decode="cpu").differences(taken) == [("--decode", "cpu", "gpu")]
     for device, decoded in (("cuda:0", "gpu"), ("cpu", "cpu")):  # a run from before --decode: as its device did
-        options = {key: value for key, value in SETTINGS.as_dict().items() if key != "decode"}
+        options = {key: value for key, value in taken.stored().items() if key != "decode"}
         (tmp_path / "config.json").write_text(json.dumps({"stage": "finetune", "options": options, "device": device,
                                                           "root": "data", "cache_id": "abc"}))
-        assert Resumed.read(tmp_path).settings == replace(SETTINGS, decode=decoded)
+        assert Resumed.read(tmp_path).options == replace(taken, decode=decoded)
 
 
 def test_bench_decode_writes_the_cpu_decoders_rate_per_core_as_json(tmp_path):

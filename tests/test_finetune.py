@@ -227,7 +227,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(world, cli_run, monkey
     (run_dir,) = (out / "voc").iterdir()
     assert stopped.value.command == f"spml-cache finetune --resume {run_dir}" and "checkpoints" in stopped.value.kept
     assert not (run_dir / "results.json").exists() and list(run_dir.glob("checkpoints/*.pt"))
-    with pytest.raises(SpmlError, match=r"another configuration \(--epochs 3 vs 2"):
+    with pytest.raises(SpmlError, match=r"--epochs 3 contradicts the run's 2 .*leave out --epochs"):
         finetune.finetune(resume=run_dir, epochs=3, root=world.root, workers=0, device="cpu")
     finetune.finetune(resume=run_dir, root=world.root, workers=0, device="cpu")
     assert_same_run(run_dir, cli_run)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from cli_support import REPO
 from spml_cache import finetune
-from spml_cache.finetune import FinetuneOptions, FinetuneRun, parallel
+from spml_cache.finetune import FinetuneOptions, FinetunePlacement, parallel
 from spml_cache.runtime import ranks
 
 PACKAGE = REPO / "spml_cache"
@@ -47,15 +47,15 @@ def test_torchrun_environment_is_read_and_the_group_joined_in_one_module():
 
 def test_the_keyword_form_splits_its_keywords_between_the_two_option_types(monkeypatch):
     seen = {}
-    monkeypatch.setattr(finetune.run, "run_finetune", lambda options, run, log: seen.update(options=options, run=run))
+    monkeypatch.setattr(finetune.run, "run_finetune", lambda options, run: seen.update(options=options, run=run))
     given = dict(init="best", from_run=Path("r"), cache=Path("c.h5"), dataset="voc", loss="an", weights="none",
                  resolution=64, epochs=3, lrs=(1e-4, 1e-5), batch_sizes=[4], seeds=2, head_lr_mult=10.0,
                  skip_missing=True, hparams={"ls_coef": 0.1}, fidelity="authors", decode="cpu", device="cpu", out="o",
                  resume=Path("x"), workers=0, root="data", cache_dir="caches")
-    placement = {"device", "out", "resume", "workers", "root", "cache_dir"}
-    # every field of either type is a keyword, and no keyword is both
-    assert set(given) == {f.name for f in fields(FinetuneOptions)} | {f.name for f in fields(FinetuneRun)}
-    assert {f.name for f in fields(FinetuneRun)} == placement
+    placement = {"device", "out", "resume", "workers", "root", "cache_dir", "log"}
+    # every field of either type is a keyword (but `log`, a callable), and no keyword is both
+    assert set(given) | {"log"} == {f.name for f in fields(FinetuneOptions)} | {f.name for f in fields(FinetunePlacement)}
+    assert {f.name for f in fields(FinetunePlacement)} == placement
     finetune.finetune(**given)
     for key, value in given.items():
         held = getattr(seen["run"] if key in placement else seen["options"], key)

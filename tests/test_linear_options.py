@@ -39,11 +39,11 @@ def test_a_memory_budget_is_read_once_as_bytes():
 
 def test_the_keyword_form_splits_its_keywords_between_the_two_types(monkeypatch):
     seen = {}
-    monkeypatch.setattr(linear_run, "run_linear_options", lambda options, placement: seen.update(
+    monkeypatch.setattr(linear_run, "_run_linear", lambda options, placement: seen.update(
         options=options, placement=placement))
     given = dict(cache=Path("c.h5"), losses=["an"], lrs=[1e-2], seeds=2, memory_budget=1024, resume=Path("r"),
-                 device="cpu", out="o", workers=3, graphs=False, cache_dir="caches")
-    placement = {"device", "out", "workers", "graphs", "cache_dir", "console"}
+                 device="cpu", out=Path("o"), workers=3, graphs=False, cache_dir=Path("caches"))
+    placement = {"device", "out", "workers", "graphs", "cache_dir", "console", "resume"}
     assert {f.name for f in fields(LinearPlacement)} == placement
     assert not placement & {f.name for f in fields(LinearOptions)}  # no keyword is both
     spml_cache.linear.run_linear(**given)
@@ -55,7 +55,7 @@ def test_the_keyword_form_splits_its_keywords_between_the_two_types(monkeypatch)
 
 def test_the_command_line_builds_the_options_the_python_api_would(tmp_path, monkeypatch, capsys):
     seen = {}
-    monkeypatch.setattr(spml_cache.linear, "run_linear_options", lambda options, placement: seen.update(
+    monkeypatch.setattr(spml_cache.linear, "run_linear", lambda options, placement: seen.update(
         options=options, placement=placement))
     code, err = run_main("linear", "--cache", "c.h5", "--loss", "an,role", "--lr", "0.1,0.01", "--wd", "0,1e-4",
                          "--epochs", "2", "--hp", "delta=0.1", "--observe", "single,entry:0.1", "--memory-budget",

@@ -13,13 +13,13 @@ from spml_cache.selection import HeadRecord
 def _part(seed: int = 0, batch_size: int = 8) -> Part:
     records = []
     for index, lr in enumerate((1e-2, 1e-3)):
-        record = HeadRecord("an", lr, batch_size, seed, train_loss=[0.5], val_map=[60.0 + index], test_map=[55.0])
+        record = HeadRecord(loss="an", lr=lr, batch_size=batch_size, seed=seed, train_loss=[0.5], val_map=[60.0 + index], test_map=[55.0])
         record.best_epoch, record.best_val_map = 1, 60.0 + index
         generator = torch.Generator().manual_seed(index)
         record.best_state = {"head": {"weight": torch.randn(3, 4, generator=generator), "bias": torch.randn(3)},
                              "loss_state": {}}
         records.append(record)
-    records.append(HeadRecord("an", 1e-4, batch_size, seed, train_loss=[float("nan")], diverged_epoch=1))
+    records.append(HeadRecord(loss="an", lr=1e-4, batch_size=batch_size, seed=seed, train_loss=[float("nan")], diverged_epoch=1))
     return Part(records, 1.5)
 
 

@@ -181,7 +181,7 @@ def test_resume_takes_the_stored_budget_and_accepts_flags_that_agree(tmp_path, t
 
     whole = run_linear(cache=tiny_cache, out=tmp_path / "whole", console=quiet(), memory_budget="200KB", **GRID)
     run_dir = interrupted_run(tmp_path / "cut", tiny_cache, monkeypatch, 3, memory_budget="200KB", **GRID)
-    assert json.loads((run_dir / "config.json").read_text())["memory_budget"] == 200 * 2**10
+    assert json.loads((run_dir / "config.json").read_text())["options"]["memory_budget"] == 200 * 2**10
     budgets, load_within = [], linear_run.load_within
     monkeypatch.setattr(linear_run, "load_within", lambda path, budget, *rest: budgets.append(budget)
                         or load_within(path, budget, *rest))
@@ -189,6 +189,35 @@ def test_resume_takes_the_stored_budget_and_accepts_flags_that_agree(tmp_path, t
     resumed = run_linear(resume=run_dir, console=quiet(), **agreeing)
     assert budgets == [200 * 2**10]
     assert without_seconds(resumed.results) == without_seconds(whole.results)
+
+
+def test_a_run_from_before_its_options_were_kept_whole_still_resumes(tmp_path, tiny_cache, monkeypatch):
+    """A config.json without `options` (its settings in the grid and stage extras, as runs kept them before): a
+    resume reads them back, refuses a flag that contradicts them, and gives the uninterrupted run's results."""
+    whole = run_linear(cache=tiny_cache, out=tmp_path / "whole", console=quiet(), memory_budget="200KB", **GRID)
+    run_dir = interrupted_run(tmp_path / "cut", tiny_cache, monkeypatch, 1, memory_budget="200KB", **GRID)
+    config = json.loads((run_dir / "config.json").read_text())
+    options = config.pop("options")
+    assert options["chunk_rows"] == 40 and options["observe"] == ["single"] and options["wds"] == [0.0]
+    config.update(memory_budget=options["memory_budget"], out_of_core={"chunk_rows": options["chunk_rows"]})
+    (run_dir / "config.json").write_text(json.dumps(config))  # single alone, no weight decay axis: no keys for them
+    for given, said in ((dict(epochs=3), "--epochs 3 contradicts the run's 2"),
+                        (dict(chunk_rows=16), "--chunk-rows 16 contradicts the run's 40"),
+                        (dict(wds=[0, 1e-4]), "--wd 0,0.0001 contradicts the run's 0")):
+        with pytest.raises(SpmlError, match=said):
+            run_linear(resume=run_dir, console=quiet(), **given)
+    resumed = run_linear(resume=run_dir, console=quiet(), lrs=[1e-2, 1e-3], memory_budget="200KB")
+    assert without_seconds(resumed.results) == without_seconds(whole.results)
+
+
+def test_several_contradictions_are_one_line_naming_each_flag(tmp_path, tiny_cache, monkeypatch):
+    run_dir = interrupted_run(tmp_path, tiny_cache, monkeypatch, 1, **GRID)
+    with pytest.raises(SpmlError) as refused:
+        run_linear(resume=run_dir, console=quiet(), epochs=3, seeds=1, dataset="coco")
+    assert str(refused.value) == (
+        f"--resume {run_dir}: --dataset coco contradicts the run's voc; --epochs 3 contradicts the run's 2; --seeds 1"
+        " contradicts the run's 2 (a resumed run keeps its own settings): leave out --dataset, --epochs and --seeds,"
+        " or start a new run with them")
 
 
 def test_resume_refuses_an_out_it_would_not_write_to(tmp_path, stopped_run, monkeypatch, capsys):

@@ -8,7 +8,7 @@ from spml_cache.selection import HeadRecord, loss_results, select_config
 
 
 def record(lr, seed, val, test, diverged=None):
-    head = HeadRecord("an", lr, 8, seed)
+    head = HeadRecord(loss="an", lr=lr, batch_size=8, seed=seed)
     for epoch, (v, t) in enumerate(zip(val, test), start=1):
         head.add_epoch(epoch, 0.5, v, t, np.full(3, t / 100))
     head.diverged_epoch = diverged

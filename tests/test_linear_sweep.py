@@ -79,7 +79,7 @@ def test_a_combination_is_known_by_its_swept_values():
     combos = Combination.of(resolved)
     assert [combo.swept for combo in combos] == [(("delta", 0.01),), (("delta", 0.02),)]
     assert [combo.values for combo in combos] == resolved  # every value kept, unhashable ones included
-    record = HeadRecord("ll_r", 1e-2, 8, 0, hparams={"delta": 0.02})
+    record = HeadRecord(loss="ll_r", lr=1e-2, batch_size=8, seed=0, hparams={"delta": 0.02})
     assert {combo: index for index, combo in enumerate(combos)}[Combination(record.swept, {})] == 1
     (alone,) = Combination.of([{"delta": 0.01}])  # no sweep: nothing swept, records name nothing
     assert alone.swept == () and alone.swept_values == {}

@@ -66,6 +66,6 @@ def test_voc_areas_are_the_boxes_of_the_non_difficult_objects(tmp_path):
 
 
 def test_datasets_without_areas_say_so():
-    images = datasets.LabeledImages("cub", None, ["a"], datasets.ImageSplit([], np.zeros((0, 1))),
-                                    datasets.ImageSplit([], np.zeros((0, 1))))
+    empty = datasets.ImageSplit([], np.zeros((0, 1)))
+    images = datasets.LabeledImages(dataset="cub", root=None, classes=["a"], train=empty, test=empty)
     assert datasets.instance_areas(images, []) is None

@@ -3,6 +3,7 @@ figure) and fine-tuning (the rule of the head it starts from)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache, observation, runs
-from spml_cache.finetune.settings import FinetuneOptions, FinetuneSettings, _starting_point
+from spml_cache.finetune.settings import FinetuneOptions, FinetuneSettings, Resumed, _starting_point
 from spml_cache.linear import run_linear
 from spml_cache.observation import parse_rules
 from spml_cache.report.collect import collect_runs
@@ -63,12 +64,16 @@ def test_finetune_starts_from_the_head_and_the_rule_it_names(rules_run, tmp_path
     assert start.rule == "single" and np.array_equal(single.train.observed, cache.load(tiny).train.observed)
 
 
-def test_finetune_settings_keep_the_rule_and_a_single_run_config_as_it_was():
+def test_finetune_settings_keep_the_rule_and_an_older_runs_config_still_reads(tmp_path):
     settings = FinetuneSettings(init="best", loss="an", dataset="voc", cache="c.h5", from_run="r", weights="none",
                                 resolution=32, epochs=1, lrs=[1e-3], batch_sizes=[8], seeds=[0], head_lr_mult=1.0,
-                                skip_missing=False, hparams={}, fidelity="exact")
-    assert "rule" not in settings.as_dict() and settings.key == "an"
+                                skip_missing=False, hparams={}, fidelity="exact", decode="cpu")
+    assert settings.options().loss == settings.key == "an"
     under = replace(settings, rule="entry:0.2")
-    assert FinetuneSettings.from_config(under.as_dict()) == under and under.key == "an@entry:0.2"
-    assert FinetuneOptions.of(under).loss == "an@entry:0.2" and FinetuneOptions.of(under).differences(under) == []
-    assert Path(FinetuneOptions.of(under).cache) == Path("c.h5")
+    stored = under.options().stored()
+    assert FinetuneOptions.from_stored(stored) == under.options() and under.key == stored["loss"] == "an@entry:0.2"
+    assert under.options().differences(under.options()) == [] and Path(under.options().cache) == Path("c.h5")
+    assert json.loads(json.dumps(stored)) == stored  # config.json keeps it as it is
+    older = {**stored, "loss": "an", "rule": "entry:0.2", "seeds": [0]}  # a run's config before options were declared
+    runs.write_json(tmp_path / "config.json", {"stage": "finetune", "options": older, "root": "data", "cache_id": "x"})
+    assert Resumed.read(tmp_path).options == under.options()

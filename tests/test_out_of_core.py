@@ -70,7 +70,8 @@ def test_a_bad_memory_budget_on_the_command_line_is_one_line(tmp_path):
 
 def run(cache_path, out, monkeypatch=None, forced=None, **options):
     if forced is not None:
-        monkeypatch.setattr(out_of_core, "plan", lambda budget, *args: MemoryPlan(budget, *forced))
+        monkeypatch.setattr(out_of_core, "plan", lambda budget, *args: MemoryPlan(budget=budget, **dict(zip(
+            ("train_in_memory", "eval_in_memory", "chunk_rows", "class_block"), forced))))
     grid = dict(losses=["an", "bce"], lrs=[1e-2, 1e-3], batch_sizes=[8, 16], epochs=6, workers=1)
     return run_linear(cache=cache_path, out=out, console=quiet(), **{**grid, **options}).results["losses"]
 
@@ -115,7 +116,7 @@ def test_a_resumed_out_of_core_run_keeps_its_chunk_order(tmp_path, small_cache, 
     grid = dict(losses=["an", "bce"], lrs=[1e-2, 1e-3], batch_sizes=[8, 16], epochs=3, workers=1)
     whole = run(small_cache, tmp_path / "whole", monkeypatch, (False, True, 32, 0), **grid)
     run_dir = interrupted_run(tmp_path / "cut", small_cache, monkeypatch, 1, **grid)
-    monkeypatch.setattr(out_of_core, "plan", lambda budget, *args: MemoryPlan(budget))  # all would fit now
+    monkeypatch.setattr(out_of_core, "plan", lambda budget, *args: MemoryPlan(budget=budget))  # all would fit now
     resumed = run_linear(resume=run_dir, console=quiet()).results["losses"]
     for name in ("an", "bce"):
         assert resumed[name]["test_map"] == whole[name]["test_map"]
@@ -136,7 +137,7 @@ def test_heads_beyond_the_budget_train_in_lr_groups_with_the_same_results(tmp_pa
 
     def two_heads_fit(budget, shapes, num_classes, heads, label_bytes, baseline):
         planned.append(heads)
-        return MemoryPlan(budget, short=max(heads - 2, 0))  # the heads alone exceed it beyond two
+        return MemoryPlan(budget=budget, short=max(heads - 2, 0))  # the heads alone exceed it beyond two
 
     spill, spilled = KeptParts.spill, []
 
@@ -175,7 +176,7 @@ def test_three_identical_out_of_core_runs_give_identical_results(tmp_path, small
         results.append({name: [(c["lr"], c["batch_size"], c["val_map"], c["test_map"]) for c in entry["configs"]]
                         for name, entry in run_.results["losses"].items()})
         config = json.loads((run_.run_dir / "config.json").read_text())
-        plans.append((config["memory_budget"], config["out_of_core"]["chunk_rows"]))
+        plans.append((config["options"]["memory_budget"], config["options"]["chunk_rows"]))
     assert results[0] == results[1] == results[2]
     assert plans[0] == plans[1] == plans[2] and plans[0][0] == budget and 1 < plans[0][1] < 160, plans
 
@@ -185,7 +186,7 @@ def test_chunk_rows_trains_that_chunk_order_whatever_the_budget(tmp_path, small_
     machine with more memory), recorded in config.json, the results those of the plan that chose N itself."""
     asked = run(small_cache, tmp_path / "asked", chunk_rows=32)
     config = json.loads(next((tmp_path / "asked" / "voc").iterdir()).joinpath("config.json").read_text())
-    assert config["out_of_core"] == {"chunk_rows": 32}
+    assert config["options"]["chunk_rows"] == 32
     planned = run(small_cache, tmp_path / "planned", monkeypatch, (False, True, 32, 0))
     for name in ("an", "bce"):
         assert asked[name]["configs"] == planned[name]["configs"], name
@@ -215,7 +216,7 @@ def test_chunk_rows_beyond_the_training_rows_is_one_chunk_of_them_all(tmp_path, 
     assert "--chunk-rows 99,999,999,999,999 is more than the 160 training rows: one chunk of them all, in the order" \
            " an in-memory run takes" in " ".join(err.split()), err
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
-    assert json.loads((run_dir / "config.json").read_text())["out_of_core"] == {"chunk_rows": 160}
+    assert json.loads((run_dir / "config.json").read_text())["options"]["chunk_rows"] == 160
     streamed = json.loads((run_dir / "results.json").read_text())["losses"]
     whole = run(small_cache, tmp_path / "whole")
     for name in ("an", "bce"):

@@ -53,7 +53,7 @@ FEATURES = ("pooled", "last4")  # which activations make the features (layers.py
 DEFAULT_FEATURES = "pooled"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Description:
     """What a backbone is, known before its weights are loaded; its `attrs` go into the cache's settings."""
 
@@ -123,7 +123,7 @@ def slug(name: str) -> str:
     return re.sub(r"[-:/]", "_", name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Request:
     """What `describe` is asked for, as every family's `describe` takes it: the name within the family and the
     options (None: the family's default)."""

@@ -83,7 +83,7 @@ def describe(request: Request) -> Description:
     interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
     loaded = side * max(crops, 1)  # with crops: the image at G x R, cut into G x G crops of R by the trunk
     if cfg.get("resize_mode") == "squash":
-        preprocess = Preprocess(loaded, mean, std)
+        preprocess = Preprocess(loaded, mean=mean, std=std)
     else:
         preprocess = Preprocess.crop(loaded, 1.0, mean, std, interpolation)
     embed = int(config["embed_dim"])

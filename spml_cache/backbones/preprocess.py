@@ -8,7 +8,7 @@ resized images stay uint8 until `normalise` (the loader workers ship uint8, a qu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 from torchvision.transforms import InterpolationMode
@@ -25,6 +25,7 @@ class Preprocess:
     """R (the input side), how to get there, and the mean and std to normalise with (on a 0..1 scale)."""
 
     resolution: int
+    _: KW_ONLY
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     resize: int = 0  # the shorter side before the centre crop; 0: squash to R x R, no crop
@@ -39,7 +40,8 @@ class Preprocess:
     @classmethod
     def crop(cls, resolution: int, crop_pct: float, mean, std, interpolation: str) -> "Preprocess":
         """Shorter side to round(R / crop_pct), then the centre R x R (timm's crop_pct convention)."""
-        return cls(resolution, tuple(mean), tuple(std), max(resolution, round(resolution / crop_pct)), interpolation)
+        return cls(resolution, mean=tuple(mean), std=tuple(std), resize=max(resolution, round(resolution / crop_pct)),
+                   interpolation=interpolation)
 
     def describe(self) -> str:
         """The cache's `resize` attr."""

@@ -69,7 +69,7 @@ def describe(request: Request) -> Description:
     interpolation = cfg.get("interpolation") if cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic"
     mean, std = cfg.get("mean", IMAGENET_MEAN), cfg.get("std", IMAGENET_STD)
     if cfg.get("crop_mode") == "squash":
-        preprocess = Preprocess(side, tuple(mean), tuple(std))
+        preprocess = Preprocess(side, mean=tuple(mean), std=tuple(std))
     else:
         preprocess = Preprocess.crop(side, float(cfg.get("crop_pct") or 1.0), mean, std, interpolation)
     width = _width(model) if features == DEFAULT_FEATURES else _last4_width(model, f"timm:{name}")

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 
 from spml_cache.cache.schema import plain
-from spml_cache.labels import SparseLabels, dense, is_sparse, unordered_row
+from spml_cache.labels import SparseLabels, dense, is_sparse
 from spml_cache.runtime.errors import SpmlError
 
 SPARSE_MIN_CLASSES = 1000  # `extract --labels auto` stores label matrices of this many classes or more as CSR
@@ -82,3 +82,13 @@ def read(node, dtype):
         raise SpmlError(f"{node.file.filename}: {node.name} is not a consistent CSR matrix: row {row} holds a class"
                         " twice or out of ascending order; rebuild the cache (extract --force)")
     return matrix
+
+
+def unordered_row(matrix: SparseLabels) -> int | None:
+    """The first row whose stored classes are not strictly ascending (a class twice, or out of order), or None:
+    every reader (`rows`, `columns`, `keys`, the content hash) takes a row's classes as a sorted set."""
+    within = np.diff(matrix.indices) <= 0  # entry k+1 not after entry k ...
+    starts = matrix.indptr[1:-1]
+    within[starts[(starts > 0) & (starts < matrix.nnz)] - 1] = False  # ... unless k+1 starts the next row
+    bad = np.flatnonzero(within)
+    return int(np.searchsorted(matrix.indptr, bad[0], side="right") - 1) if len(bad) else None

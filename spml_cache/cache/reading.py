@@ -263,8 +263,8 @@ def load(path: Path | str, in_memory: bool = True) -> FeatureSet:
     text, sides = _text_side(path, attrs, {name: len(split) for name, split in splits.items()})
     splits = {name: replace(split, **sides[name]) for name, split in splits.items()}
     classes = class_names(attrs)
-    return FeatureSet(splits["train"], splits["val"], splits["test"], classes, attrs, str(attrs["dataset"]), path,
-                      text_embeddings=text)
+    return FeatureSet(train=splits["train"], val=splits["val"], test=splits["test"], classes=classes, attrs=attrs,
+                      dataset=str(attrs["dataset"]), path=path, text_embeddings=text)
 
 
 class StoredFeatures:

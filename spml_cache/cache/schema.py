@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ class CachedSplit:
     labels: np.ndarray  # uint8 [N, C], or a sparse.SparseLabels (int8) where the cache stores it sparse
     ids: list[str]
     observed: np.ndarray | None  # int8 [N, C] or SparseLabels (train, val); None for test
+    _: KW_ONLY
     rules: dict[str, np.ndarray] = field(default_factory=dict)  # {rule text: int8 [N, C]}, stored other rules
     label_mask: np.ndarray | None = None  # uint8 [N, C], 1 where the label is annotated; None: all of them are
     # A CLIP cache's image side (docs/internals.md, "The text side"): L2-normalised embeddings, None when absent.
@@ -55,7 +56,7 @@ class CachedSplit:
         return len(self.ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FeatureSet:
     train: CachedSplit
     val: CachedSplit

@@ -1,5 +1,6 @@
-"""The command line's text: what it turns flags into (comma lists, `--hp` items, the data root), how it shows what
-is not its own (Python's warnings, typer's help columns), and the extraction report it prints."""
+"""The command line's text: the data root, how it shows what is not its own (Python's warnings, typer's help
+columns), and what it prints (the extraction report, the fine-tuning summary). Flags' text is read by each option's
+declaration (options/text.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from spml_cache import datasets, observation  # registries the help texts list (no torch)
+from spml_cache import datasets  # a registry a help text lists (no torch)
 from spml_cache.cli.stopping import under_torchrun
+from spml_cache.options.text import (  # noqa: F401 (the command line's readers, tested as cli.parse_*)
+    either, parse_hparams, parse_list, parse_names,
+)
 from spml_cache.runtime.errors import SpmlError
 
 CONSOLE = Console()  # what the commands print
@@ -34,42 +38,6 @@ def require_root(root: Optional[Path]) -> Path:
     if root is None:
         raise SpmlError("no data root: pass --root DIR or set SPML_DATA")
     return root
-
-
-def parse_list(text: str, flag: str, kind: type) -> list:
-    """A comma list of numbers (`--lr 1e-3,1e-4`): a clear error naming the flag otherwise. The stages check
-    the values themselves."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    try:
-        return [kind(item) for item in items]
-    except ValueError:
-        what = "numbers" if kind is float else "whole numbers"
-        raise SpmlError(f"{flag} {text!r}: expected a comma list of {what}") from None
-
-
-def parse_names(text: str) -> list[str]:
-    """A comma list of names (`--loss an,role`)."""
-    return [name.strip() for name in text.split(",") if name.strip()]
-
-
-def parse_hparams(items: List[str]) -> dict:
-    """`--hp key=value` or `--hp loss.key=value` (repeatable) as `{key: value}`; `key=v1,v2,...` as a list of
-    values to sweep (several swept keys give their product). The losses check the values (`losses.Overrides`)."""
-    given = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise SpmlError(f"--hp {item!r}: expected key=value or loss.key=value, e.g. --hp alpha=0.1")
-        if not text.strip(","  " ").strip():
-            raise SpmlError(f"--hp {item!r}: no value; give one, or a comma list to sweep, e.g. --hp {key.strip()}=0.1,0.2")
-        values = []
-        for part in text.split(","):
-            try:
-                values.append(int(part) if part.strip().lstrip("-").isdigit() else float(part))
-            except ValueError:
-                raise SpmlError(f"--hp {item!r}: {part.strip()!r} is not a number (a comma list sweeps values)") from None
-        given[key.strip()] = values if "," in text else values[0]
-    return given
 
 
 def one_line_warning(message, category, *_) -> None:
@@ -155,12 +123,4 @@ def last_line(line: Text, code: int) -> None:
     sys.exit(code)
 
 
-# Help texts list what the registries hold, so that a new dataset or rule appears in --help by itself.
-def _either(names: list[str]) -> str:
-    """`a, b or c`: a registry's names as a help text lists them."""
-    return ", ".join(names[:-1]) + f" or {names[-1]}"
-
-
-DATASETS_HELP = _either(datasets.names())
-PUBLISHED_HELP = _either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows
-RULES_HELP = ", ".join(rule.example for rule in observation.RULES.values())
+PUBLISHED_HELP = either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows

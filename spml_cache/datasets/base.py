@@ -37,7 +37,7 @@ class ImageSplit:
         return len(self.ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LabeledImages:
     dataset: str  # "voc", "coco", "nus", "cub", "openimages", "csv"
     root: Path
@@ -51,7 +51,7 @@ class LabeledImages:
         return self.root / image_id
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DatasetSurvey:
     """One line of `spml-cache datasets`: what a dataset expects and what was found under a root."""
 
@@ -196,4 +196,5 @@ def finish(
         if len(split) == 0:
             why = " after skipping missing image files" if skipped else ""
             raise SpmlError(f"{source}: the {name} split has no images{why}; check the dataset under {root}")
-    return LabeledImages(dataset, root, list(classes), train, test, skipped, list(notes or []))
+    return LabeledImages(dataset=dataset, root=root, classes=list(classes), train=train, test=test, skipped=skipped,
+                         notes=list(notes or []))

@@ -71,7 +71,7 @@ def read_descriptions(path: Path) -> dict[str, str]:
     return names
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Verified:
     """One split's verified-label file as three aligned arrays, one entry per line (file order), and the ids and
     LabelNames they index: compact (9 bytes a line) where per-image lists of tuples would take ~100."""
@@ -102,8 +102,8 @@ def read_verified(path: Path) -> Verified:
             image.append(images.setdefault(row[0], len(images)))
             label.append(names.setdefault(row[2], len(names)))
             present.append(confidence == "1")
-    return Verified(list(images), list(names), np.frombuffer(image, np.int32), np.frombuffer(label, np.int32),
-                    np.frombuffer(present, np.int8).astype(bool))
+    return Verified(images=list(images), names=list(names), image=np.frombuffer(image, np.int32),
+                    label=np.frombuffer(label, np.int32), present=np.frombuffer(present, np.int8).astype(bool))
 
 
 def class_list(root: Path, train: Verified) -> list[str]:

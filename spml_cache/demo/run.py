@@ -42,7 +42,7 @@ TRUNK_SEED = 0  # a random trunk is drawn from torch's global generator: seed it
 FINETUNE = {"epochs": 1, "lrs": [1e-5], "batch_sizes": [8]}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoResult:
     out: Path
     weights: str
@@ -66,7 +66,7 @@ def _check_data_folder(data_root: Path) -> None:
             raise SpmlError(f"{data_root / 'VOCdevkit'} is not demo data; pass another --out folder")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoSizes:
     """How big the demo is: its images (count, side), the cache's resolution and stage two's grid. The defaults are
     measured to finish in a couple of minutes on two CPU cores; the tests make it smaller."""
@@ -120,7 +120,8 @@ def run_demo(out: Path | str = "demo", sizes: DemoSizes = DemoSizes(), *, device
                          **FINETUNE)
     console.print(f"[bold]5/5[/bold] report and plots ({escape(str(out / 'runs'))})")
     plots = _report([run.run_dir, Path(tuned["run_dir"])], out / "plots", console)
-    result = DemoResult(out, weights, extracted.path, run.run_dir, plots, run.results)
+    result = DemoResult(out=out, weights=weights, cache=extracted.path, run_dir=run.run_dir, plots=plots,
+                        results=run.results)
     for line in next_steps(result, best):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     return result

@@ -1,16 +1,17 @@
 """Stage one: the frozen ResNet-50 over a dataset, once, into the HDF5 feature cache; or features computed
 elsewhere (the authors' published files, or the clip-retrieval layout) into the same cache.
 
-Its doors are `run_extract(ExtractOptions)` (`spml-cache extract`; `extract(dataset, root, **options)` is its
-keyword form) and `import_features` (`spml-cache import-features`).
+Its doors are `run_extract(ExtractOptions, ExtractPlacement) -> ExtractReport` (`spml-cache extract`;
+`extract(dataset, root, **keywords)` is its keyword form) and `import_features` (`spml-cache import-features`).
 """
 
 from spml_cache.extract.batches import PRECISIONS
-from spml_cache.extract.options import ExtractOptions
 from spml_cache.extract.pipeline import ExtractReport, extract, run_extract
 from spml_cache.extract.imports import import_features
 from spml_cache.extract.published import ImportReport
+from spml_cache.options import ExtractOptions, ExtractPlacement
 
 __all__ = [
-    "PRECISIONS", "ExtractOptions", "ExtractReport", "ImportReport", "extract", "import_features", "run_extract",
+    "PRECISIONS", "ExtractOptions", "ExtractPlacement", "ExtractReport", "ImportReport", "extract", "import_features",
+    "run_extract",
 ]

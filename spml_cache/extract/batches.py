@@ -17,11 +17,12 @@ from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.extract import writer
 from spml_cache.extract.feed import Feed
 from spml_cache.images import ImageDecodeError, decode_jpegs
+from spml_cache.options.extract import PRECISION_DTYPES
 from spml_cache.runtime.children import loader_worker_init
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.progress import progress_bar
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS = {name: getattr(torch, dtype) for name, dtype in PRECISION_DTYPES.items()}
 
 
 def decode_batch(blobs, bad: np.ndarray, device, preprocess: Preprocess, skip_bad: bool):
@@ -133,7 +134,7 @@ def _bad_image(paths, partial, split, rows, error) -> SpmlError:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BatchRun:
     """How the trunk runs over the images: the backbone's `preprocess`, `width` (the columns of a trunk output
     row, `Description.row_width`), the batch size, reader processes, device, precision, whether a bad image is

@@ -41,7 +41,6 @@ import spml_cache
 from spml_cache import backbones, cache, datasets, protocol
 from spml_cache.extract import shards, writer
 from spml_cache.extract.batches import BatchRun, run_batches
-from spml_cache.extract.options import ExtractOptions
 from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
     estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_writable,
@@ -52,9 +51,11 @@ from spml_cache.extract.rules import RuleStore
 from spml_cache.images import DECODERS, decoder_version, resolve_decode
 from spml_cache.runtime.devices import default_workers, resolve_device
 from spml_cache.runtime.disk import require_room
+from spml_cache.options.declared import from_keywords
+from spml_cache.options.extract import ExtractOptions, ExtractPlacement
 from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 
-@dataclass
+@dataclass(kw_only=True)
 class ExtractReport:
     path: Path
     status: str  # "written", "up to date" or "dry run"
@@ -118,25 +119,30 @@ def _reported(report: ExtractReport, shard: shards.Shard | None) -> ExtractRepor
     return report if shard.main else None
 
 
-def extract(dataset: str, root: Path, **options) -> ExtractReport | None:
-    """`run_extract` with its options as keywords (`ExtractOptions`' fields): the Python API's door."""
-    return run_extract(ExtractOptions(dataset, root, **options))
+def extract(dataset: str, root: Path, **keywords) -> ExtractReport | None:
+    """`run_extract` by keywords, for the Python API: each a field of `ExtractOptions` (what the cache holds) or of
+    `ExtractPlacement` (where and how it is computed), e.g. `extract("voc", root, weights="none", device="cpu")`."""
+    return run_extract(*from_keywords({"dataset": dataset, "root": root, **keywords}, ExtractOptions,
+                                      ExtractPlacement))
 
 
-def run_extract(options: ExtractOptions) -> ExtractReport | None:
-    """Build (or resume, or confirm) the feature cache the options describe; see the module docstring. A complete
-    cache with these settings only gains the observation rules it lacks. Under torchrun every process extracts its
-    share of the rows and rank 0 joins them (shards.py); the other ranks return None, rank 0 the whole's report."""
-    plan = _plan(options)
+def run_extract(options: ExtractOptions, placement: ExtractPlacement) -> ExtractReport | None:
+    """Stage one's door (`spml-cache extract`): build (or resume, or confirm) the feature cache the options describe;
+    see the module docstring. A complete cache with these settings only gains the observation rules it lacks. Under
+    torchrun every process extracts its share of the rows and rank 0 joins them (shards.py); the other ranks return
+    None, rank 0 the whole's report."""
+    if placement.root is None:
+        raise SpmlError("no data root: pass --root DIR or set SPML_DATA")
+    plan = _plan(options, placement)
     refuse_foreign_file(plan.path)
-    if plan.path.exists() and not options.force:
+    if plan.path.exists() and not placement.force:
         return _reported(_up_to_date(plan), plan.shard)
-    shards.refuse_other_layouts(plan.path, plan.shard, options.force)
+    shards.refuse_other_layouts(plan.path, plan.shard, placement.force)
     resume = plan.resume
     if resume:
         refuse_other_settings(plan.partial_file, plan.settings, plan.own, "was started", "start over",
                               plan.label_format)
-    if options.dry_run:
+    if placement.dry_run:
         return _reported(_dry_run(plan), plan.shard)
     trunk = backbones.build(plan.described)  # before creating anything: weights are the likeliest thing to be missing
     require_writable(plan.path.parent)
@@ -160,11 +166,12 @@ def run_extract(options: ExtractOptions) -> ExtractReport | None:
     return _written(plan, final)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Plan:
     """What one extraction will do, known before any image is read."""
 
     options: ExtractOptions
+    placement: ExtractPlacement
     shard: shards.Shard | None  # under torchrun: this process's share of the rows
     device: torch.device
     precision: str
@@ -187,17 +194,17 @@ class _Plan:
 
     @property
     def resume(self) -> bool:
-        return self.partial_file.exists() and not self.options.force
+        return self.partial_file.exists() and not self.placement.force
 
 
-def _plan(options: ExtractOptions) -> _Plan:
+def _plan(options: ExtractOptions, placement: ExtractPlacement) -> _Plan:
     """Read the dataset (a dry run lists missing files instead of stopping on them), apply the protocol, describe
     the backbone and the cache: everything decided before any work."""
     shard = shards.current()
-    device = shard.device(resolve_device(options.device)) if shard else resolve_device(options.device)
+    device = shard.device(resolve_device(placement.device)) if shard else resolve_device(placement.device)
     precision = options.precision if options.precision != "auto" else "fp16" if device.type == "cuda" else "fp32"
     decode = resolve_decode(options.decode, device)
-    images = datasets.read(options.dataset, options.root, skip_missing=options.skip_missing or options.dry_run)
+    images = datasets.read(options.dataset, placement.root, skip_missing=options.skip_missing or placement.dry_run)
     protocol_result = protocol.apply_protocol(images)
     limit = options.limit or 0
     rows = plan_rows(protocol_result, limit)
@@ -207,21 +214,23 @@ def _plan(options: ExtractOptions) -> _Plan:
     templates = backbones.prompts(options.prompts) if described.embed_dim else None
     settings = settings_attrs(images, protocol_result.attrs, described, precision, limit, templates,
                               decode=decode)
-    path = output_path(options.out, images.dataset, described.resolution, described.slug)
-    report = ExtractReport(path, "dry run", {name: len(split) for name, split in rows.items()},
+    path = output_path(placement.out, images.dataset, described.resolution, described.slug)
+    report = ExtractReport(path=path, status="dry run", counts={name: len(split) for name, split in rows.items()},
                            missing=list(images.skipped), device=str(device), precision=precision,
                            decoder=DECODERS[decode], notes=list(images.notes),
                            size_bytes=estimated_size(rows, len(images.classes), described.row_width, label_format))
-    return _Plan(options, shard, device, precision, decode, images, rows, shard.rows(rows) if shard else rows,
-                 described, templates, settings, path, shard.path(path) if shard else path, label_format,
-                 RuleStore(list(options.observe or []) or None, images, settings), report)
+    return _Plan(options=options, placement=placement, shard=shard, device=device, precision=precision, decode=decode,
+                 images=images, rows=rows, own=shard.rows(rows) if shard else rows, described=described,
+                 templates=templates, settings=settings, path=path, writing=shard.path(path) if shard else path,
+                 label_format=label_format, rule_store=RuleStore(list(options.observe or []) or None, images, settings),
+                 report=report)
 
 
 def _up_to_date(plan: _Plan) -> ExtractReport:
     """A complete cache with these settings: left alone, but for the observation rules it lacks."""
     refuse_other_settings(plan.path, plan.settings, plan.rows, "was built", "rebuild it", plan.label_format)
     added = []
-    if not plan.options.dry_run and (plan.shard is None or plan.shard.main):  # one writer adds the rules it lacks
+    if not plan.placement.dry_run and (plan.shard is None or plan.shard.main):  # one writer adds the rules it lacks
         with locks.held(plan.path, f"the cache {plan.path}"):
             added = plan.rule_store.add_to(plan.path)
     report = plan.report
@@ -263,17 +272,17 @@ def _open(plan: _Plan, trunk, resume: bool):
 def _run(plan: _Plan, partial, trunk) -> None:
     """Every row this process has not done yet, batch by batch, into the partial file; the report counts them.
     Ctrl-C keeps what is done and says how to go on."""
-    report, shard, options = plan.report, plan.shard, plan.options
+    report, shard, placement = plan.report, plan.shard, plan.placement
     report.resumed, bad_before = partial.num_done(), partial.num_bad()
     paths = {name: [plan.images.path(image_id) for image_id in plan.own[name].ids] for name in cache.SPLITS}
     computing = time.perf_counter()
     try:
         report.extracted = run_batches(partial, paths, trunk, BatchRun(
-            preprocess=plan.described.preprocess, width=plan.described.row_width, batch_size=options.batch_size,
-            workers=default_workers(plan.device) if options.workers is None else options.workers,
-            device=plan.device, precision=plan.precision, skip_bad=options.on_bad_image == "skip",
+            preprocess=plan.described.preprocess, width=plan.described.row_width, batch_size=placement.batch_size,
+            workers=default_workers(plan.device) if placement.workers is None else placement.workers,
+            device=plan.device, precision=plan.precision, skip_bad=plan.options.on_bad_image == "skip",
             label=f"extract {plan.images.dataset}", backbone=plan.described.backbone,
-            pad_batches=options.pad_batches, feed_thread=options.feed_thread, decode=plan.decode))
+            pad_batches=placement.pad_batches, feed_thread=placement.feed_thread, decode=plan.decode))
     except KeyboardInterrupt:
         if shard and not shard.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
@@ -301,9 +310,9 @@ def _join(plan: _Plan, text) -> Path | None:
             "seconds": report.seconds}
     with locks.held(plan.path, f"the cache {plan.path}") if shard.main else nullcontext():
         joined = shards.join(shard, plan.path, shards.Joined(
-            plan.settings, plan.rows, plan.described.row_shapes(),
-            run_attrs(plan.device, plan.described.family, plan.decode),
-            plan.rule_store.for_finalise(plan.rows), text, plan.label_format), done)
+            settings=plan.settings, rows=plan.rows, feature_dim=plan.described.row_shapes(),
+            attrs=run_attrs(plan.device, plan.described.family, plan.decode),
+            rule_masks=plan.rule_store.for_finalise(plan.rows), text=text, labels=plan.label_format), done)
     shard.ranks.leave()
     if joined is None:
         return None

@@ -96,7 +96,7 @@ def refuse_other_layouts(final: Path, shard: Shard | None, force: bool) -> None:
                     " --force to start over")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Joined:
     """What the joined cache is made of, as `PartialCache.create` takes it: its settings attrs, every row, the
     trunk output's row shapes (a CLIP cache's embeddings travel with the features), its text side and the label

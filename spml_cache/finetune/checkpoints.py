@@ -1,4 +1,4 @@
-"""Stage three's run directory: the config.json and env.json it starts with (through `runs.py`), what its
+"""Stage three's run directory: the config.json and env.json it starts with (through `runs/`), what its
 results say it started from, and its per-config checkpoints (the last epoch's state, and the model of the
 config's best epoch), which `--resume` goes on from.
 """
@@ -22,7 +22,7 @@ def create_run_dir(out: Path, setup: Setup) -> Path:
         run_dir[0] = runs.start_run(
             out, stage="finetune", label=settings.key, features=features, device=setup.processes.device,
             grid=settings.grid(),
-            processes=setup.processes.world, options=settings.as_dict(), root=str(setup.root),
+            processes=setup.processes.world, options=settings.options().stored(), root=str(setup.root),
             init=init_summary(setup),
             skipped_images={s: len(getattr(features, s)) - len(setup.rows[s]) for s in cache.SPLITS},
         )

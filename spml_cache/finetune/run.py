@@ -1,4 +1,5 @@
-"""Stage three: fine-tune ResNet-50 end to end, from the best linear head (LinearInit, Cole et al. 2021) or a fresh head.
+"""Stage three: fine-tune the cache's backbone (any torchvision or timm trunk) end to end, from the best linear head
+(LinearInit, Cole et al. 2021) or a fresh head.
 
 The images, splits and observed labels are the cache's rows (`root / id`), so fine-tuning sees exactly what the
 linear stage saw. The recipe is the papers': R x R resize ignoring aspect ratio, random horizontal flip in
@@ -17,9 +18,8 @@ import math
 import shlex
 import shutil
 import time
-from dataclasses import fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,11 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 from spml_cache import losses, runs
 from spml_cache.finetune import checkpoints, images as data, parallel
 from spml_cache.finetune.labels import TrainLabels, loss_observed
-from spml_cache.finetune.settings import FineTuneModel, FinetuneOptions, FinetuneRun, Resumed, Setup, resolve
+from spml_cache.finetune.settings import FineTuneModel, Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
 from spml_cache.finetune.step import Training, make_optimizer, train_step
 from spml_cache.labels import average_precision, take
 from spml_cache.observation import DEFAULT_RULE
+from spml_cache.options import FinetuneOptions, FinetunePlacement, from_keywords
 from spml_cache.protocol import initial_head
 from spml_cache.runtime import locks
 from spml_cache.runtime.devices import default_workers
@@ -42,41 +43,48 @@ from spml_cache.runtime.progress import progress_bar
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
 
 
-def run_finetune(options: FinetuneOptions, run: FinetuneRun = FinetuneRun(), *,
-                 log: Callable[[str], None] = lambda line: None) -> dict:
-    """Fine-tune and write `run.out/<dataset>/finetune-<loss>-<stamp>/`; returns its results plus `run_dir`.
+@dataclass(frozen=True)
+class FinetuneRun:
+    """What a finished fine-tuning gives back: its directory and its results (results.json)."""
 
-    Options left as None take their defaults or, with `run.resume`, the interrupted run's values (options given
-    must match those). The first line logged names the linear run and head the model starts from.
+    run_dir: Path
+    results: dict
+
+
+def run_finetune(options: FinetuneOptions, placement: FinetunePlacement = FinetunePlacement()) -> FinetuneRun | None:
+    """Stage three's door (`spml-cache finetune`): fine-tune and write `placement.out/<dataset>/finetune-<loss>-<stamp>/`.
+
+    Options left as None take the loss's recipe, the cache's or their declared default or, with
+    `placement.resume`, the interrupted run's own (an option given that contradicts them is refused). The first
+    line logged names the linear run and head the model starts from. Under torchrun rank 0 returns the run, the
+    other processes None.
     """
-    processes = parallel.start_processes(run.device)
-    say = log if processes.main else (lambda line: None)
+    processes = parallel.start_processes(placement.device)
+    say = placement.log if processes.main else (lambda line: None)
     if processes.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # one input shape for training, one for scoring
     try:
-        resumed = Resumed.read(run.resume) if run.resume is not None else None
-        workers = default_workers(processes.device) if run.workers is None else run.workers
-        setup = resolve(options, resumed, root=run.root, out=run.out, cache_dir=run.cache_dir, processes=processes,
-                        workers=workers)
-        for note in setup.notes + ([f"resuming {run.resume}"] if resumed is not None else []):
+        resumed = Resumed.read(placement.resume) if placement.resume is not None else None
+        workers = default_workers(processes.device) if placement.workers is None else placement.workers
+        setup = resolve(options, resumed, root=placement.root, out=placement.out, cache_dir=placement.cache_dir,
+                        processes=processes, workers=workers)
+        for note in setup.notes + ([f"resuming {placement.resume}"] if resumed is not None else []):
             say(note)
-        run_dir = run.resume if resumed is not None else checkpoints.create_run_dir(run.out, setup)
+        run_dir = placement.resume if resumed is not None else checkpoints.create_run_dir(placement.out, setup)
         # one process at a time in a run directory (rank 0 speaks for a torchrun group)
         with locks.held(run_dir, f"run directory {run_dir}") if processes.main else contextlib.nullcontext():
-            return _run_and_keep(setup, run_dir, resumed is not None, say)
+            results = _run_and_keep(setup, run_dir, resumed is not None, say)
+        return FinetuneRun(Path(run_dir), results) if processes.main else None
     finally:
         parallel.stop_processes(processes)
 
 
-RUN_FIELDS = tuple(field.name for field in fields(FinetuneRun))
-
-
-def finetune(*, log: Callable[[str], None] = lambda line: None, **given) -> dict:
-    """`run_finetune` by keywords, for the Python API: each keyword a field of `FinetuneOptions` (what the run
-    trains) or of `FinetuneRun` (where it runs), e.g. `finetune(init="best", dataset="voc", loss="role",
-    root=...)`."""
-    placement = {name: given.pop(name) for name in RUN_FIELDS if name in given}
-    return run_finetune(FinetuneOptions(**given), FinetuneRun(**placement), log=log)
+def finetune(**keywords) -> dict:
+    """`run_finetune` by keywords, for the Python API: each a field of `FinetuneOptions` (what the run trains) or of
+    `FinetunePlacement` (where it runs), e.g. `finetune(init="best", dataset="voc", loss="role", root=...)`; the
+    run's results with its `run_dir` (empty on torchrun's other processes)."""
+    run = run_finetune(*from_keywords(keywords, FinetuneOptions, FinetunePlacement))
+    return {} if run is None else {**run.results, "run_dir": str(run.run_dir)}
 
 
 def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
@@ -125,7 +133,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
     for lr in settings.lrs:  # grid order as stage two's: lr, then batch size
         for batch_size in settings.batch_sizes:
             for seed in settings.seeds:
-                record = HeadRecord(settings.loss, lr, batch_size, seed, rule=settings.rule)
+                record = HeadRecord(loss=settings.loss, lr=lr, batch_size=batch_size, seed=seed, rule=settings.rule)
                 records.append(_train_config(setup, run_dir, record, starts, say))
     if setup.processes.world > 1:
         dist.barrier()  # rank 0 has written every best model
@@ -163,7 +171,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
                               checkpoints={settings.key: saved} if saved else {}, init=checkpoints.init_summary(setup),
                               fidelity=settings.fidelity)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    return {**results, "run_dir": str(run_dir)}
+    return results
 
 
 def start_summary(chosen: list[HeadRecord], test_map: float) -> dict:
@@ -239,7 +247,8 @@ def _config_training(setup: Setup, record: HeadRecord, checkpoint: dict | None) 
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
     trainer = model if processes.world == 1 else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
-    return Training(model, trainer, loss_fn, optimizer, setup.preprocess, processes)
+    return Training(model=model, trainer=trainer, loss_fn=loss_fn, optimizer=optimizer, preprocess=setup.preprocess,
+                    processes=processes)
 
 
 def _score_start(setup: Setup, run_dir: Path, record: HeadRecord, training: Training, starts: dict, say) -> None:

@@ -1,13 +1,14 @@
-"""Stage three's settings: what the user gave, the loss's recipe, the defaults, and the linear head to start from;
-everything checked before the run directory exists.
+"""Stage three's settings: what the user gave (`FinetuneOptions`), the loss's recipe, the defaults, and the linear
+head to start from; everything checked before the run directory exists.
 
-`FinetuneSettings` is what defines a run's results: stored in its config.json (`options`) and compared when a run
-is resumed. `Setup` adds what the run needs besides (the cache, the image rows, the starting model).
+`FinetuneSettings` is what defines a run's results: its options as taken (`FinetuneSettings.options`) are stored
+in its config.json (`options`) and compared when a run is resumed. `Setup` adds what the run needs besides (the
+cache, the image rows, the starting model).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +21,12 @@ from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
 from spml_cache.finetune.labels import loss_observed
 from spml_cache.finetune.parallel import Processes, check_batch_split
-from spml_cache.images import DECODERS, check_decode, recorded_decoder, resolve_decode
+from spml_cache.images import DECODERS, recorded_decoder, resolve_decode
 from spml_cache.labels import take
-from spml_cache.losses.base import Fidelity
 from spml_cache.observation import DEFAULT_RULE, result_key, split_key
-from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, check_grid, check_val_split
+from spml_cache.options import FinetuneOptions, refuse_differences
+from spml_cache.protocol import Fidelity, check_grid, check_val_split
 from spml_cache.runtime.errors import SpmlError, closest
-
-DEFAULT_LRS = (1e-5, 1e-4)
-INITS = ("best", "imagenet")  # LinearInit (the default), or a fresh head on the ImageNet trunk
 # The papers' per-loss fine-tuning recipes, for what the user leaves unset.
 #  gr: Chen et al. (IJCAI 2024) Table 6 (batch, lr, epochs per dataset); its authors' code trains the head at 10x.
 #  ll_*: Kim et al.'s code (the LL losses compared by Chen et al.) trains the head at 10x the lr.
@@ -43,97 +41,9 @@ RECIPES: dict[str, dict[str, dict]] = {
 }
 
 
-@dataclass(frozen=True)
-class FinetuneOptions:
-    """What the caller set (None: not set, so the loss's recipe, the cache or the default decides)."""
-
-    init: str | None = None
-    from_run: Path | None = None
-    cache: Path | None = None
-    dataset: str | None = None
-    loss: str | None = None
-    weights: str | None = None
-    resolution: int | None = None
-    epochs: int | None = None
-    lrs: list[float] | None = None
-    batch_sizes: list[int] | None = None
-    seeds: int | None = None  # a count: seeds 0..N-1
-    head_lr_mult: float | None = None
-    skip_missing: bool | None = None
-    hparams: dict | None = None  # the loss's hyperparameters given, {key: value}
-    fidelity: Fidelity | None = None
-    decode: str | None = None  # gpu (nvjpeg) or cpu (libjpeg-turbo); None: the cache's decoder (see `_decode`)
-
-    def __post_init__(self) -> None:
-        check_decode(self.decode)
-        if self.seeds is not None and self.seeds < 1:
-            raise SpmlError(f"--seeds {self.seeds}: must be at least 1 (seeds 0..N-1 are run)")
-        for key, value in (self.hparams or {}).items():
-            if isinstance(value, (list, tuple)):
-                raise SpmlError(f"--hp {key}={','.join(f'{v:g}' for v in value)}: fine-tuning takes one value; sweep"
-                                " on the linear probe (spml-cache linear --hp ...), then fine-tune from its best head")
-        if self.loss is not None:  # a plugin spec (`file.py:Class@rule`) is known by its class's name from here on
-            loss, rule = split_key(self.loss)
-            object.__setattr__(self, "loss", result_key(losses.canonical(loss), rule))
-        if self.init is not None and self.init not in INITS:
-            raise SpmlError(f"--init {self.init}: use best (LinearInit) or imagenet (a fresh head)")
-        object.__setattr__(self, "fidelity", None if self.fidelity is None else Fidelity.check(self.fidelity))
-        for name in ("lrs", "batch_sizes"):  # any sequence given, compared with a stored run's lists
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, list(getattr(self, name)))
-
-    @classmethod
-    def of(cls, settings: "FinetuneSettings") -> "FinetuneOptions":
-        """The options that resolve to `settings` again (a resumed run's)."""
-        return cls(init=settings.init, from_run=settings.from_run and Path(settings.from_run),
-                   cache=Path(settings.cache), dataset=settings.dataset, loss=settings.key, weights=settings.weights,
-                   resolution=settings.resolution, epochs=settings.epochs, lrs=settings.lrs,
-                   batch_sizes=settings.batch_sizes, seeds=len(settings.seeds), head_lr_mult=settings.head_lr_mult,
-                   skip_missing=settings.skip_missing,
-                   hparams={key: value for key, value in settings.hparams.items() if value is not None},
-                   fidelity=settings.fidelity, decode=settings.decode)
-
-    def differences(self, stored: "FinetuneSettings") -> list[str]:
-        """What these options set otherwise than `stored` (`--resume`), as "flag given vs stored" texts."""
-        differ = []
-        for option in fields(self):
-            given, name = getattr(self, option.name), option.name
-            if given is None or name == "hparams":
-                continue
-            before = stored.key if name == "loss" else getattr(stored, name)
-            if name in ("from_run", "cache"):
-                same = before is not None and Path(given).resolve() == Path(before).resolve()
-            else:
-                same = (list(range(given)) if name == "seeds" else given) == before
-            if not same:
-                differ.append(f"--{name.replace('_', '-')} {given} vs {before}")
-        hparams = losses.Overrides.given([stored.loss], self.hparams or {})[stored.loss]
-        differ += [f"--hp {key}={value} vs {stored.hparams.get(key)}" for key, value in hparams.items()
-                   if stored.hparams.get(key) != value]
-        return differ
-
-
-@dataclass(frozen=True)
-class FinetuneRun:
-    """Where and how this process runs a fine-tuning, none of which changes its results: the device, the folders
-    read and written, the run to resume, the image reader processes."""
-
-    device: str = "auto"  # auto, cpu, cuda or cuda:N (under torchrun: each process's own GPU)
-    out: Path = Path("runs")  # linear runs are looked up here, and the fine-tuning run written
-    resume: Path | None = None  # an interrupted fine-tuning run to go on with
-    workers: int | None = None  # image reader processes (None: runtime.devices.default_workers)
-    root: Path | None = None  # the images' root (None: a resumed run's)
-    cache_dir: Path | None = None  # where --dataset's default cache is looked for
-
-    def __post_init__(self) -> None:
-        for name in ("out", "resume", "root", "cache_dir"):  # a str given from Python
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, Path(getattr(self, name)))
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FinetuneSettings:
-    """Every resolved option of a fine-tuning run (what `config.json` keeps under `options`)."""
+    """Every resolved option of a fine-tuning run (`options`: what `config.json` keeps of them)."""
 
     init: str  # best (LinearInit) or imagenet (a fresh head)
     loss: str
@@ -160,22 +70,21 @@ class FinetuneSettings:
         """The run's result key: the loss, or `loss@rule` (observation.result_key)."""
         return result_key(self.loss, self.rule)
 
-    @classmethod
-    def from_config(cls, options: dict) -> "FinetuneSettings":
-        """The settings a run's config.json keeps (runs from before `fidelity` was kept trained exactly)."""
-        known = {option.name for option in fields(cls)}
-        return cls(**{**{key: value for key, value in options.items() if key in known},
-                      "fidelity": Fidelity.check(options.get("fidelity"))})
-
-    def as_dict(self) -> dict:
-        stored = asdict(self)
-        if self.rule == DEFAULT_RULE:
-            del stored["rule"]  # a single-positive run's config as it always was
-        return stored
+    def options(self) -> FinetuneOptions:
+        """The options that resolve to these settings again: what config.json keeps (`options`) and a resumed run
+        reads back."""
+        return FinetuneOptions(
+            init=self.init, from_run=self.from_run and Path(self.from_run), cache=Path(self.cache),
+            dataset=self.dataset, loss=self.key, weights=self.weights, resolution=self.resolution, epochs=self.epochs,
+            lrs=self.lrs, batch_sizes=self.batch_sizes, seeds=len(self.seeds), head_lr_mult=self.head_lr_mult,
+            skip_missing=self.skip_missing, hparams={key: value for key, value in self.hparams.items()
+                                                     if value is not None}, fidelity=self.fidelity,
+            decode=self.decode)
 
     def grid(self) -> runs.Grid:
-        return runs.Grid([self.loss], self.lrs, self.batch_sizes, self.epochs, self.seeds, {self.loss: self.hparams},
-                         "clean", self.fidelity)
+        return runs.Grid(losses=[self.loss], lrs=self.lrs, batch_sizes=self.batch_sizes, epochs=self.epochs,
+                         seeds=self.seeds, hparams={self.loss: self.hparams}, val_labels="clean",
+                         fidelity=self.fidelity)
 
 
 class FineTuneModel(nn.Module):
@@ -189,7 +98,7 @@ class FineTuneModel(nn.Module):
         return self.head(self.trunk(images))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Setup:
     """Everything resolved and validated before anything is written."""
 
@@ -211,20 +120,22 @@ class Setup:
 
 @dataclass(frozen=True)
 class Resumed:
-    """An interrupted fine-tuning run (`--resume RUN`): what its config.json says it was started with."""
+    """An interrupted fine-tuning run (`--resume RUN`): the options its config.json says it took."""
 
     run_dir: Path
-    settings: FinetuneSettings
+    options: FinetuneOptions
     root: Path  # the image root it read
     cache_id: str
 
     @classmethod
     def read(cls, run_dir: Path) -> "Resumed":
         config = runs.open_for_resume(run_dir, "finetune")
-        settings = FinetuneSettings.from_config(config["options"])
-        if settings.decode is None:  # a run from before --decode: nvjpeg on a GPU, the CPU's decoder elsewhere
-            settings = replace(settings, decode="gpu" if str(config.get("device")).startswith("cuda") else "cpu")
-        return cls(Path(run_dir), settings, Path(config["root"]), config["cache_id"])
+        stored = dict(config["options"])
+        if "rule" in stored:  # a run from before the rule went with the loss (`loss@rule`)
+            stored["loss"] = result_key(stored["loss"], stored.pop("rule"))
+        if stored.get("decode") is None:  # a run from before --decode: nvjpeg on a GPU, the CPU's decoder elsewhere
+            stored["decode"] = "gpu" if str(config.get("device")).startswith("cuda") else "cpu"
+        return cls(Path(run_dir), FinetuneOptions.from_stored(stored), Path(config["root"]), config["cache_id"])
 
 
 def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | None, out: Path,
@@ -233,11 +144,8 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
     starting head and model, checked before anything is written. With `resumed`, the options given must equal
     that run's settings."""
     if resumed is not None:
-        differ = options.differences(resumed.settings)
-        if differ:
-            raise SpmlError(f"--resume {resumed.run_dir}: that run has another configuration ({'; '.join(differ)}"
-                            " there): resume with its settings, or start a new run")
-        options, root = FinetuneOptions.of(resumed.settings), root if root is not None else resumed.root
+        refuse_differences(resumed.run_dir, options.differences(resumed.options))
+        options, root = resumed.options.filled_from(options), root if root is not None else resumed.root
     features, start = _starting_point(options, out, cache_dir)
     # what goes on, or starts from a linear head, must read the very same arrays
     unverified = cache.verify(features) if resumed is not None or start is not None else None
@@ -268,7 +176,8 @@ def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | N
                      " them the random features the head was fitted to, so mAP can fall below epoch 0's whatever the"
                      " loss does")
     model = FineTuneModel(trunk, head)
-    return Setup(settings, features, image_root, rows, start, model, processes, workers, notes, described.preprocess)
+    return Setup(settings=settings, features=features, root=image_root, rows=rows, start=start, initial=model,
+                 processes=processes, workers=workers, notes=notes, preprocess=described.preprocess)
 
 
 def _misspelt(name: str) -> bool:
@@ -278,7 +187,7 @@ def _misspelt(name: str) -> bool:
 
 def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
     """The cache fine-tuning reads and, for LinearInit, the linear head it starts from (checked to fit)."""
-    best = options.init in (None, "best")
+    best = options.value("init") == "best"
     if options.loss is not None and not best:
         losses.get(split_key(options.loss)[0])  # a misspelt name fails here, with a suggestion
     if not best and options.from_run is not None:
@@ -332,19 +241,15 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
     loss, rule = (start.loss, start.rule) if start is not None else split_key(options.loss)
     recipe = {**RECIPES.get(loss, {}).get("*", {}), **RECIPES.get(loss, {}).get(features.dataset, {})}
 
-    def chosen(name: str, default):
+    def chosen(name: str, default=None):
+        """Given (checked by its declaration), else the recipe's, else `default` or the declared default."""
         given = getattr(options, name)
-        return given if given is not None else recipe.get(name, default)
+        return given if given is not None else recipe.get(name, options.value(name) if default is None else default)
 
-    lrs, batch_sizes = check_grid(chosen("lrs", DEFAULT_LRS), chosen("batch_sizes", GRID_BATCH_SIZES))
+    lrs, batch_sizes = check_grid(chosen("lrs"), chosen("batch_sizes"))
     check_batch_split(batch_sizes, processes)
-    epochs, resolution = chosen("epochs", FINETUNE_EPOCHS), chosen("resolution", int(features.attrs["resolution"]))
-    for flag, value, least in (("--epochs", epochs, 1), ("--resolution", resolution, 32)):
-        if value < least:
-            raise SpmlError(f"{flag} {value}: must be at least {least}")
-    head_lr_mult = chosen("head_lr_mult", 1.0)
-    if not head_lr_mult > 0:
-        raise SpmlError(f"--head-lr-mult {head_lr_mult}: must be positive")
+    epochs, resolution = chosen("epochs"), chosen("resolution", int(features.attrs["resolution"]))
+    head_lr_mult = chosen("head_lr_mult")
     # the linear head's values, then --hp; resolved as the linear stage does
     given = losses.Overrides.given([loss], options.hparams or {})[loss]
     reads_text = losses.get(loss).needs_similarity
@@ -361,8 +266,8 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
         cache=str(Path(features.path).resolve()), from_run=start and str(start.run.resolve()),
         weights=_weights(features.attrs, chosen("weights", linear_init.default_weights(features.attrs)), resolution),
         resolution=resolution, epochs=epochs,
-        lrs=lrs, batch_sizes=batch_sizes, seeds=list(range(options.seeds or 1)), head_lr_mult=head_lr_mult,
-        skip_missing=bool(options.skip_missing), hparams=hparams, fidelity=Fidelity.check(options.fidelity), rule=rule,
+        lrs=lrs, batch_sizes=batch_sizes, seeds=list(range(options.value("seeds"))), head_lr_mult=head_lr_mult,
+        skip_missing=options.value("skip_missing"), hparams=hparams, fidelity=options.value("fidelity"), rule=rule,
         decode=decode,
     )
 

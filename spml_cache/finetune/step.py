@@ -15,7 +15,7 @@ from spml_cache.finetune import images, parallel
 from spml_cache.finetune.settings import FineTuneModel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Training:
     """What every step of one config uses besides its batch: the model, what steps it (the model itself, or its
     DistributedDataParallel wrapper under torchrun), the loss, the optimiser, the input preprocessing and the

@@ -27,7 +27,7 @@ from spml_cache.labels import (
 from spml_cache.linear.out_of_core import Batch, MemoryPlan, RowSource
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearData:
     """The cache's arrays on the training device, in the form the loop indexes directly."""
 
@@ -89,7 +89,7 @@ class LinearData:
         )
 
     def under_rule(self, train_observed, val_observed, val_labels: str = "clean") -> "LinearData":
-        """The same features (not copied) with an observation rule's observed labels (observation.py)."""
+        """The same features (not copied) with an observation rule's observed labels (observation/)."""
         targets = (self.val_targets if val_labels == "clean"
                    else _on_device(_val_targets(None, val_observed, val_labels), self.device))
         return replace(self, train_observed=_on_device(train_observed, self.device), val_targets=targets)

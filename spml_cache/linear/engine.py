@@ -34,7 +34,7 @@ from spml_cache.selection import HeadRecord, stops_early
 
 
 @dataclass(frozen=True)
-class StackHeads:
+class HeadSettings:
     """Each head of one stack: its hyperparameter combination, lr and weight decay (None: the grid has no such
     axis)."""
 
@@ -63,7 +63,7 @@ class HeadStack:
     `HeadMatrix.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
     """
 
-    def __init__(self, name: str, heads: StackHeads, seed: int, batch_size: int, data: LinearData,
+    def __init__(self, name: str, heads: HeadSettings, seed: int, batch_size: int, data: LinearData,
                  start: StartHead | None = None, fidelity: Fidelity | None = None) -> None:
         """`heads`: one hyperparameter dict, lr and weight decay per head: a key whose heads' values differ is
         handed to the loss as a list (one of its `per_head` keys)."""
@@ -105,8 +105,8 @@ class HeadStack:
         self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
         self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
-        self.records = [HeadRecord(name, lr, batch_size, seed, hparams=combo.swept_values, wd=wd)
-                        for lr, combo, wd in zip(lrs, heads.combinations, wds or [None] * len(lrs))]
+        self.records = [HeadRecord(loss=name, lr=lr, batch_size=batch_size, seed=seed, hparams=combo.swept_values,
+                                   wd=wd) for lr, combo, wd in zip(lrs, heads.combinations, wds or [None] * len(lrs))]
 
     def start_epoch(self, epoch: int, num_epochs: int, order: torch.Tensor, data: LinearData) -> None:
         train_logits = None
@@ -241,7 +241,7 @@ class HeadStack:
         return {"head": self.heads.linear_state(k), "loss_state": self.loss.head_state_dict(k)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """What one process trains at a time: every lr of one (loss, seed), for one or all of its batch sizes."""
 
@@ -285,7 +285,7 @@ class SeedRun:
             groups.setdefault(tuple(item for item in combo.swept if item[0] not in per_head), []).append(combo)
         decays = wds or [None]
         self.stacks = [  # head order in a stack: combination, lr, weight decay
-            HeadStack(name, StackHeads([combo for combo in group for _ in lrs for _ in decays],
+            HeadStack(name, HeadSettings([combo for combo in group for _ in lrs for _ in decays],
                                        [lr for _ in group for lr in lrs for _ in decays],
                                        None if wds is None else [wd for _ in group for _ in lrs for wd in wds]),
                       seed, batch_size, data, start, fidelity)

@@ -67,7 +67,7 @@ def merged_progress(parts) -> tuple[int, dict | None]:
     return min(epoch for epoch, _ in parts), max(bests, key=lambda best: best["val_map"], default=None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobPlan:
     """What a run's jobs train and on what: its units (`{result key: (loss, rule text)}`), each loss's
     hyperparameter combinations (`used`) and starting head (`starts`), each rule's training data (`data`) and
@@ -93,8 +93,9 @@ class JobPlan:
         (`ranks`: torchrun's), or one per batch size and group of `lrs_at_once` lrs when the grid's heads do not
         fit the memory budget at once."""
         settings = self.settings
-        whole = [Job(name, index, seed, tuple(size for size in settings.batch_sizes if (key, seed, size) not in kept),
-                     rule) for key, (name, rule) in self.units.items() for index, seed in enumerate(settings.seeds)]
+        whole = [Job(loss=name, seed_index=index, seed=seed, rule=rule,
+                     batch_sizes=tuple(size for size in settings.batch_sizes if (key, seed, size) not in kept))
+                 for key, (name, rule) in self.units.items() for index, seed in enumerate(settings.seeds)]
         whole = [job for job in whole if job.batch_sizes]
         split = [replace(job, batch_sizes=(size,)) for job in whole for size in job.batch_sizes]
         if ranks:  # every lr group of a part on the same process

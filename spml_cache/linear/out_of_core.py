@@ -40,7 +40,7 @@ PROCESS_BYTES = {"cpu": 512 * 2**20, "cuda": 0}
 MIN_CHUNK_ROWS = 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     """How stage two holds a cache: the train and eval features in memory or streamed, and how many classes
     are scored at once (`class_block`; all of them when it is `num_classes`)."""
@@ -80,7 +80,7 @@ def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, head
     scoring = heads * num_classes * ((num_val + num_test) * FLOAT_BYTES + max(num_val, num_test) * SCORING_BYTES)
     train_scoring = num_classes * num_train * (FLOAT_BYTES + SCORING_BYTES)  # one head on the train rows (selection)
     if train + evaluated + max(scoring, train_scoring) <= left:
-        return MemoryPlan(budget)
+        return MemoryPlan(budget=budget)
     short, left = max(-left, 0), max(left, 0)
     train_in_memory = train <= left // 2
     eval_in_memory = evaluated <= left // 5
@@ -90,7 +90,8 @@ def plan(budget: int, shapes: dict[str, tuple[int, int]], num_classes: int, head
     chunk_rows = max(floor, min(max(num_train, num_val, num_test), left // 4 // (3 * dim * FLOAT_BYTES)))
     per_class = heads * max(num_val, num_test) * (SCORING_BYTES + FLOAT_BYTES)
     class_block = int(max(1, min(num_classes, left // 4 // max(per_class, 1))))
-    return MemoryPlan(budget, train_in_memory, eval_in_memory, int(chunk_rows), class_block, short)
+    return MemoryPlan(budget=budget, train_in_memory=train_in_memory, eval_in_memory=eval_in_memory,
+                      chunk_rows=int(chunk_rows), class_block=class_block, short=short)
 
 
 def epoch_permutations(num_rows: int, seed: int, epochs: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Checks every input before anything is written (`settings.py`), then for each loss and seed trains all (lr, batch
 size) configs at once (`engine.py`, in jobs: `jobs.py`), selects per docs/protocol.md (`selection.py`) and writes
-the run directory (`runs.py`). Every finished (loss, seed, batch size) is kept under the run's `jobs/` as it
+the run directory (`runs/`). Every finished (loss, seed, batch size) is kept under the run's `jobs/` as it
 finishes, so an interrupted run goes on with `--resume RUN` and trains only what is missing; the results are
 those of an uninterrupted run.
 """
@@ -10,11 +10,9 @@ those of an uninterrupted run.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
-
-from rich.console import Console
 
 from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import cache_id, find_cache, verify
@@ -25,16 +23,15 @@ from spml_cache.linear.jobs import JobEvent, JobPlan, train_jobs
 from spml_cache.losses.contract import LossFailed
 from spml_cache.linear.live import LiveTable
 from spml_cache.linear.out_of_core import load_within
-from spml_cache.linear.options import LinearOptions, LinearPlacement
 from spml_cache.linear.parts import KeptParts, Part
 from spml_cache.runtime import locks, memory
 from spml_cache.runtime.devices import resolve_device
 from spml_cache.runtime.errors import (
     DiskFull, Interrupted, SpmlError, check_stop, finished, stop_exit_code, stops_deferred,
 )
-from spml_cache.linear.settings import (LinearSettings, refuse_contradictions, resolved_hparams, start_heads,
-                                       stored_settings)
+from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_options
 from spml_cache.metrics import mean_average_precision
+from spml_cache.options import LinearOptions, LinearPlacement, from_keywords, refuse_differences
 from spml_cache.protocol import check_train_test, check_val_split
 from spml_cache.runtime.progress import console as progress_console
 from spml_cache.runtime.ranks import PeerLost, Ranks, current as current_ranks
@@ -44,56 +41,42 @@ from spml_cache.runtime.ranks import PeerLost, Ranks, current as current_ranks
 
 @dataclass(frozen=True)
 class LinearRun:
+    """What a finished `linear` run gives back: its directory and its results (results.json)."""
+
     run_dir: Path
     results: dict
 
 
-def run_linear(*, console: Console | None = None, **keywords) -> LinearRun | None:
-    """`run_linear_options` by keywords, for the Python API: each keyword a field of `LinearOptions` (what the run
-    trains) or of `LinearPlacement` (where it runs), e.g. `run_linear(cache=..., losses=["an", "role"])`."""
-    placement = {name: keywords.pop(name) for name in PLACEMENT_FIELDS if name in keywords}
-    return run_linear_options(LinearOptions(**keywords), LinearPlacement(console=console, **placement))
+def run_linear(options: LinearOptions | None = None, placement: LinearPlacement | None = None, /,
+               **keywords) -> LinearRun | None:
+    """Stage two's door (`spml-cache linear`): plan, start or resume, train, select, and write the run directory.
 
-
-PLACEMENT_FIELDS = tuple(option.name for option in fields(LinearPlacement) if option.name != "console")
-
-
-def run_linear_options(options: LinearOptions, placement: LinearPlacement = LinearPlacement()) -> LinearRun | None:
-    """`spml-cache linear`: train the (loss x lr x batch size x seed) grid, select, write a run directory.
-
-    A job trains every lr of one (loss, seed) and its batch sizes; with `workers` > 1 each batch size is its
-    own job, so that even one loss's grid spreads over the cores (same results either way). `losses`: "all" (the
-    default) or names; the grid's defaults are the protocol's (`GRID_LRS`, `GRID_BATCH_SIZES`, `LINEAR_EPOCHS`,
-    one seed, clean val labels). `from_run`: every head starts from that linear run's head (`start_heads`)
-    instead of its seed's initialisation. `resume`: an interrupted run directory, whose settings are used: a
-    setting given beside it that differs is refused (`refuse_contradictions`). `fidelity`: exact (the papers'
-    math, stably; the default) or authors (their code's numerics and rules, docs/fidelity.md).
-    A hyperparameter given as a list is swept: every combination of the values is trained beside every (lr,
-    batch size), heads that differ only in a hyperparameter the loss takes per head in the same stack, and
-    selection runs over the whole grid; `hp_grid="paper"` sweeps each loss's own search space where its paper
-    states one. `graphs`: on a GPU, train every stack at once as replayed CUDA graphs (graphs.py); False trains
-    them one by one, eagerly (for debugging; the same results up to float rounding). `observe`: the observation
-    rules (observation.py; None: `single`): every loss trains under each, on masks the cache stores or, for a
-    rule it lacks, drawn from its full labels; the results of loss L under rule R are keyed `L@R` (`L` under
-    `single`). Under torchrun the (loss, rule, seed, batch size) parts are shared between the processes, each
-    training whole parts; rank 0 writes the run directory, gathers the others' parts, selects and returns the run
-    (the others return None). `memory_budget` (bytes, or "1GB"; None: most of the device's free memory): train
-    and val/test features that do not fit it stream from the cache (out_of_core.py), in chunks of `chunk_rows`
-    rows when given (the train features then always stream), else of a size planned from the budget and the
-    cache's shapes alone; the budget and the chunk size are kept in config.json, and a resumed run keeps both.
-    A signal (the command line's Ctrl-C or SIGTERM) stops the training at its next step (`errors.check_stop`).
-    `wds`: the probe's L2 weight decays (None: 0 alone, the papers' grid), a grid axis beside the lrs: one head
-    per (lr, weight decay) in the same stacks, selected on val like the rest.
+    Each option means what its declaration says (options/linear.py, each flag's help); the Python API may give the
+    fields of both types as keywords instead: `run_linear(cache=..., losses=["an", "role"], device="cpu")`. Under
+    torchrun the (loss, rule, seed, batch size) parts are shared between the processes, each training whole parts;
+    rank 0 writes the run directory, gathers the others' parts, selects and returns the run (the others return
+    None). A signal (the command line's Ctrl-C or SIGTERM) stops the training at its next step
+    (`errors.check_stop`), every finished part kept for `--resume`.
     """
-    _refuse_other_out(options.resume, placement.out)
+    if keywords:
+        if options is not None or placement is not None:
+            raise TypeError("run_linear takes a LinearOptions and a LinearPlacement, or their fields as keywords")
+        options, placement = from_keywords(keywords, LinearOptions, LinearPlacement)
+    return _run_linear(LinearOptions() if options is None else options,
+                       LinearPlacement() if placement is None else placement)
+
+
+def _run_linear(options: LinearOptions, placement: LinearPlacement) -> LinearRun | None:
+    _refuse_other_out(placement.resume, placement.out)
     with stops_deferred():
         ranks = current_ranks()  # under torchrun: this process's share of the parts
         planned = _plan(options, placement, ranks)
         if ranks and not ranks.main:
             return _train_other_rank(ranks, planned.jobs)
-        resume = options.resume
+        resume = placement.resume
         run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out or "runs", planned)
-        binding = [memory.FLAG, memory.flag_text(planned.budget)] if planned.budget_binds else []  # it shaped the run
+        budget = planned.taken.memory_budget
+        binding = [memory.FLAG, memory.flag_text(budget)] if planned.budget_binds else []  # it shaped the run
         going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
         with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
             try:
@@ -134,14 +117,13 @@ def _refuse_other_out(resume, out) -> None:
                         " --out (a new run in another folder: leave out --resume)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Planned:
-    """A run as planned, before its directory exists: its jobs, its memory budget and the chunk plan it streams
-    under (`budget_binds`: the budget shaped the run), and the data as loaded."""
+    """A run as planned, before its directory exists: its jobs, its options as it takes them (what config.json
+    keeps; `budget_binds`: the memory budget shaped the run), and the data as loaded."""
 
     jobs: JobPlan
-    budget: int
-    chunks: object  # out_of_core's plan
+    taken: LinearOptions
     budget_binds: bool
     whole: LinearData
 
@@ -169,34 +151,30 @@ def _loss_failed(run_dir: Path, plan: JobPlan, failed: LossFailed, going_on: str
     return SpmlError(f"{failed}; {where}: once it is fixed, go on with: {going_on}")
 
 
-def _given_settings(options: LinearOptions, cache_dir):
-    """The run's settings, `(config or None, settings, from_run, cache path, budget or None, chunk_rows or None)`:
-    a resumed run's own (a flag that contradicts them refused), else those given (the protocol's defaults where
-    not given)."""
-    resume = options.resume
+def _given_settings(options: LinearOptions, placement: LinearPlacement):
+    """`(config or None, options, settings, cache path)`: a resumed run's own options (any option given beside
+    `--resume` that contradicts them refused), else those given (the protocol's defaults where not given)."""
+    resume, config = placement.resume, None
     if resume is not None:
-        config, settings, from_run = stored_settings(Path(resume))
-        refuse_contradictions(Path(resume), config, settings, options.given())
-        if options.cache is not None or options.dataset is not None:
-            named = find_cache(options.cache, options.dataset, cache_dir).resolve()
-            if named != Path(config["cache"]).resolve():
-                flag = "--cache" if options.cache is not None else "--dataset"
-                raise SpmlError(f"--resume {resume}: {flag} names {named}, but the run trains on {config['cache']}:"
-                                f" leave out {flag}, or start a new run with it")
-        budget = config.get("memory_budget", options.memory_budget)
-        return config, settings, from_run, config["cache"], budget, (config.get("out_of_core") or {}).get("chunk_rows")
-    settings = LinearSettings.of(options)
-    path = find_cache(options.cache, options.dataset, cache_dir)
-    return None, settings, options.from_run, path, options.memory_budget, options.chunk_rows
+        # a plugin that changed since the run began goes on only while none of its parts is kept (fixed after it
+        # failed)
+        config = runs.open_for_resume(resume, "linear", renewable=lambda name: name not in KeptParts(resume).losses())
+        stored = stored_options(config)
+        if options.chunk_rows and config.get("num_train"):  # more than the training rows is all of them, as planned
+            options = replace(options, chunk_rows=min(options.chunk_rows, config["num_train"]))
+        refuse_differences(resume, options.differences(stored))
+        stored = stored.filled_from(options)
+        return config, stored, LinearSettings.of(stored), Path(stored.cache)
+    return None, options, LinearSettings.of(options), find_cache(options.cache, options.dataset, placement.cache_dir)
 
 
 def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | None) -> _Planned:
     """Plan, load and check what the run trains, before anything is written."""
-    config, settings, from_run, cache_path, budget, chunk_rows = _given_settings(options, placement.cache_dir)
+    config, options, settings, cache_path = _given_settings(options, placement)
     target = ranks.device(resolve_device(placement.device)) if ranks else resolve_device(placement.device)
-    budget = memory.budget(budget, target)
-    features, chunks, lrs_at_once = load_within(cache_path, budget, settings.heads_at_once(), target, chunk_rows,
-                                                settings.heads_per_lr())
+    budget = memory.budget(options.memory_budget, target)
+    features, chunks, lrs_at_once = load_within(cache_path, budget, settings.heads_at_once(), target,
+                                                options.chunk_rows, settings.heads_per_lr())
     check_stop()
     lrs_at_once = lrs_at_once and min(lrs_at_once, len(settings.lrs))
     if chunks.streams or lrs_at_once:  # the budget binds: transient buffers must not stay with the allocator
@@ -206,25 +184,29 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
         workers = _streaming(settings, workers) if not chunks.train_in_memory else 1
     check_train_test(len(features.train), features.test.labels, features.test.label_mask, str(features.path))
     check_val_split(features.val.labels, str(features.path))
-    unverified = _verified(features, options.resume is not None or from_run is not None, chunks.streams)
+    unverified = _verified(features, config is not None or options.from_run is not None, chunks.streams)
     settings, text_notes = settings.for_cache(features)
     observed = observation.for_cache(features, settings.rules)
     observation.refuse_unobserved(observed, features.path)
     units, notes = settings.units(observed, features.train.labels)
     used = resolved_hparams(settings, features)
-    starts = start_heads(from_run, settings.losses, features)
-    if options.resume is not None and config["cache_id"] != cache_id(features.attrs):
-        raise SpmlError(f"--resume {options.resume}: {features.path} was rebuilt since that run began; start a new run")
+    starts = start_heads(options.from_run, settings.losses, features)
+    if config is not None and config["cache_id"] != cache_id(features.attrs):
+        raise SpmlError(f"--resume {placement.resume}: {features.path} was rebuilt since that run began; start a new"
+                        " run")
     if ranks is None or ranks.main:
         _print_notes(placement.console, [unverified, observation.drawn_note(observed, features.path), *text_notes,
                                          *notes, chunks.streams and chunks.describe(),
-                                         _clamped_note(chunk_rows, chunks),
+                                         _clamped_note(options.chunk_rows, chunks),
                                          lrs_at_once and _grouped_note(lrs_at_once)])
     whole = LinearData.from_features(features, target, settings.val_labels, chunks)
     data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
-    jobs = JobPlan(settings, units, used, starts, features, data, observed, target, workers, placement.graphs,
-                   lrs_at_once)
-    return _Planned(jobs, budget, chunks, bool(chunks.streams or lrs_at_once), whole)
+    jobs = JobPlan(settings=settings, units=units, used=used, starts=starts, features=features, data=data,
+                   observed=observed, target=target, workers=workers, graphs=placement.graphs, lrs_at_once=lrs_at_once)
+    taken = settings.taken(used, options, cache=Path(features.path).resolve(), dataset=features.dataset,
+                           from_run=options.from_run and Path(options.from_run).resolve(), memory_budget=budget,
+                           chunk_rows=None if chunks.train_in_memory else chunks.chunk_rows)
+    return _Planned(jobs=jobs, taken=taken, budget_binds=bool(chunks.streams or lrs_at_once), whole=whole)
 
 
 def _several(settings: LinearSettings) -> bool:
@@ -251,24 +233,21 @@ def _print_notes(console, notes: list) -> None:
 
 
 def _start_run_dir(out, planned: _Planned) -> Path:
-    """A new run's directory and config.json: the grid, and the memory budget and chunk plan it trains under
-    (what `--resume` reads back)."""
+    """A new run's directory and config.json: its grid (what report reads), and its options as it takes them,
+    whole (the memory budget and chunk plan included: what `--resume` reads back and compares)."""
     plan, whole = planned.jobs, planned.whole
     settings, used, starts, features = plan.settings, plan.used, plan.starts, plan.features
     plugins = [name for name in settings.losses if name not in loss_registry.names()]
     label = "+".join(["all", *plugins] if settings.every_loss else settings.losses)
-    grid = runs.Grid(settings.losses, settings.lrs, settings.batch_sizes, settings.epochs, settings.seeds,
-                     {name: loss_registry.merged(combos) for name, combos in used.items()}, settings.val_labels,
-                     settings.fidelity)
+    grid = runs.Grid(losses=settings.losses, lrs=settings.lrs, batch_sizes=settings.batch_sizes,
+                     epochs=settings.epochs, seeds=settings.seeds,
+                     hparams={name: loss_registry.merged(combos) for name, combos in used.items()},
+                     val_labels=settings.val_labels, fidelity=settings.fidelity)
     return runs.start_run(
-        out, stage="linear", label=label, features=features, device=plan.target, grid=grid, workers=plan.workers,
-        num_train=whole.num_train, num_val=whole.num_val, num_test=len(features.test),
-        feature_dim=whole.train_features.shape[1],
+        out, stage="linear", label=label, features=features, device=plan.target, grid=grid,
+        options=planned.taken.stored(), workers=plan.workers, num_train=whole.num_train, num_val=whole.num_val,
+        num_test=len(features.test), feature_dim=whole.train_features.shape[1],
         **{"from": {name: s.source for name, s in starts.items()} or None},
-        **({"observe": [rule.text for rule in settings.rules]} if _several(settings) else {}),
-        **({"wds": settings.wd_axis} if settings.wd_axis else {}),
-        memory_budget=planned.budget,
-        **({"out_of_core": {"chunk_rows": planned.chunks.chunk_rows}} if not planned.chunks.train_in_memory else {}),
     )
 
 

@@ -8,29 +8,26 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 
 from spml_cache import losses as loss_registry, observation, runs
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.labels import observed_for_loss
-from spml_cache.linear.options import LinearOptions
-from spml_cache.linear.parts import KeptParts
 from spml_cache.losses import Overrides
 from spml_cache.losses.contract import loss_faults
 from spml_cache.losses.overrides import Combination
-from spml_cache.losses.base import Fidelity
 from spml_cache.observation import Observed, Rule
-from spml_cache.protocol import GRID_WDS, check_grid, check_wds
-from spml_cache.runtime import memory
+from spml_cache.options import LinearOptions
+from spml_cache.options.linear import resolve_losses
+from spml_cache.protocol import GRID_WDS, Fidelity, check_grid, check_wds
 from spml_cache.runtime.errors import SpmlError
 
 
 MAX_HEADS = 10_000  # beyond this a sweep is more likely a typo than a plan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearSettings:
     """The checked grid of one `linear` run."""
 
@@ -47,35 +44,33 @@ class LinearSettings:
 
     @classmethod
     def of(cls, options: LinearOptions) -> "LinearSettings":
-        """The grid `options` give (the protocol's defaults where not given), checked. `losses`: "all", or loss
-        names; `hparams`: `{key: value}` or `{"loss.key": value}` (`--hp`), a value a list to sweep it, or the
-        `Overrides` of a resumed run; `hp_grid="paper"`: every loss's own search space where its paper states one;
-        `observe`: the observation rules (None: `single`); `wds`: the weight decays, each trained beside every lr
-        (None: `GRID_WDS`, none)."""
-        epochs, seeds, val_labels, hparams = (options.value(name) for name in ("epochs", "seeds", "val_labels",
-                                                                              "hparams"))
-        hp_grid, observe, wds = options.hp_grid, options.observe, options.wds
+        """The grid `options` give (the protocol's defaults where not given), checked: the losses named ("all": every
+        built-in), the hyperparameters given (`--hp`, each loss's paper search space with `hp_grid`, or a resumed
+        run's `Overrides`) and the number of heads they make."""
         names = resolve_losses(options.value("losses"))
         lrs, batch_sizes = check_grid(options.value("lrs"), options.value("batch_sizes"))
-        wds = check_wds(GRID_WDS if wds is None else wds)
-        if epochs < 1:
-            raise SpmlError(f"--epochs {epochs}: must be at least 1")
-        if seeds < 1:
-            raise SpmlError(f"--seeds {seeds}: must be at least 1 (seeds 0..N-1 are run)")
-        if val_labels not in ("clean", "observed"):
-            raise SpmlError(f"--val-labels {val_labels!r}: use clean (full val labels) or observed")
-        fidelity = Fidelity.check(options.fidelity)
-        if hp_grid not in (None, "paper"):
-            raise SpmlError(f"--hp-grid {hp_grid!r}: use paper (each loss's own search space, see spml-cache losses)")
+        wds = check_wds(options.value("wds"))
+        hparams, seeds = options.value("hparams"), options.value("seeds")
         overrides = hparams if isinstance(hparams, Overrides) else Overrides.given(names, hparams)
-        overrides = overrides.with_paper_grids() if hp_grid == "paper" else overrides
-        rules = list(observe) if observe else observation.parse_rules(None)
+        overrides = overrides.with_paper_grids() if options.hp_grid == "paper" else overrides
+        rules = list(options.observe) if options.observe else observation.parse_rules(None)
         heads = len(lrs) * len(batch_sizes) * seeds * sum(len(overrides.combinations(name)) for name in names)
         heads *= len(rules) * len(wds)
         if heads > MAX_HEADS:
             raise SpmlError(f"the grid has {heads:,} heads (losses x lrs x weight decays x batch sizes x seeds x hyperparameter values"
                             f" x rules), more than {MAX_HEADS:,}: sweep fewer values at a time")
-        return cls(names, lrs, batch_sizes, epochs, list(range(seeds)), overrides, val_labels, fidelity, rules, wds)
+        return cls(losses=names, lrs=lrs, batch_sizes=batch_sizes, epochs=options.value("epochs"),
+                   seeds=list(range(seeds)), overrides=overrides, val_labels=options.value("val_labels"),
+                   fidelity=options.value("fidelity"), rules=rules, wds=wds)
+
+    def taken(self, used: dict[str, list[Combination]], given: LinearOptions, **planned) -> LinearOptions:
+        """The options a run of these settings takes (config.json's `options`, what `--resume` reads back): those
+        given, with their defaults; the losses, grid and rules as trained, the hyperparameters resolved (`used`);
+        and `planned`: the cache, the memory plan, the run the heads start from."""
+        return replace(given.with_defaults(), losses=self.losses, lrs=self.lrs, wds=self.wds,
+                       batch_sizes=self.batch_sizes, observe=self.rules,
+                       hparams=Overrides.stored({name: loss_registry.merged(combos) for name, combos in used.items()}),
+                       **planned)
 
     @property
     def wd_axis(self) -> list[float] | None:
@@ -141,21 +136,6 @@ class StartHead:
     source: dict  # {"run", "loss", "lr", "batch_size", "seed", "epoch"}: config.json's `from` entry
 
 
-def resolve_losses(names: str | Sequence[str]) -> list[str]:
-    """"all" (every built-in loss), loss names and plugin specs (`file.py:Class`, `module:Class`, loaded and
-    known by their class's name from then on), each checked against the registry; "all" may stand beside
-    plugins (`all,examples/masked_focal.py:MaskedFocal`)."""
-    if isinstance(names, str):
-        names = [names]
-    names = [name for name in names if name]
-    if not names:
-        raise SpmlError(f"--loss is empty: give a loss name, a comma list, or all ({', '.join(loss_registry.names())})")
-    resolved = []
-    for name in names:
-        resolved += loss_registry.names() if name == "all" else [loss_registry.get(name).name]  # raises if unknown
-    return list(dict.fromkeys(resolved))
-
-
 def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[Combination]]:
     """Per loss, every combination of hyperparameters its heads train with (one without a sweep), each checked
     by building the loss once."""
@@ -212,79 +192,17 @@ def start_heads(from_run: Path | str | None, names: list[str], features: Feature
     return starts
 
 
-def stored_settings(run_dir: Path) -> tuple[dict, LinearSettings, Path | None]:
-    """`--resume RUN`: the config of an interrupted linear run, its settings, and the run its heads started from."""
-    # a plugin that changed since the run began goes on only while none of its parts is kept (fixed after it failed)
-    config = runs.open_for_resume(run_dir, "linear", renewable=lambda name: name not in KeptParts(run_dir).losses())
+def stored_options(config: dict) -> LinearOptions:
+    """`--resume RUN`: the options an interrupted run took, as its config.json keeps them (`options`, whole), or
+    as a run from before that read them from its grid and its stage extras."""
+    if "options" in config:
+        return LinearOptions.from_stored(config["options"])
     grid = runs.Grid.from_config(config)
-    rules = observation.parse_rules(config["observe"]) if config.get("observe") else None
-    settings = LinearSettings.of(LinearOptions(
-        losses=grid.losses, lrs=grid.lrs, batch_sizes=grid.batch_sizes, epochs=grid.epochs, seeds=len(grid.seeds),
-        hparams=Overrides.stored(grid.hparams), val_labels=grid.val_labels, fidelity=grid.fidelity, observe=rules,
-        wds=config.get("wds")))
-    starts = config.get("from") or {}
-    from_run = next((Path(start["run"]) for start in starts.values() if start), None)
-    return config, settings, from_run
-
-
-
-def refuse_contradictions(run_dir: Path, config: dict, settings: LinearSettings, given: Mapping) -> None:
-    """`--resume RUN` trains with RUN's settings: a flag given beside it that says otherwise (`given`: the values
-    given, None where a flag was left out) is refused in one line naming it; one that agrees is accepted."""
-    for flag, shown, ours, theirs in _resume_flags(config, settings, given):
-        if shown is not None and ours != theirs:
-            raise SpmlError(f"--resume {run_dir}: {flag} {shown} contradicts the run's {_text(theirs)} (a resumed run"
-                            f" keeps its own settings): leave out {flag}, or start a new run with it")
-
-
-def _text(value) -> str:
-    if isinstance(value, (list, tuple)):
-        return ",".join(f"{one:g}" if isinstance(one, float) else str(one) for one in value) or "none"
-    return "none" if value is None else str(value)
-
-
-def _resume_flags(config: dict, settings: LinearSettings, given: Mapping):
-    """(flag, the value given as text or None when it was left out, it as the run would store it, what the run
-    stores) for every setting a flag can give."""
-    get = given.get
-    names = get("losses") and resolve_losses(get("losses"))
-    if names and names == loss_registry.names() and settings.every_loss:
-        names = settings.losses  # `all`: on a cache without a text side, what the run kept of it
-    starts = [Path(start["run"]).resolve() for start in (config.get("from") or {}).values() if start]
-    budget = get("memory_budget") and memory.flag_text(memory.parse_size(get("memory_budget")))
-    stored_budget = config.get("memory_budget")
-    rules = get("observe") and [rule.text for rule in get("observe")]
-    listed = {key: get(key) and [kind(v) for v in get(key)]
-              for key, kind in (("lrs", float), ("batch_sizes", int), ("wds", float))}
-    yield from [
-        ("--loss", names and _text(get("losses")), names, settings.losses),
-        ("--lr", listed["lrs"] and _text(listed["lrs"]), listed["lrs"], settings.lrs),
-        ("--batch-size", listed["batch_sizes"] and _text(listed["batch_sizes"]), listed["batch_sizes"],
-         settings.batch_sizes),
-        ("--wd", listed["wds"] and _text(listed["wds"]), listed["wds"] and check_wds(listed["wds"]), settings.wds),
-        ("--epochs", get("epochs"), get("epochs"), settings.epochs),
-        ("--seeds", get("seeds"), get("seeds"), len(settings.seeds)),
-        ("--val-labels", get("val_labels"), get("val_labels"), settings.val_labels),
-        ("--fidelity", get("fidelity"), get("fidelity") and Fidelity.check(get("fidelity")), settings.fidelity),
-        ("--observe", rules and _text(rules), rules, [rule.text for rule in settings.rules]),
-        ("--from", get("from_run"), get("from_run") and Path(get("from_run")).resolve(), starts[0] if starts else None),
-        ("--chunk-rows", get("chunk_rows"), get("chunk_rows") and min(get("chunk_rows"), config.get("num_train") or
-                                                                       get("chunk_rows")),
-         (config.get("out_of_core") or {}).get("chunk_rows")),  # more than the training rows is all of them
-        # a run from before the budget was stored takes the one given
-        ("--memory-budget", budget, budget, budget if stored_budget is None else memory.flag_text(stored_budget)),
-        *_hparam_flags(settings, get("hparams"), get("hp_grid")),
-    ]
-
-
-def _hparam_flags(settings: LinearSettings, hparams: Mapping | None, hp_grid: str | None):
-    """`--hp key=value` and `--hp-grid paper` beside `--resume`: each value given against the run's own."""
-    floats = lambda value: [float(v) for v in value] if isinstance(value, (list, tuple)) else value
-    for loss, values in (Overrides.given(settings.losses, hparams).per_loss.items() if hparams else ()):
-        for key, value in values.items():
-            yield "--hp", f"{loss}.{key}={_text(floats(value) if isinstance(value, list) else [float(value)])}", \
-                floats(value), floats(settings.overrides[loss].get(key))
-    if hp_grid is not None:
-        for loss, values in Overrides.given(settings.losses, {}).with_paper_grids().per_loss.items():
-            for key, value in values.items():
-                yield "--hp-grid", hp_grid, floats(value), floats(settings.overrides[loss].get(key))
+    starts = [start["run"] for start in (config.get("from") or {}).values() if start]
+    return LinearOptions(
+        cache=config["cache"], dataset=config["dataset"], losses=grid.losses, lrs=grid.lrs,
+        batch_sizes=grid.batch_sizes, wds=config.get("wds") or list(GRID_WDS), epochs=grid.epochs,
+        seeds=len(grid.seeds), hparams=Overrides.stored(grid.hparams), val_labels=grid.val_labels,
+        fidelity=grid.fidelity, observe=config.get("observe") or [observation.DEFAULT_RULE],
+        from_run=starts[0] if starts else None, memory_budget=config.get("memory_budget"),
+        chunk_rows=(config.get("out_of_core") or {}).get("chunk_rows"))

@@ -10,37 +10,14 @@ trainer can stack heads; `logits` of shape `[B, C]` are one head.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from spml_cache.protocol import Fidelity  # how every loss is computed (the losses import it from here too)
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.registry import Param, Registry
-
-
-class Fidelity(str, Enum):
-    """How a loss is computed and trained (docs/fidelity.md): `exact`, the papers' math computed stably (the
-    default), or `authors`, the authors' code's numerics and rules (eps in the logs, dropped last batches, early
-    stopping). A `str`, so that it compares and is stored as its name."""
-
-    EXACT = "exact"
-    AUTHORS = "authors"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def check(cls, value: "Fidelity | str | None" = None) -> "Fidelity":
-        """`value` as a Fidelity, None as the default; a bad value is one line naming the flag."""
-        if value is None:
-            return cls.EXACT
-        try:
-            return cls(value)
-        except ValueError:
-            names = " or ".join(member.value for member in cls)
-            raise SpmlError(f"--fidelity {value!r}: use {names} (docs/fidelity.md)") from None
 
 
 # `eps` below: None is the exact math (stable from logits, the package's default); a number is the authors' code's
@@ -145,7 +122,7 @@ class Loss(torch.nn.Module):
     needs_train_logits: ClassVar[bool] = False  # start_epoch wants the current logits of every training row
     reconstructed: ClassVar[bool] = False  # no public code: implemented from the spec's reconstruction
     # Learns from an image only through an observed positive (its terms pair one with the other labels): an
-    # observation rule that leaves images with a positive but none observed is refused for it (observation.py).
+    # observation rule that leaves images with a positive but none observed is refused for it (observation/).
     needs_positive: ClassVar[bool] = False
     # What the loss does with an observed negative (z = -1, from observation rules other than `single`), as its
     # term in docs/losses.md's notation; every loss states it (`spml-cache losses` shows it). Where the paper has

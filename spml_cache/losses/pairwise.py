@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from spml_cache.losses.base import Loss, assign_, register, rows_for_heads
-from spml_cache.protocol import average_precision
+from spml_cache.metrics import average_precision
 from spml_cache.runtime.errors import SpmlError
 
 

@@ -63,8 +63,8 @@ class Uniform(ObservationRule):
     name = "uniform"
     source = "Cole et al., CVPR 2021 (generate_observed_labels.py: num_pos, num_neg; -1 = all)"
     summary = "K positives and M negatives per image, drawn uniformly (all of them when fewer, or K/M = all)"
-    params = (Param("pos", int, lambda v: v >= -1, COUNT, 1, all_is=-1),
-              Param("neg", int, lambda v: v >= -1, COUNT, 0, all_is=-1))
+    params = (Param("pos", int, lambda v: v >= -1, COUNT, default=1, all_is=-1),
+              Param("neg", int, lambda v: v >= -1, COUNT, default=0, all_is=-1))
     example = "uniform:pos=K,neg=M"
 
     @staticmethod

@@ -34,7 +34,7 @@ class Areas:
 
 # numpy seeds are 32-bit, and a per-split rule draws val with seed + 1
 MAX_SEED = 2**32 - 2
-SEED = Param("seed", int, lambda v: 0 <= v <= MAX_SEED, f"a whole number from 0 to {MAX_SEED}", OBSERVE_SEED)
+SEED = Param("seed", int, lambda v: 0 <= v <= MAX_SEED, f"a whole number from 0 to {MAX_SEED}", default=OBSERVE_SEED)
 
 
 class ObservationRule:

@@ -71,7 +71,7 @@ def add_intervals(table, resampling: Resampling) -> None:
         table.notes.append(left_out_note(lacking))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Comparison:
     """`first - second` of one column's table metric: on the test set, and its paired bootstrap interval and
     p-value; `problem` says why a column holding both losses could not compare them."""

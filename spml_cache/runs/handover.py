@@ -86,7 +86,7 @@ def _known(name: str) -> bool:
     return name in loss_registry.names() or loss_registry.plugins.origin(name) is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearHead:
     """The selected head of one loss in a finished linear run, and what it was trained with."""
 

@@ -95,7 +95,7 @@ def env_info(device: torch.device | str) -> dict:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Grid:
     """What a run trains, as its `config.json` keeps it (both stages): the losses, the (lr, batch size) grid, the
     epochs, the seeds, per loss the resolved hyperparameters, the val labels it selects on, the fidelity."""
@@ -112,9 +112,9 @@ class Grid:
     @classmethod
     def from_config(cls, config: dict) -> "Grid":
         """The grid of a `config.json` (runs written before `fidelity` was stored trained exactly)."""
-        return cls(list(config["losses"]), list(config["lrs"]), list(config["batch_sizes"]), int(config["epochs"]),
-                   list(config["seeds"]), dict(config["hparams"]), config["val_labels"],
-                   Fidelity.check(config.get("fidelity")))
+        return cls(losses=list(config["losses"]), lrs=list(config["lrs"]), batch_sizes=list(config["batch_sizes"]),
+                   epochs=int(config["epochs"]), seeds=list(config["seeds"]), hparams=dict(config["hparams"]),
+                   val_labels=config["val_labels"], fidelity=Fidelity.check(config.get("fidelity")))
 
 
 def start_run(out: Path | str, *, stage: str, label: str, features: FeatureSet, device: torch.device,

@@ -32,7 +32,7 @@ from pathlib import Path
 from spml_cache.runtime.errors import Interrupted, SpmlError, closest, stop_requested, stops_at_once
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Kind:
     """What a plugin is: how refusals name it and its flag, its entry-point group and its guide."""
 
@@ -77,7 +77,7 @@ _OLD_KINDS = {"entry point": ENTRY_POINT}
 _OLD_KEYS = {"file": "path", "name": "spec"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Origin:
     """Where a plugin's code came from. `kind`: file, module or entry_point; `spec`: what loads it again from any
     folder (a file's absolute `path:Name`, `module:Name`, the entry point's name); `path` and `sha256`: the module

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Generic, TypeVar
 
 from spml_cache.runtime.errors import SpmlError, unknown_name
@@ -26,9 +26,10 @@ class Param:
     what it must satisfy (`valid`, and `must`, what a bad value is told), its default (None: required or derived)."""
 
     name: str
-    kind: type  # int or float
+    kind: type  # int or float (an option's: its type, options/declared.py)
     valid: Callable[[float], bool]
     must: str  # e.g. "in (0, 1]"
+    _: KW_ONLY
     default: float | None = None
     all_is: int | None = None  # the number that "all" stands for (uniform's -1)
     low: float = -math.inf  # the interval `valid` checks, where it is one (`between`)

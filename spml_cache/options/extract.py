@@ -1,0 +1,95 @@
+"""Stage one's options (`spml-cache extract`, `extract.run_extract`): what the cache holds (`ExtractOptions`) and
+where and how this process computes it (`ExtractPlacement`: the cache is the same whatever they are)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from spml_cache import backbones
+from spml_cache.options.declared import Options, Placement, at_least, between, one_of, option
+from spml_cache.options.text import DATASETS_HELP, RULES_HELP, read_rules
+
+PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # what the trunk may run in (torch's)
+
+
+def _decoder(value: str, flag: str) -> str:
+    """`--decode`, checked by the images' own rule (gpu or cpu)."""
+    from spml_cache.images import check_decode
+
+    check_decode(value)
+    return value
+
+
+def _label_format(value: str, flag: str) -> str:
+    """`--labels`, checked by the cache's own rule (auto, dense or sparse)."""
+    from spml_cache.cache.csr import resolve_format
+
+    resolve_format(value, 0)
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractOptions(Options):
+    """What to extract (docs/internals.md, "extract"): the options of `spml-cache extract` that make the cache."""
+
+    dataset: str = option(help=f"{DATASETS_HELP}.", argument=True)
+    backbone: str = option(
+        backbones.DEFAULT, "resnet50 (the papers'), resnet101, vit_b_16, convnext_base or another torchvision model;"
+        " timm:NAME; clip:ARCH/TAG; your own module:callable, path/to/file.py:callable or spml_cache.backbones entry"
+        " point (docs/your-own-backbone.md).")
+    weights: str | None = option(
+        None, "resnet50: IMAGENET1K_V1 (default, the papers'), IMAGENET1K_V2; torchvision: an enum name (default"
+        " DEFAULT); timm: pretrained (default) or a tag; clip: a tag (default: the name's); any: a local .pth, or none"
+        " (random).")
+    resolution: int | None = option(
+        None, "The input side R (default: 448 for resnet50, squashed to R x R; else the backbone's own, resized and"
+        " centre-cropped).", kind=int, check=between(32, 2048, "use a side between 32 and 2048 pixels (the papers"
+                                                               " use 448)"))
+    clip_features: str = option(backbones.DEFAULT_CLIP_FEATURES, "clip: post (after the projection, CLIP's README) or"
+                                " pre (before it, the CLIP paper's probes).")
+    prompts: str = option(backbones.DEFAULT_PROMPTS, "clip: the text templates, default ('a photo of a {}.'), vlpl, or"
+                          " a file with one template per line.")
+    crops: int = option(0, "clip: also the embeddings of a G x G grid of crops of each image (G >= 2; GPR's crop"
+                        " pseudo-labels).")
+    features: str = option(
+        backbones.DEFAULT_FEATURES, "pooled (the pooled vector) or last4: a ViT's last four blocks' class tokens and"
+        " last block's mean patch token, a CNN's last four stages average-pooled, concatenated (DINOv2's linear"
+        " evaluation); the kind names the cache.", check=one_of(*backbones.FEATURES, fix="use pooled (the pooled"
+                                                                " vector) or last4 (the last four blocks or stages, concatenated)"))
+    precision: str = option("auto", "auto (fp16 on a GPU, fp32 on the CPU), fp32, fp16 or bf16.",
+                            check=one_of("auto", *PRECISION_DTYPES))
+    decode: str | None = option(None, "gpu (nvjpeg; the default on a GPU) or cpu (libjpeg-turbo in the loader workers:"
+                                " the CPU's pixels, as the papers' PIL within a level; docs/fidelity.md).",
+                                read=_decoder)
+    limit: int | None = option(None, "Only the first N images of each split (protocol drawn on the full dataset).",
+                               kind=int, check=at_least(1, fix="use at least 1 image per split (or leave it out for"
+                                                                " all)"))
+    on_bad_image: str = option("fail", "fail (name the file and stop) or skip (leave the image out, listed in the"
+                               " attrs).", check=one_of("fail", "skip"))
+    skip_missing: bool = option(False, "Leave out images whose file is missing (recorded in the attrs).", switch=True)
+    observe: list | None = option(
+        None, f"Observation rules to store beside single, a comma list: {RULES_HELP} (docs/protocol.md); a complete"
+        " cache gets the ones it lacks.", read=read_rules)  # rules whose masks to store (extract/rules.py)
+    labels: str = option("auto", "How the cache stores its label matrices: auto (the default: sparse CSR from 1,000"
+                         " classes), dense or sparse.", read=_label_format)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractPlacement(Placement):
+    """Where the images are, where the cache goes, and how this process computes it."""
+
+    root: Path | None = option(None, "The dataset's folder (default: $SPML_DATA).", kind=Path)
+    out: Path | None = option(None, "Cache file (default: $SPML_CACHE or ./cache, <dataset>-<backbone>-<R>.h5, the"
+                              " backbone's - : / as _).", kind=Path)
+    batch_size: int = option(64, "Images per forward pass.", check=at_least(1))
+    workers: int | None = option(None, "Loader processes (default: 8 on a GPU, cores/4 on the CPU).", kind=int,
+                                 check=at_least(0, fix="use 0 (load in the main process) or more"))
+    device: str = option("auto", "auto, cuda, cuda:N or cpu.")
+    dry_run: bool = option(False, "Print counts, missing files and the output size; write nothing.", switch=True)
+    force: bool = option(False, "Rebuild even if a cache or partial file with these or other settings exists.",
+                         switch=True)
+    # no flag: None is on for a GPU, off for the CPU; the tests force them on the CPU to show that the cache does not
+    # depend on them
+    pad_batches: bool | None = option(None, "Pad every trunk input to the run's batch size.", kind=bool, flag="")
+    feed_thread: bool | None = option(None, "Decode in the feed thread.", kind=bool, flag="")
