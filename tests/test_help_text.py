@@ -4,7 +4,7 @@ width alone, never broken where the docstring's source line happened to end (whi
 
 The check, precisely, on `spml-cache COMMAND --help` with COLUMNS=80 from a subprocess: the text between the usage
 line and the first box, split into paragraphs at blank lines, (1) has the docstring's words, paragraph by
-paragraph, each Example line a paragraph of its own; (2) is filled greedily: within a paragraph, no line could
+paragraph, each Example line a paragraph of its own (a line that starts with "Example:" starts one); (2) is filled greedily: within a paragraph, no line could
 have taken the first word of the line after it."""
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def rendered_paragraphs(stdout: str) -> list[list[str]]:
         body.append(line.rstrip())
     paragraphs, current = [], []
     for line in body + [""]:
-        if line.strip():
-            current.append(line.strip())
-        elif current:
+        if current and (not line.strip() or line.strip().startswith("Example:")):  # an example starts its own
             paragraphs.append(current)
             current = []
+        if line.strip():
+            current.append(line.strip())
     return paragraphs
 
 

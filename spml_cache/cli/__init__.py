@@ -22,6 +22,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     default_data_root,
     extract_report,
     finetune_summary,
+    help_as_prose,
     last_line,
     no_type_for_flags,
     one_line_warning,
@@ -163,6 +164,7 @@ def finetune_command(options: FinetuneOptions, placement: FinetunePlacement) -> 
 
 # --- report (report helper) ---
 app.command("report")(report_command)
+help_as_prose(app)  # last: every command's docstring wraps at the terminal's width
 
 
 def main() -> None:
