@@ -95,6 +95,8 @@ def add_text_side(path: Path, *, grid: int | None = None, width: int = 6, seed: 
     text embeddings and, per split, image embeddings that lean towards the image's classes (and a crop grid's)."""
     import h5py
 
+    from spml_cache.cache.reading import file_checksum
+
     rng = np.random.default_rng(seed)
 
     def unit(array: np.ndarray) -> np.ndarray:
@@ -114,4 +116,5 @@ def add_text_side(path: Path, *, grid: int | None = None, width: int = 6, seed: 
                 crops = labels[:, None, :] @ text + rng.standard_normal((len(labels), grid * grid, width))
                 file[split].create_dataset("crop_embeddings", data=unit(crops))
                 file[split]["crop_embeddings"].attrs["grid"] = grid
+        file.attrs["content_hash"] = file_checksum(file)  # sealed again, as extract seals a CLIP cache
     return path

@@ -25,7 +25,7 @@ def test_loss_all_runs_every_registered_loss(tmp_path, tiny_cache):
                    "--epochs", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
-    assert run_dir.name.startswith("linear-all-")
+    assert run_dir.name.startswith("linear-resnet50-all-")  # the cache's backbone, then the losses
     results = json.loads((run_dir / "results.json").read_text())
     trainable = losses.names(similarity=False)  # the tiny cache has no text side: vlpl and gpr are left out
     assert results["complete"] is True and list(results["losses"]) == trainable

@@ -90,7 +90,7 @@ def test_results_are_the_best_head_at_its_best_epoch(tmp_path, tiny_cache, val_l
     assert config["val_labels"] == val_labels and config["hparams"]["role"]["k"] == 1.5
     assert config["cache_id"] == run.results["cache_id"] == cache.cache_id(features.attrs)
     assert {"torch", "python", "device"} <= set(json.loads((run.run_dir / "env.json").read_text()))
-    assert run.run_dir.parent == tmp_path / "voc" and run.run_dir.name.startswith("linear-role-")
+    assert run.run_dir.parent == tmp_path / "voc" and run.run_dir.name.startswith("linear-resnet50-role-")
 
 
 def test_single_positive_losses_learn_a_learnable_problem(tmp_path):

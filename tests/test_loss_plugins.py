@@ -63,7 +63,7 @@ def test_a_file_plugin_is_known_by_its_name_and_its_origin_is_recorded(beside):
     path = beside / "masked_focal.py"
     assert config["plugins"] == {"masked_focal": {"kind": "file", "path": str(path), "sha256": digest,
                                                   "spec": f"{path}:MaskedFocal"}}
-    assert run.run_dir.name.startswith("linear-an+masked_focal-")
+    assert run.run_dir.name.startswith("linear-resnet50-an+masked_focal-")
     assert resolve_losses(["all", SPEC]) == [*losses.names(), "masked_focal"]  # beside --loss all
     # --hp and report's --compare take the spec too, and mean the plugin's name
     given = Overrides.given(["an", "masked_focal"], {f"{SPEC}.w": 0.3})

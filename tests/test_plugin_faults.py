@@ -350,5 +350,5 @@ def test_a_name_longer_than_64_characters_is_refused_and_four_long_names_make_a_
                          capsys=capsys)
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert code == 0, err
-    assert run_dir.name.startswith(f"linear-{names[0]}+3_more-") and len(run_dir.name) < 255
+    assert run_dir.name.startswith(f"linear-resnet50-{names[0]}+3_more-") and len(run_dir.name) < 255
     assert set(json.loads((run_dir / "results.json").read_text())["losses"]) == set(names)

@@ -313,7 +313,7 @@ def test_val_curves_split_a_family_beyond_ten_lines():
     panels, best = val_curves.panels_for(curves, {name: float(i) for i, name in enumerate(curves)}, {"bce"})
     assert best == ["new11", "new10", "new9", "new8"]
     assert [(title, len(names)) for title, names in panels] == [
-        ("best 4 single-positive losses and best oracle", 5), ("other (12 losses, part 1/2)", 10),
+        ("the best 4 single-positive losses and the best oracle", 5), ("other (12 losses, part 1/2)", 10),
         ("other (12 losses, part 2/2)", 2), ("oracles (1 loss)", 1)]
     few = {name: curves[name] for name in ["new0", "new1", "bce"]}
     assert val_curves.panels_for(few, {"new0": 1.0, "new1": 2.0, "bce": 3.0}, {"bce"}) == (

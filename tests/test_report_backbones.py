@@ -83,25 +83,52 @@ def test_the_pivot_refuses_several_datasets_and_unknown_pivots(backbone_runs, tm
     assert code == 1 and "--pivot dataset: use backbone" in stderr
 
 
-def test_the_report_names_the_selected_weight_decay(tmp_path):
-    run = make_run(tmp_path, "voc", "linear", {"an": [80.0]}, stamp="20250101-000000")
+def test_the_report_names_a_weight_decay_only_where_it_is_not_0(tmp_path):
+    run = make_run(tmp_path / "runs", "voc", "linear", {"an": [80.0], "role": [82.0]}, stamp="20250101-000000")
     results = json.loads((run / "results.json").read_text())
     results["losses"]["an"]["selected"]["wd"] = 1e-4
+    results["losses"]["role"]["selected"]["wd"] = 0.0  # 0 won: the papers' grid, said once in a note
     (run / "results.json").write_text(json.dumps(results))
-    table = report.build_table(collect.collect_runs([tmp_path]))
-    (_, cells), = table.rows
-    assert report.tables.cell_text(cells["VOC linear"]) == "80.00 (wd=0.0001)"
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "wds": [0.0, 1e-4, 1e-3]}))
+    done = run_cli("report", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "80.00 (wd=0.0001)" in done.stdout and "82.00 *" in done.stdout and "wd=0)" not in done.stdout
+    note = "VOC linear: weight decay selected per loss from 0, 0.0001, 0.001 (--wd); a cell names it where it is not 0"
+    assert done.stdout.count(note) == 1
+    (_, an), (_, role) = report.build_table(collect.collect_runs([tmp_path / "runs"])).rows
+    assert an["VOC linear"].swept == {"wd": 1e-4} and role["VOC linear"].swept == {"wd": 0.0}  # the files keep it
 
 
-@pytest.mark.parametrize("width", ["80", "120", "220"])
-def test_the_terminal_table_names_each_backbone_at_any_width(tmp_path, width):
-    # brackets in a column label are text, not rich markup: README's `VOC linear [clip:ViT-B-16/openai]`
-    for stamp, backbone in (("20250101-000000", "clip:ViT-B-32"), ("20250102-000000", "timm:resnet10t")):
-        run = make_run(tmp_path / "runs", "voc", "linear", {"an": [80.0]}, stamp=stamp, cache_id=f"cafe{stamp[-4:]}1")
-        with_backbone(run, backbone)
+LONG = "timm:vit_base_patch14_dinov2.lvd142m"
+
+
+def header_labels(stdout: str) -> list[str]:
+    """The terminal table's column labels as drawn, each column's header lines joined (spaces left out)."""
+    lines = stdout.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("┏"))
+    bottom = next(i for i, line in enumerate(lines) if line.startswith("┡"))
+    cells = [line.strip("┃").split("┃") for line in lines[top + 1:bottom]]
+    return ["".join(row[i] for row in cells).replace(" ", "") for i in range(len(cells[0]))]
+
+
+@pytest.mark.parametrize("width", ["60", "80", "220"])
+def test_the_terminal_table_names_each_backbone_and_feature_kind_whole_at_any_width(tmp_path, width):
+    # brackets in a column label are text, not rich markup: README's `VOC linear [clip:ViT-B-16/openai]`; and four
+    # columns at 80 characters once drew `[resnet50+las…` and two long names alike as `[timm:vit_bas…`
+    backbones = [("clip:ViT-B-32", None), ("resnet50", "last4"), (LONG, None), (LONG, "last4")]
+    for day, (backbone, features) in enumerate(backbones, start=1):
+        run = make_run(tmp_path / "runs", "voc", "linear", {"an": [80.0 + day]}, stamp=f"2025010{day}-000000",
+                       cache_id=f"cafe000{day}")
+        with_cache_attrs(run, backbone=backbone, **({"features": features} if features else {}))
     done = run_cli("report", cwd=tmp_path, env={"COLUMNS": width})
     assert done.returncode == 0, done.stderr
-    assert "VOC linear [clip:ViT-B-32]" in done.stdout and "VOC linear [timm:resnet10t]" in done.stdout
+    labels = ["VOC linear [clip:ViT-B-32]", "VOC linear [resnet50+last4]", f"VOC linear [{LONG}]",
+              f"VOC linear [{LONG}+last4]"]
+    assert header_labels(done.stdout) == ["loss", *(label.replace(" ", "") for label in labels)]
+    assert "…" not in done.stdout and all(len(line) <= int(width) for line in done.stdout.splitlines())
+    if width == "220":  # room for each whole on its line
+        assert all(label.split(" [")[1][:-1] in done.stdout for label in labels)
 
 
 def test_a_bracketed_out_path_is_written_and_named(tmp_path):

@@ -2,6 +2,7 @@
 the `Grid` of config.json; and run directories written by older code (tests/fixtures/) still resume and report."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -111,3 +112,27 @@ def test_an_old_finished_run_reports_and_hands_over_its_best_head(old_runs):
     assert cells["role"][column.label].mean == pytest.approx(stored["role"]["test_map"])
     best = max((name for name in stored if name != "bce"), key=lambda name: stored[name]["val_map"])
     assert runs.read_linear_head(finished, None).loss == best
+
+
+def test_run_directories_name_the_backbone_and_old_names_still_read(old_runs):
+    """Four runs of one loss on four caches were four `linear-an-<time>`: each now names its cache's backbone and
+    feature kind, and a run directory named the old way is found and reported beside them, by its files."""
+    import h5py
+
+    source = old_runs / "cache" / "voc-resnet50-448.h5"
+    last4 = shutil.copy(source, old_runs / "cache" / "voc-timm_vit_base_patch14_dinov2.lvd142m_last4-448.h5")
+    with h5py.File(last4, "r+") as file:
+        file.attrs.update(backbone="timm:vit_base_patch14_dinov2.lvd142m", features="last4")
+    made = [run_linear(cache=path, losses=["role"], lrs=[1e-2], batch_sizes=[4], epochs=1, out=old_runs / "runs",
+                       console=quiet()).run_dir for path in (source, last4)]
+    assert [re.sub(r"-\d{8}-\d{6}(-\d+)?$", "", path.name) for path in made] == [
+        "linear-resnet50-role", "linear-timm_vit_base_patch14_dinov2.lvd142m_last4-role"]
+    table = report.build_table(report.collect_runs([old_runs / "runs"]))
+    assert [column.label for column in table.columns] == ["VOC linear",
+                                                          "VOC linear [timm:vit_base_patch14_dinov2.lvd142m+last4]"]
+    cells = dict(table.rows)
+    assert cells["role"]["VOC linear"].run == made[0] and cells["an"]["VOC linear"].run.name == FINISHED  # old name
+    assert any(f"older: {old_runs / 'runs' / 'voc' / FINISHED}" in note for note in table.notes)
+    resnet = json.loads((made[0] / "results.json").read_text())["cache_id"]
+    assert runs.newest_run(old_runs / "runs", "voc", "linear", loss="role", cache=resnet) == made[0]
+    assert runs.newest_run(old_runs / "runs", "voc", "linear", loss="an", cache=resnet).name == FINISHED

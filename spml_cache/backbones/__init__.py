@@ -73,7 +73,7 @@ class Description:
     @property
     def slug(self) -> str:
         """The cache file's name for it: the backbone's slug, `_last4` after it for that kind."""
-        return slug(self.backbone) + ("" if self.features == DEFAULT_FEATURES else f"_{self.features}")
+        return feature_slug(self.backbone, self.features)
 
     @property
     def resolution(self) -> int:
@@ -121,6 +121,12 @@ def feature_label(backbone: str, features: str | None) -> str:
 def slug(name: str) -> str:
     """The name as the cache file names it: `-`, `:` and `/` become `_` (find_cache splits names at `-`)."""
     return re.sub(r"[-:/]", "_", name)
+
+
+def feature_slug(backbone: str, features: str | None) -> str:
+    """A backbone and feature kind as file names carry them (the cache's, a run directory's): `resnet50`,
+    `timm_vit_base_patch14_dinov2.lvd142m_last4`."""
+    return slug(backbone) + ("" if features in (None, DEFAULT_FEATURES) else f"_{features}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from spml_cache.cache.schema import (
     CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, RULES_GROUP, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet,
     SplitRows, content_hash, partial_path, plain,
 )
-from spml_cache.cache.columns import TEXT_GROUP
+from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP
 from spml_cache.cache.csr import read, stored_shape, stored_sparse
 from spml_cache.cache.rule_masks import read_rules
 from spml_cache.labels import is_sparse
@@ -321,6 +321,18 @@ def feature_shapes(path: Path | str) -> tuple[dict[str, tuple[int, int]], int, i
                      if array in file[name])
         num_classes = int(plain(file.attrs["num_classes"]))
     return shapes, labels, num_classes
+
+
+def file_checksum(file: h5py.File) -> str:
+    """The content checksum of an open cache's arrays, as sealing stores it (writing.py) and `verify` compares it."""
+    return content_hash({
+        name: (file[name]["features"], read(file[name]["labels"], np.uint8),
+               read(file[name]["observed"], np.int8) if "observed" in file[name] else None,
+               list(file[name]["ids"].asstr()[...]),
+               read(file[name][MASK], np.uint8) if MASK in file[name] else None,
+               {key: file[name][key] for key in ROW_DATASETS[1:] if key in file[name]})
+        for name in SPLITS
+    }, file[TEXT_GROUP]["embeddings"] if TEXT_GROUP in file else None)
 
 
 def verify(features: FeatureSet) -> str | None:

@@ -13,10 +13,10 @@ import h5py
 import numpy as np
 
 from spml_cache.cache.schema import (
-    CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, SplitRows, content_hash,
+    CONTENT_ATTR, COPY_BLOCK_ROWS, MASK, OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, SplitRows,
     partial_path, plain,
 )
-from spml_cache.cache import columns
+from spml_cache.cache import columns, reading
 from spml_cache.cache.columns import ROW_DATASETS, RowShapes, TEXT_GROUP, row_shapes
 from spml_cache.cache.csr import DEFAULT_FORMAT, read, resolve_format, store, stored_sparse
 from spml_cache.cache.rule_masks import RuleMasks, write_rules
@@ -113,14 +113,7 @@ def _discard(file: h5py.File, path: Path) -> None:
 
 
 def _seal(file: h5py.File, temporary: Path, final: Path) -> Path:
-    file.attrs[CONTENT_ATTR] = content_hash({
-        name: (file[name]["features"], read(file[name]["labels"], np.uint8),
-               read(file[name]["observed"], np.int8) if "observed" in file[name] else None,
-               list(file[name]["ids"].asstr()[...]),
-               read(file[name][MASK], np.uint8) if MASK in file[name] else None,
-               {key: file[name][key] for key in ROW_DATASETS[1:] if key in file[name]})
-        for name in SPLITS
-    }, file[TEXT_GROUP]["embeddings"] if TEXT_GROUP in file else None)
+    file.attrs[CONTENT_ATTR] = reading.file_checksum(file)
     file.attrs["complete"] = True
     file.close()
     try:

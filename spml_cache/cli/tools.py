@@ -162,9 +162,11 @@ def report_command(
     ),
     runs: Path = typer.Option(Path("runs"), "--runs", help="Where to look for runs when none are named."),
     paper: bool = typer.Option(False, "--paper", help="Add the papers' published numbers and our difference."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="csv, md or json instead of the terminal table."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix)."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG figures into DIR (needs matplotlib)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="csv, md, json or tex (a LaTeX tabular with booktabs rules) instead of the terminal table."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix: .csv, .md, .json, .tex)."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="Also write the figures into DIR (needs matplotlib)."),
+    figure_format: Optional[str] = typer.Option(None, "--figure-format", help="The figures' format: png (the default), pdf or svg (vector; pdf's fonts embedded as TrueType)."),
+    dpi: Optional[int] = typer.Option(None, "--dpi", help="The figures' resolution in dots per inch, 50 to 600 (default: 300; pdf and svg are vector whatever it says)."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Two losses a,b, e.g. an,role: their paired difference a - b per dataset and stage (bootstrap interval, p-value), and the per-class AP figure's pair (default there: the best two)."),
     pivot: Optional[str] = typer.Option(None, "--pivot", help="backbone: one dataset's linear runs as losses x backbones (with their feature kind); --plots then draws that table."),
     metric: Optional[str] = typer.Option(None, "--metric", help="The table's metric: map (the default), cp, cr, cf1, op, or, of1 (labels scoring 0.5 or more), or one of those with @K (cf1@3: of each image's K highest, those at 0.5 or more). csv, md and json carry every one."),
@@ -176,6 +178,7 @@ def report_command(
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
 
     Example: spml-cache report --paper --plots figures --format md --out table1.md
+    Example: spml-cache report --out table1.tex --plots figs --figure-format pdf
     Example: spml-cache report runs/voc --pivot backbone --plots figures
     Example: spml-cache report --metric cf1 --ci --compare an,role
     """
@@ -183,5 +186,6 @@ def report_command(
 
     report.report_command(report.ReportOptions(
         run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots, compare=compare, pivot=pivot,
-        ci=ci, **{key: value for key, value in (("metric", metric), ("resamples", resamples)) if value is not None},
+        ci=ci, figure_format=figure_format, dpi=dpi,
+        **{key: value for key, value in (("metric", metric), ("resamples", resamples)) if value is not None},
     ), console)

@@ -52,7 +52,8 @@ class FinetuneRun:
 
 
 def run_finetune(options: FinetuneOptions, placement: FinetunePlacement = FinetunePlacement()) -> FinetuneRun | None:
-    """Stage three's door (`spml-cache finetune`): fine-tune and write `placement.out/<dataset>/finetune-<loss>-<stamp>/`.
+    """Stage three's door (`spml-cache finetune`): fine-tune and write
+    `placement.out/<dataset>/finetune-<backbone>-<loss>-<stamp>/`.
 
     Options left as None take the loss's recipe, the cache's or their declared default or, with
     `placement.resume`, the interrupted run's own (an option given that contradicts them is refused). The first

@@ -144,8 +144,8 @@ class LinearPlacement(Placement):
     """Where and how this process runs a `linear` run, none of which changes its results."""
 
     device: str = option("auto", "auto, cpu, cuda or cuda:N.")  # under torchrun: each process's own GPU
-    out: Path | None = option(None, "Runs folder: writes <out>/<dataset>/linear-<loss>-<time>/ (default: runs).",
-                              kind=Path)  # None: runs, or a resumed run's own
+    out: Path | None = option(None, "Runs folder: writes <out>/<dataset>/linear-<backbone>-<loss>-<time>/"
+                              " (default: runs).", kind=Path)  # None: runs, or a resumed run's own
     workers: int = option(0, "Processes training (loss, seed, batch size) jobs in parallel; 0: one per core on the CPU"
                           " when the grid is big.", check=at_least(0))
     resume: Path | None = option(None, "Go on with the interrupted linear run RUN: train only what it has not kept,"

@@ -7,7 +7,8 @@ Reads only the files the stages write, never their objects.
 from spml_cache.report.collect import Run, collect_runs, read_run, select_newest
 from spml_cache.report.command import ReportOptions, print_report, report_command
 from spml_cache.report.plots import write_plots
-from spml_cache.report.tables import build_table, cell_text, print_table
+from spml_cache.report.tables import build_table, cell_text
+from spml_cache.report.terminal import print_table
 
 __all__ = [
     "ReportOptions", "Run", "build_table", "cell_text", "collect_runs", "print_report", "print_table", "read_run", "report_command",

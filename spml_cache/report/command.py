@@ -12,12 +12,13 @@ from rich.markup import escape
 
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.confidence import DEFAULT_RESAMPLES, Resampling, add_intervals, check_resamples, compare
+from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles
 from spml_cache.report.measures import MAP, StoredTests, add_metrics, parse_metric
 from spml_cache.report.pivot import check_pivot, pivot_backbone, plot_backbones
 from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
-from spml_cache.report.tables import (
-    Table, build_table, by_metric, formatter, print_comparisons, print_notes, print_table,
-)
+from spml_cache.report.formats import EVERY_METRIC, format_of_suffix, formatter
+from spml_cache.report.tables import Table, build_table, by_metric
+from spml_cache.report.terminal import print_comparisons, print_notes, print_table
 from spml_cache.runs import replace_atomically
 from spml_cache.runtime.devices import single_threaded
 from spml_cache.runtime.errors import SpmlError
@@ -33,7 +34,8 @@ class ReportOptions:
     """The flags of `spml-cache report`: which runs (`paths`, [] means `runs_root`), the table's format and file,
     the figures' folder, `compare` (two losses: their paired difference per column, and the per-class figure's
     pair), `pivot="backbone"` (the loss x backbone table of one dataset, pivot.py; with `plots_dir` its figure
-    alone), the table's `metric` (measures.py's names), and `ci` (bootstrap intervals from `resamples`)."""
+    alone), the table's `metric` (measures.py's names), `ci` (bootstrap intervals from `resamples`), and the
+    figures' files: `figure_format` (png, pdf, svg) and `dpi` (None: given by no flag)."""
 
     paths: list[Path] = field(default_factory=list)
     runs_root: Path = Path("runs")
@@ -46,6 +48,8 @@ class ReportOptions:
     metric: str = MAP
     ci: bool = False
     resamples: int = DEFAULT_RESAMPLES
+    figure_format: str | None = None
+    dpi: int | None = None
 
 
 def report_command(options: ReportOptions, console: Console) -> None:
@@ -58,14 +62,13 @@ def report_command(options: ReportOptions, console: Console) -> None:
     if paper and metric != MAP:
         raise SpmlError(f"--paper: the papers publish mAP only; leave out --paper or --metric {options.metric}")
     if output is not None and fmt is None:
-        fmt = {".csv": "csv", ".md": "md", ".json": "json"}.get(output.suffix.lower())
-        if fmt is None:
-            raise SpmlError(f"--out {output}: cannot tell the format from the suffix; add --format csv|md|json")
+        fmt = format_of_suffix(output)
     render = formatter(fmt) if fmt is not None else None
+    files = _figure_files(options)
     if plots_dir is not None:
         require_matplotlib()
     runs = collect_runs(paths, runs_root=runs_root)
-    table = _measured(build_table(runs, paper=paper), options, metric, pair, every=render is not None)
+    table = _measured(build_table(runs, paper=paper), options, metric, pair, every=fmt in EVERY_METRIC)
     table = pivot_backbone(table) if pivot == "backbone" else table
     if render is None:
         print_table(table, console)
@@ -82,14 +85,24 @@ def report_command(options: ReportOptions, console: Console) -> None:
         print_comparisons(table, console)
     if plots_dir is not None:
         with _writing("--plots", plots_dir):
-            written = [plot_backbones(require_matplotlib(), table, plots_dir)] if pivot else \
-                plot_runs(runs, plots_dir, compare=pair, console=console)
+            written = [plot_backbones(require_matplotlib(), table, plots_dir, files)] if pivot else \
+                plot_runs(runs, plots_dir, compare=pair, console=console, files=files)
         for path in written:
             console.print(f"wrote {escape(str(path))}")
 
 
+def _figure_files(options: ReportOptions) -> FigureFiles:
+    """The figures' format and resolution; either flag without --plots is refused (there is nothing to apply it to)."""
+    given = [flag for flag, value in (("--figure-format", options.figure_format), ("--dpi", options.dpi))
+             if value is not None]
+    if given and options.plots_dir is None:
+        raise SpmlError(f"{' and '.join(given)}: only with --plots DIR (the folder the figures go into)")
+    return FigureFiles((options.figure_format or DEFAULT_FORMAT).lower(),
+                       DEFAULT_DPI if options.dpi is None else options.dpi)
+
+
 def _measured(table: Table, options: ReportOptions, metric: str, pair, every: bool) -> Table:
-    """`table` with the metrics beside mAP (for `every` format file, or when `metric` is another), the table's
+    """`table` with the metrics beside mAP (for a file of `every` metric, or when `metric` is another), the table's
     metric, its intervals (--ci) and the paired comparison (--compare), from the runs' stored test scores."""
     tests = StoredTests()
     table.metric = metric

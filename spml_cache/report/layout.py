@@ -26,3 +26,18 @@ def under_suptitle(figure, heading) -> None:
     reach = max(tops, default=0.0) - heading.get_window_extent().y0 + GAP * height
     if reach > 0:
         figure.tight_layout(rect=(0, 0, 1, 1 - reach / height))
+
+
+def legend_below(figure, legend) -> None:
+    """Lay `figure` out above `legend`, anchored at the bottom centre of the figure: tight_layout over all but a
+    strip as tall as the legend is drawn (measured, whatever its rows), so that no axis label lands on it."""
+    legend.set_in_layout(False)
+    strip = (legend.get_window_extent().height + GAP * figure.bbox.height) / figure.bbox.height
+    figure.tight_layout(rect=(0, strip, 1, 1))
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """`1 loss`, `4 losses`: a count with its noun in the number it takes."""
+    if count != 1:
+        noun = plural or (noun + "es" if noun.endswith(("s", "x", "ch", "sh")) else noun + "s")
+    return f"{count} {noun}"

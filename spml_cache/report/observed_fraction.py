@@ -1,15 +1,16 @@
 """The figure of `spml-cache report --plots` over `entry:P` sweeps: test mAP against the fraction of labels
 observed, one line per loss, one figure per dataset x stage x cache that has runs under two or more `entry:P`
-rules (the partial-label papers' "known label proportion" curves). Written as `*-observed_fraction.png`.
+rules (the partial-label papers' "known label proportion" curves). Written as `*-observed_fraction` (png, pdf or
+svg: `--figure-format`).
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from spml_cache.observation import parse_rule
 from spml_cache.report.collect import Column, Run
+from spml_cache.report.figure_files import MIN_POINTS
 from spml_cache.report.layout import wrapped
 from spml_cache.report.val_curves import repeats
 
@@ -30,13 +31,13 @@ def sweep_points(per_column: list[tuple[Column, dict[str, Run]]]) -> dict[tuple,
             if len({p for points in curves.values() for p, _ in points}) >= 2}
 
 
-def figures(Figure, per_column: list[tuple[Column, dict[str, Run]]], out_dir: Path) -> list[tuple[Path, object]]:
-    """[(path, figure)] for every sweep of two or more fractions."""
+def figures(Figure, per_column: list[tuple[Column, dict[str, Run]]]) -> list[tuple[str, object]]:
+    """[(file stem, figure)] for every sweep of two or more fractions."""
     drawn = []
     for (dataset, stage, cache_id), curves in sweep_points(per_column).items():
         title = next(c.label for c, _ in per_column if (c.dataset, c.stage, c.cache_id) == (dataset, stage, cache_id))
         title = re.sub(r" \(entry:[^)]*\)", "", title)
-        drawn.append((out_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', title).strip('_').lower()}-observed_fraction.png",
+        drawn.append((f"{re.sub(r'[^A-Za-z0-9]+', '_', title).strip('_').lower()}-observed_fraction",
                       _figure(Figure, title, curves)))
     return drawn
 
@@ -57,12 +58,13 @@ def _figure(Figure, title: str, curves: dict[str, list[tuple[float, float]]]):
     if max(every) / min(every) >= 20:
         axes.set_xscale("log")
     largest = max(every)
-    which = (f"the best {len(shown)} of {len(ranked)} losses at P = {largest:g} (left out: {', '.join(ranked[SHOWN:])})"
-             if len(ranked) > SHOWN else f"all {len(ranked)} losses")
+    which = {1: "the one loss", 2: "both losses"}.get(len(ranked), f"all {len(ranked)} losses")
+    if len(ranked) > SHOWN:
+        which = f"the best {len(shown)} of {len(ranked)} losses at P = {largest:g} (left out: {', '.join(ranked[SHOWN:])})"
     axes.set(xlabel="fraction of training labels observed (entry:P)", ylabel="test mAP")
     heading = f"{title}: test mAP against the fraction of labels observed; {which}"
     axes.set_title(wrapped(heading, figure, 10), fontsize=10)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=7, ncol=2)
+    axes.legend(fontsize=MIN_POINTS, ncol=2)
     figure.tight_layout()
     return figure

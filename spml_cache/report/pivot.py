@@ -16,9 +16,10 @@ import numpy as np
 
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import DATASET_LABELS
+from spml_cache.report.figure_files import MIN_POINTS, FigureFiles
+from spml_cache.report.layout import GLYPH_EM, legend_below, wrapped
 from spml_cache.report.measures import title
 from spml_cache.report.tables import ZERO_SHOT, Table
-from spml_cache.runs import replace_atomically
 from spml_cache.runtime.errors import SpmlError
 
 PIVOTS = ("backbone",)
@@ -56,9 +57,20 @@ def _cache_suffix(label: str) -> str:
     return found.group(0) if found else ""
 
 
-def plot_backbones(Figure, table: Table, out_dir: Path) -> Path:
-    """`<dataset>-loss_by_backbone.png`: each loss's test mAP (mean, with its std over seeds) per backbone, one
+def plot_backbones(Figure, table: Table, out_dir: Path, files: FigureFiles = FigureFiles()) -> Path:
+    """`<dataset>-loss_by_backbone.<format>`: each loss's test mAP (mean, with its std over seeds) per backbone, one
     marker per backbone on the loss's row; the best loss of each backbone circled."""
+    figure = draw_backbones(Figure, table)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = files.path(out_dir, f"{table.columns[0].dataset}-loss_by_backbone")
+    files.write(path, figure)
+    return path
+
+
+def draw_backbones(Figure, table: Table):
+    """The figure of `plot_backbones`; its legend, under the x label, shows each backbone's marker alone."""
+    from matplotlib.lines import Line2D
+
     dataset = table.columns[0].dataset
     losses = [loss for loss, _ in table.rows if loss != ZERO_SHOT]
     figure = Figure(figsize=(8, max(3.0, 0.32 * len(losses) + 1.5)))
@@ -66,28 +78,29 @@ def plot_backbones(Figure, table: Table, out_dir: Path) -> Path:
     positions = np.arange(len(losses))[::-1]  # the first loss on top
     offsets = np.linspace(-0.25, 0.25, len(table.columns)) if len(table.columns) > 1 else [0.0]
     cells_of = dict(table.rows)
+    handles = []
     for offset, column in zip(offsets, table.columns):
         found = [(y + offset, cells_of[loss][column.label]) for y, loss in zip(positions, losses)
                  if column.label in cells_of[loss] and cells_of[loss][column.label].mean is not None]  # n/a: none
         if not found:
             continue
         ys, cells = zip(*found)
-        means = [cell.mean for cell in cells]
-        errors = [cell.std or 0.0 for cell in cells]
-        line = axes.errorbar(means, ys, xerr=errors, fmt="o", markersize=5, capsize=2, label=column.label)
+        line = axes.errorbar([cell.mean for cell in cells], ys, xerr=[cell.std or 0.0 for cell in cells], fmt="o",
+                             markersize=5, capsize=2)
+        colour = line[0].get_color()
+        handles.append(Line2D([], [], marker="o", markersize=5, linestyle="none", color=colour, label=column.label))
         best = [(cell.mean, y) for y, cell in found if cell.best]
         if best:
-            axes.scatter(*zip(*best), s=140, facecolors="none", edgecolors=line[0].get_color(), linewidths=1.5)
+            axes.scatter(*zip(*best), s=140, facecolors="none", edgecolors=colour, linewidths=1.5)
     axes.set_yticks(positions, [f"{loss} (oracle)" if loss in table.oracles else loss for loss in losses],
-                    fontsize=8)
-    axes.set(xlabel=f"test {title(table.metric)} (mean ± std over seeds)", title=f"{DATASET_LABELS.get(dataset, dataset)}: linear probe"
-             " per loss and backbone\n(circled: each backbone's best single-positive loss)")
+                    fontsize=MIN_POINTS)
+    axes.set_xlabel(f"test {title(table.metric)} (mean ± std over seeds)")
+    axes.set_title(wrapped(f"{DATASET_LABELS.get(dataset, dataset)}: linear probe per loss and backbone\n(circled:"
+                           " each backbone's best single-positive loss)", figure))
     axes.grid(axis="x", alpha=0.3)
-    # below the axes: inside, it would hide the markers of some loss
-    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.6 / figure.get_figheight()),
-                ncol=2, frameon=False)
-    figure.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{dataset}-loss_by_backbone.png"
-    replace_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100, bbox_inches="tight"))
-    return path
+    # below the axes, under the x label: inside, it would hide the markers of some loss
+    entry = (max((len(handle.get_label()) for handle in handles), default=1) + 5) * MIN_POINTS * GLYPH_EM  # points
+    per_row = max(1, min(len(handles), int(figure.get_figwidth() * 72 * 0.9 / entry)))
+    legend_below(figure, axes.legend(handles=handles, fontsize=MIN_POINTS, loc="lower center", ncol=per_row,
+                                     bbox_to_anchor=(0.5, 0), bbox_transform=figure.transFigure, frameon=False))
+    return figure

@@ -1,18 +1,20 @@
-"""The figures of `spml-cache report --plots`: five PNGs per dataset x stage x cache column of the table.
+"""The figures of `spml-cache report --plots`: five per dataset x stage x cache column of the table.
 
-1. `*-val_curves.png`: validation mAP per epoch of each loss's selected config (metrics.jsonl, mean over seeds),
+1. `*-val_curves`: validation mAP per epoch of each loss's selected config (metrics.jsonl, mean over seeds),
    one panel per loss family after one of the best losses (report/val_curves.py);
-2. `*-per_class_ap.png`: test AP per class of two losses side by side, and their sorted difference (Zhou et al.
+2. `*-per_class_ap`: test AP per class of two losses side by side, and their sorted difference (Zhou et al.
    Fig. 4c);
-3. `*-train_histograms.png`: predicted probabilities on the training set for unobserved true positives versus
+3. `*-train_histograms`: predicted probabilities on the training set for unobserved true positives versus
    unobserved true negatives (Cole et al. Fig. 2, Zhou et al. Fig. 4a-b): a loss that recovers missing labels
    pushes the first towards 1;
-4. `*-label_recovery.png`: training-set mAP against the full labels next to test mAP (Cole et al. Table 2);
-5. `*-sweeps.png`: validation mAP against each swept hyperparameter;
-and per dataset x stage x cache with `entry:P` runs, `*-observed_fraction.png` (report/observed_fraction.py).
+4. `*-label_recovery`: training-set mAP against the full labels next to test mAP (Cole et al. Table 2);
+5. `*-sweeps`: validation mAP against each swept hyperparameter;
+and per dataset x stage x cache with `entry:P` runs, `*-observed_fraction` (report/observed_fraction.py).
 
-Figures are drawn on `matplotlib.figure.Figure` objects (Agg canvas, no pyplot state) and written through a
-temporary file, so an interrupted run leaves no half-written PNG.
+Figures are drawn on `matplotlib.figure.Figure` objects (Agg canvas, no pyplot state), every one before any is
+written, then written as report/figure_files.py says (`--figure-format`, `--dpi`) through a temporary file, so an
+interrupted run leaves no half-written figure. Every text is at least `figure_files.MIN_POINTS` high at the saved
+size, and none is drawn over another or over a legend (tests/figure_support.py).
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from spml_cache import losses
 from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
-from spml_cache.report.layout import under_suptitle, wrapped
-from spml_cache.runs import read_npz, replace_atomically, scores_path
+from spml_cache.report.figure_files import MIN_POINTS, FigureFiles
+from spml_cache.report.layout import legend_below, under_suptitle, wrapped
+from spml_cache.runs import read_npz, scores_path
 from spml_cache.runtime.errors import SpmlError
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
+CLASS_PITCH = 0.17  # inches per class in the per-class figure: room for a class name at MIN_POINTS, turned upright
+WIDEST = 24.0  # inches: a per-class figure of more classes than fit at CLASS_PITCH shows the curve, not the names
 # Why a figure a column cannot have is left out: said only of a figure asked for by name (`--compare` names the
 # per-class one), once; the others are simply not written where their data is missing.
 WHY_SKIPPED = {"per_class_ap": "needs both losses of --compare in one column, with per_class_ap in results.json"}
@@ -57,13 +62,26 @@ def parse_compare(compare: str | None) -> tuple[str, str] | None:
     return (names[0], names[1]) if names else None
 
 
-def write_plots(run_dirs: list[Path], out_dir: Path, *, compare=None, console: Console | None = None) -> list[Path]:
+def write_plots(run_dirs: list[Path], out_dir: Path, *, compare=None, console: Console | None = None,
+                files: FigureFiles = FigureFiles()) -> list[Path]:
     """Every figure for the runs in `run_dirs` (run directories or folders of them) into `out_dir`."""
     require_matplotlib()
-    return plot_runs(collect_runs(run_dirs), out_dir, compare=compare, console=console)
+    return plot_runs(collect_runs(run_dirs), out_dir, compare=compare, console=console, files=files)
 
 
-def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console | None = None) -> list[Path]:
+def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console | None = None,
+              files: FigureFiles = FigureFiles()) -> list[Path]:
+    """Every figure of `runs`, drawn first, then written into `out_dir` as `files` says: a failure writes none."""
+    drawn = draw_runs(runs, compare=compare, console=console)
+    figures = [(files.path(out_dir, stem), figure) for stem, figure in drawn]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path, figure in figures:
+        files.write(path, figure)
+    return [path for path, _ in figures]
+
+
+def draw_runs(runs: list[Run], *, compare=None, console: Console | None = None) -> list[tuple[str, object]]:
+    """[(file stem, figure)] of every figure of `runs`: per column, those its data allows."""
     Figure = require_matplotlib()
     pair = parse_compare(compare) if isinstance(compare, str) else (tuple(compare) if compare else None)
     columns, chosen, _ = select_newest(runs)
@@ -81,7 +99,7 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
             available = sorted({name for _, by_loss in per_column for name in by_loss})
             raise SpmlError(f"--compare: no run has loss {', '.join(missing)}; available: {', '.join(available)}")
 
-    figures, lacking = [], []  # drawn first, written after, so a failure writes nothing
+    figures, lacking = [], []
     for column, by_loss in per_column:
         stem = re.sub(r"[^A-Za-z0-9]+", "_", column.label).strip("_").lower()
         summaries = {loss: _train_summary(run, loss) for loss, run in by_loss.items()}
@@ -92,16 +110,12 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
             "label_recovery": _label_recovery(Figure, column.label, by_loss, summaries),
             "sweeps": _sweeps(Figure, column.label, by_loss),
         }
-        figures += [(out_dir / f"{stem}-{kind}.png", figure) for kind, figure in drawn.items() if figure is not None]
+        figures += [(f"{stem}-{kind}", figure) for kind, figure in drawn.items() if figure is not None]
         lacking += [column.label] if drawn["per_class_ap"] is None else []
     if pair is not None and lacking and console is not None:
         console.print(Text(f"no per_class_ap figure of {' vs '.join(pair)} for {', '.join(lacking)}"
                            f" ({WHY_SKIPPED['per_class_ap']})", style="dim"))
-    figures += observed_fraction.figures(Figure, per_column, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for path, figure in figures:
-        replace_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
-    return [path for path, _ in figures]
+    return figures + observed_fraction.figures(Figure, per_column)
 
 
 def _pair_for(by_loss: dict[str, Run], pair, oracles: set[str]) -> tuple[str, str] | None:
@@ -126,7 +140,8 @@ def _per_class_ap(Figure, title: str, by_loss: dict[str, Run], pair):
 
     classes = by_loss[first].config.get("classes") or [f"class {i}" for i in range(ap_first.size)]
     count = ap_first.size
-    figure = Figure(figsize=(max(8, min(0.35 * count, 24)), 8))
+    named = 1.5 + CLASS_PITCH * count <= WIDEST  # beyond that the names would be unreadable: the curve is the message
+    figure = Figure(figsize=(max(8.0, min(1.5 + CLASS_PITCH * count, WIDEST)), 8))
     top, bottom = figure.subplots(2, 1)
     positions = np.arange(count)
     top.bar(positions - 0.2, ap_first, width=0.4, label=f"{first} (mean AP {ap_first.mean():.2f})")
@@ -134,16 +149,16 @@ def _per_class_ap(Figure, title: str, by_loss: dict[str, Run], pair):
     top.set(xlabel="class", ylabel="test AP")
     top.set_title(wrapped(f"{title}: per-class test AP, {first} vs {second}", figure))
     top.set_ylim(0, 1.2 * max(ap_first.max(), ap_second.max(), 1e-9))  # room for the legend above the bars
-    top.legend(fontsize=8, loc="upper center", ncol=2)
+    top.legend(fontsize=MIN_POINTS, loc="upper center", ncol=2)
     order = np.argsort(ap_second - ap_first)[::-1]
     difference = (ap_second - ap_first)[order]
     better = float((difference > 0).mean() * 100)
     bottom.bar(positions, difference, color=np.where(difference > 0, "tab:green", "tab:red"))
     bottom.legend(handles=[Patch(color="tab:green", label=f"{second} better"),
-                           Patch(color="tab:red", label=f"{first} better")], fontsize=8, loc="upper right")
-    if count <= 60:  # beyond that the names are unreadable; the shape of the curve is the message
-        top.set_xticks(positions, classes, rotation=90, fontsize=7)
-        bottom.set_xticks(positions, [classes[i] for i in order], rotation=90, fontsize=7)
+                           Patch(color="tab:red", label=f"{first} better")], fontsize=MIN_POINTS, loc="upper right")
+    if named:
+        top.set_xticks(positions, classes, rotation=90, fontsize=MIN_POINTS)
+        bottom.set_xticks(positions, [classes[i] for i in order], rotation=90, fontsize=MIN_POINTS)
     else:
         top.set_xticks([])
         bottom.set_xticks([])
@@ -198,10 +213,10 @@ def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
         axes.set_yscale("log")
         axes.set(xlim=(0, 1), ylim=ylim, xlabel="predicted probability", ylabel="density (log)")
         axes.set_title(wrapped(loss, figure, 10, 1 / columns), fontsize=10)
-        axes.xaxis.label.set_fontsize(8)
-        axes.yaxis.label.set_fontsize(8)
-        axes.tick_params(labelsize=7)
-        axes.legend(fontsize=7, loc="upper right", framealpha=0.85)
+        axes.xaxis.label.set_fontsize(MIN_POINTS)
+        axes.yaxis.label.set_fontsize(MIN_POINTS)
+        axes.tick_params(labelsize=MIN_POINTS)
+        axes.legend(fontsize=MIN_POINTS, loc="upper right", framealpha=0.85)
     heading = figure.suptitle(wrapped(f"{title}: predicted probability on the training set for the unobserved labels"
                                       " (true positives vs true negatives)", figure))
     under_suptitle(figure, heading)
@@ -221,17 +236,14 @@ def _label_recovery(Figure, title: str, by_loss: dict[str, Run], summaries: dict
     axes.barh(positions - 0.2, train, height=0.4, color="tab:purple", label="train mAP vs full labels")
     axes.barh(positions + 0.2, test, height=0.4, color="tab:gray", label="test mAP")
     for y, value in zip(positions - 0.2, train):
-        axes.text(value, y, f" {value:.1f}", va="center", fontsize=7)
+        axes.text(value, y, f" {value:.1f}", va="center", fontsize=MIN_POINTS)
     axes.set_yticks(positions, names)
     axes.invert_yaxis()
     axes.set(xlabel="mAP", ylabel="loss", xlim=(0, 1.1 * max(train + test)))
     axes.set_title(wrapped(f"{title}: label recovery (training-set mAP against the full labels)", figure))
-    # the legend goes in a strip of fixed height under the axes, whatever the number of losses
-    strip = 0.35 / figure.get_figheight()
-    legend = axes.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 0), bbox_transform=figure.transFigure,
-                         ncol=2)
-    legend.set_in_layout(False)
-    figure.tight_layout(rect=(0, strip, 1, 1))
+    # the legend goes in a strip under the axes, whatever the number of losses
+    legend_below(figure, axes.legend(fontsize=MIN_POINTS, loc="lower center", bbox_to_anchor=(0.5, 0),
+                                     bbox_transform=figure.transFigure, ncol=2))
     return figure
 
 
@@ -275,7 +287,7 @@ def _sweeps(Figure, title: str, by_loss: dict[str, Run]):
         if all(v > 0 for v in values) and max(values) / min(values) >= 20:
             axes.set_xscale("log")
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
+        axes.legend(fontsize=MIN_POINTS)
     heading = figure.suptitle(wrapped(f"{title}: validation mAP against each swept hyperparameter (best over lr, batch"
                                       " size and the other swept values)", figure, 10), fontsize=10)
     under_suptitle(figure, heading)

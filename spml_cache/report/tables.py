@@ -1,4 +1,5 @@
-"""Table-1 style tables from run directories: terminal, CSV, Markdown, JSON.
+"""Table-1 style tables from run directories: the table, its cells' text, and CSV, Markdown, JSON (the terminal's
+is report/terminal.py, LaTeX's report/latex.py).
 
 One row per loss, one column per dataset x stage x cache x observation rule (a rule other than `single` is named
 in its column's label, so a table over rules is loss x rule); a cell is the test mAP at the selected epoch, mean +-
@@ -16,12 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table as RichTable
-from rich.text import Text
-
 from spml_cache.observation import DEFAULT_RULE
-from spml_cache.runtime.errors import SpmlError, unknown_name
 from spml_cache.report.collect import (
     DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
 )
@@ -87,7 +83,7 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
     columns, chosen, notes = select_newest(runs)
     oracles = oracle_losses()
     present = {loss for _, loss in chosen}
-    rows = []
+    rows, decays = [], {}
     for loss in in_spec_order(present):
         cells = {}
         for column in columns:
@@ -95,6 +91,8 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
             if run is None:
                 continue
             cells[column.label] = cell = _cell(run, loss)
+            if "wd" in (cell.swept or {}):
+                decays.setdefault(column.label, set()).update(_swept_decays(run) or [cell.swept["wd"]])
             published = (paper and column.rule == DEFAULT_RULE and column.backbone == DEFAULT_BACKBONE
                          and paper_number(column.stage, column.dataset, loss))  # the papers' are ResNet-50's
             if published:
@@ -109,8 +107,16 @@ def build_table(runs: list[Run], *, paper: bool = False) -> Table:
         elif paper and column.dataset in DATASET_LABELS and column.weights not in (None, "IMAGENET1K_V1"):
             notes.append(f"{column.label}: ResNet-50 weights '{column.weights}', the papers' IMAGENET1K_V1:"
                          " the comparison is not like for like")
+    notes += [f"{label}: weight decay selected per loss from {', '.join(f'{wd:g}' for wd in sorted(wds))} (--wd);"
+              " a cell names it where it is not 0" for label, wds in decays.items()]
     rows += [(ZERO_SHOT, reference)] if reference else []  # after the best marks: never the best loss
     return Table(columns, rows, oracles & present, paper, notes, [run for run in runs if run.results is None])
+
+
+def _swept_decays(run: Run) -> list[float]:
+    """The weight decays a linear run swept (`--wd`): config.json's `options`, or its `wds` in runs written before
+    the options were stored whole."""
+    return list((run.config.get("options") or {}).get("wds") or run.config.get("wds") or [])
 
 
 def mark_best(columns: list[Column], rows: list, oracles: set[str]) -> None:
@@ -148,6 +154,12 @@ def _zero_shot_cells(columns: list[Column], chosen: dict[tuple[str, str], Run]) 
     return cells
 
 
+def shown_swept(cell: Cell) -> dict:
+    """The selected values a cell names: every swept hyperparameter's, and the weight decay where it is not 0 (the
+    papers' grid; that a column's runs swept it is said once, in a note: `decay_notes`)."""
+    return {key: value for key, value in (cell.swept or {}).items() if not (key == "wd" and value == 0)}
+
+
 def cell_text(cell: Cell | None) -> str:
     if cell is None:
         return "-"
@@ -156,10 +168,11 @@ def cell_text(cell: Cell | None) -> str:
     text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
     text += f" [{cell.interval[0]:.2f}, {cell.interval[1]:.2f}]" if cell.interval else ""
     text += " ↓" if cell.below_start else ""
-    return text + (" (" + " ".join(f"{key}={value:g}" for key, value in cell.swept.items()) + ")" if cell.swept else "")
+    swept = shown_swept(cell)
+    return text + (" (" + " ".join(f"{key}={value:g}" for key, value in swept.items()) + ")" if swept else "")
 
 
-def _grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
+def text_grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
     """Header and text rows shared by the terminal and Markdown tables; `mark_best` decorates best cells. With
     --paper, a "paper" and a "Δ" column follow each column that has a published number, and no other."""
     published = {label for _, cells in table.rows for label, cell in cells.items() if cell.paper is not None}
@@ -265,7 +278,7 @@ def _mean_std(value) -> str:
 
 
 def to_markdown(table: Table) -> str:
-    header, rows = _grid(table, lambda text: f"**{text}**")
+    header, rows = text_grid(table, lambda text: f"**{text}**")
     lines = _markdown_rows([header, *rows])  # the table first: scripts read it from the first line
     lines += ["", f"- {heading(table)}"] + [f"- {note}" for note in footnotes(table)]
     lines += ["", "Paired comparisons:", ""] + [f"- {c.text()}" for c in table.comparisons] if table.comparisons else []
@@ -287,39 +300,3 @@ def to_json(table: Table) -> str:
         "comparisons": [comparison.as_dict() for comparison in table.comparisons],
     }
     return json.dumps(payload, indent=2) + "\n"
-
-
-def formatter(fmt: str):
-    """The function that renders a table as `fmt` (csv, md, json)."""
-    formatters = {"csv": to_csv, "md": to_markdown, "json": to_json}
-    if fmt not in formatters:
-        raise SpmlError(f"--format {fmt}: {unknown_name('format', fmt, formatters)}; use one of {', '.join(formatters)}")
-    return formatters[fmt]
-
-
-def print_table(table: Table, console: Console) -> None:
-    # Text, never markup: column labels hold backbones in brackets ([clip:ViT-B-32]) that markup would eat
-    header, rows = _grid(table, lambda text: Text(f"{text} *", style="bold green"))
-    title = heading(table)
-    rich_table = RichTable(title=title, title_justify="left", min_width=len(title))
-    for i, name in enumerate(header):  # the losses' names whole on their line: the cells wrap first
-        rich_table.add_column(Text(name), justify="left" if i == 0 else "right", style="dim" if name == "paper" else None,
-                              no_wrap=i == 0)
-    losses = [loss for loss, _ in table.rows] + [None]
-    for i, row in enumerate(rows):
-        cells = [cell if isinstance(cell, Text) else Text(cell) for cell in row]
-        # the papers' break between the oracles and the single-positive losses
-        rich_table.add_row(*cells, end_section=losses[i] in table.oracles and losses[i + 1] not in table.oracles)
-    console.print(rich_table if rows else "no complete runs to tabulate")
-    print_notes(table, console)
-    print_comparisons(table, console)
-
-
-def print_notes(table: Table, console: Console) -> None:
-    for note in footnotes(table):
-        console.print(Text(note, style="dim"))  # Text: paths and names are not rich markup
-
-
-def print_comparisons(table: Table, console: Console) -> None:
-    for comparison in table.comparisons:
-        console.print(Text(comparison.text()))

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from spml_cache.report.collect import Run, loss_family
-from spml_cache.report.layout import under_suptitle, wrapped
+from spml_cache.report.figure_files import MIN_POINTS
+from spml_cache.report.layout import counted, under_suptitle, wrapped
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.runs import read_metrics
 
@@ -52,8 +53,7 @@ def panels_for(curves: dict, test_map: dict[str, float], oracles: set[str]) -> t
     if len(curves) <= SINGLE_PANEL:
         return [("all losses", list(curves))], best
     best_oracle = sorted((n for n in curves if n in oracles), key=lambda n: -test_map[n])[:1]
-    panels = [(f"best {len(best)} single-positive losses" + (" and best oracle" if best_oracle else ""),
-               best + best_oracle)]
+    panels = [(_best(len(best)) + (" and the best oracle" if best_oracle else ""), best + best_oracle)]
     families: dict[str, list[str]] = {}
     for name in curves:  # spec order, so families come in the order of docs/losses.md
         families.setdefault(loss_family(name), []).append(name)
@@ -62,9 +62,13 @@ def panels_for(curves: dict, test_map: dict[str, float], oracles: set[str]) -> t
         for part in range(parts):
             chunk = names[part * MAX_LINES:(part + 1) * MAX_LINES]
             suffix = f", part {part + 1}/{parts}" if parts > 1 else ""
-            panels.append((f"{family.replace('_', ' ')} ({len(names)} loss{'es' if len(names) > 1 else ''}{suffix})",
-                           chunk))
+            panels.append((f"{family.replace('_', ' ')} ({counted(len(names), 'loss')}{suffix})", chunk))
     return panels, best
+
+
+def _best(count: int) -> str:
+    """`the best single-positive loss`, `the best 4 single-positive losses`."""
+    return "the best single-positive loss" if count == 1 else f"the best {count} single-positive losses"
 
 
 def repeats(curves: dict[str, tuple]) -> dict[str, str]:
@@ -107,8 +111,8 @@ def draw(Figure, title: str, by_loss: dict[str, Run], oracles: set[str]):
         axes.set_title(wrapped(panel_title, figure, 10, 1 / columns), fontsize=10)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7, loc="best", framealpha=0.85)
-    notes = [f"bold: best {len(best)} single-positive losses by test mAP (#rank)"] if best else []
+        axes.legend(fontsize=MIN_POINTS, loc="best", framealpha=0.85)
+    notes = [f"bold: {_best(len(best))} by test mAP" + (" (#rank)" if len(best) > 1 else "")] if best else []
     notes += ["dashed: oracle (full labels)"] if oracles & set(curves) else []
     notes += ["dotted: the same curve as an earlier loss, drawn over it"] if same else []
     notes += ["one epoch: one point per loss"] if len(set(every_epoch)) == 1 else []
@@ -130,7 +134,7 @@ def _panel(axes, names: list[str], curves: dict, test_map: dict[str, float], bes
     for name in names:
         epochs, values, selected = curves[name]
         rank = f"#{best.index(name) + 1} " if name in best else ""
-        decay = f", wd {selected['wd']:g}" if "wd" in selected else ""
+        decay = f", wd {selected['wd']:g}" if selected.get("wd") else ""  # 0, the papers' grid, goes unsaid
         config = f" (lr {selected['lr']:g}{decay}, batch {selected.get('batch_size')})" if "lr" in selected else ""
         label = f"{rank}{name}: test {test_map[name]:.1f}{config}"
         label += f", same curve as {same[name]}" if name in same else ""

@@ -1,6 +1,9 @@
 """Where a run's files go and what they hold, for both training stages.
 
-`runs/<dataset>/<stage>-<loss or "all">-<YYYYmmdd-HHMMSS>/` holds `config.json` and `env.json` (`start_run`),
+`runs/<dataset>/<stage>-<backbone>-<loss or "all">-<YYYYmmdd-HHMMSS>/` (the backbone and feature kind of the cache,
+as its file names them: `linear-timm_vit_base_patch14_dinov2.lvd142m_last4-an+role-20261127-011313`; runs made
+before the backbone was named, `linear-an+role-<stamp>`, are read alike: readers go by the files, and the stamp
+ends the name either way) holds `config.json` and `env.json` (`start_run`),
 `metrics.jsonl` (`files.append_metrics`), `scores/<loss>.npz` (`write_scores`), `labels.npz` and
 `test_labels.npz` (`write_labels`), then `best.pt` and `results.json` (`finish_run`; results last: without it the run is incomplete).
 """
@@ -18,6 +21,8 @@ import numpy as np
 import torch
 
 from spml_cache import labels, metrics
+from spml_cache.backbones import DEFAULT as DEFAULT_BACKBONE
+from spml_cache.backbones import feature_slug
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.losses import plugins
 from spml_cache.losses.base import Fidelity
@@ -27,10 +32,12 @@ from spml_cache.runtime.errors import SpmlError
 RESULTS = "results.json"
 
 
-def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs") -> Path:
-    """Create `root/<dataset>/<stage>-<loss>-<stamp>/` (a `-2`, `-3`, ... suffix when that second is taken)."""
+def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs", backbone: str | None = None) -> Path:
+    """Create `root/<dataset>/<stage>-<backbone>-<loss>-<stamp>/` (without `backbone`: `<stage>-<loss>-<stamp>`; a
+    `-2`, `-3`, ... suffix when that second is taken)."""
     parent = Path(root) / safe_name(dataset)
-    base = f"{stage}-{short_label(safe_name(loss))}-{time.strftime('%Y%m%d-%H%M%S')}"
+    named = f"{safe_name(backbone)[:BACKBONE_MAX]}-" if backbone else ""
+    base = f"{stage}-{named}{short_label(safe_name(loss))}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -48,6 +55,7 @@ def make_run_dir(stage: str, dataset: str, loss: str, root: Path | str = "runs")
 # The most characters of a run directory's label (its losses): a directory name is capped at 255 bytes, and the label
 # is for people (config.json and results.json say what a run trained).
 LABEL_MAX = 120
+BACKBONE_MAX = 80  # a plugin backbone's name may be a long path: room for the label and the stamp stays
 
 
 def short_label(label: str) -> str:
@@ -119,9 +127,11 @@ class Grid:
 
 def start_run(out: Path | str, *, stage: str, label: str, features: FeatureSet, device: torch.device,
               grid: Grid, **extra) -> Path:
-    """Make `out/<dataset>/<stage>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, where
+    """Make `out/<dataset>/<stage>-<backbone>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, where
     each plugin loss came from, then the stage's `extra`) and `env.json`."""
-    run_dir = make_run_dir(stage, features.dataset, label, out)
+    attrs = features.attrs
+    backbone = feature_slug(str(attrs.get("backbone") or DEFAULT_BACKBONE), attrs.get("features"))
+    run_dir = make_run_dir(stage, features.dataset, label, out, backbone)
     loaded = plugins.records(grid.losses)
     try:
         write_json(run_dir / "config.json", {

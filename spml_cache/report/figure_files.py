@@ -1,0 +1,51 @@
+"""How `spml-cache report --plots` writes its figures: the format (`--figure-format png|pdf|svg`) and resolution
+(`--dpi`), one for every figure, each file written through a temporary name and renamed whole.
+
+PNG is 300 dpi by default, the resolution journals ask of raster figures at their printed size (the figures are
+laid out for use at their saved size: no text under `MIN_POINTS`). PDF and SVG are vector: `--dpi` sets only the
+resolution of what a vector file would rasterise (none of the report's figures has such a part). PDF embeds its
+fonts as TrueType (Type 42), not matplotlib's default Type 3, which conference submission checks refuse; PDF and
+SVG leave out their creation date, so the same runs give the same files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from spml_cache.runs import replace_atomically
+from spml_cache.runtime.errors import SpmlError
+
+FORMATS = ("png", "pdf", "svg")
+DEFAULT_FORMAT = "png"
+DEFAULT_DPI = 300
+DPI_RANGE = (50, 600)  # above 600, a 24-inch figure is a 14,400-pixel-wide PNG: a vector format serves better
+MIN_POINTS = 8  # the smallest text of any figure (tests/figure_support.py checks every figure against it)
+_UNDATED = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
+
+
+@dataclass(frozen=True)
+class FigureFiles:
+    """The format and resolution of the figures' files, checked once."""
+
+    format: str = DEFAULT_FORMAT
+    dpi: int = DEFAULT_DPI
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise SpmlError(f"--figure-format {self.format}: use one of {', '.join(FORMATS)}")
+        low, high = DPI_RANGE
+        if not low <= self.dpi <= high:
+            raise SpmlError(f"--dpi {self.dpi}: use {low} to {high} (for any size, --figure-format pdf or svg:"
+                            " vector)")
+
+    def path(self, folder: Path, stem: str) -> Path:
+        return folder / f"{stem}.{self.format}"
+
+    def write(self, path: Path, figure) -> None:
+        """`figure` at its own size into `path`, whole or not at all."""
+        from matplotlib import rc_context
+
+        with rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
+            replace_atomically(path, lambda file: figure.savefig(
+                file, format=self.format, dpi=self.dpi, metadata=_UNDATED.get(self.format)))

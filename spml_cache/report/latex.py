@@ -1,0 +1,76 @@
+"""`spml-cache report --format tex`: the table as a LaTeX `tabular` with booktabs' rules, to `\\input` into a
+paper's own `table` float (its caption is the paper's to write).
+
+The cells are the terminal table's: the table's metric, `$\\pm$` the seeds' spread, the bootstrap interval with
+--ci, the best single-positive loss of each column in bold (as Markdown's `**`), `--paper`'s published number and
+difference beside the columns that have them. Names are escaped (`an_ls`, `R&D`, `50%`, `#1`), the oracles are
+set apart by a `\\midrule` as the papers set them, and what the terminal prints under the table (what a cell
+holds, the notes, --compare's differences) comes first as `%` comments. Needs `\\usepackage{booktabs}`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from spml_cache.report.tables import ZERO_SHOT, Cell, Table, footnotes, heading, shown_swept
+
+SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+           "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "<": r"\textless{}",
+           ">": r"\textgreater{}", "|": r"\textbar{}"}
+_SPECIAL = re.compile("|".join(re.escape(character) for character in SPECIAL))
+
+
+def escape(text: str) -> str:
+    """`text` as LaTeX typesets it literally (every special character in one pass, so none is escaped twice)."""
+    return _SPECIAL.sub(lambda found: SPECIAL[found.group(0)], text)
+
+
+def cell_tex(cell: Cell | None) -> str:
+    """A cell as the terminal shows it, typeset: `85.00 $\\pm$ 0.82 [84.10, 85.90]`, bold where best."""
+    if cell is None:
+        return "--"
+    if cell.mean is None:
+        return "n/a"
+    text = f"{cell.mean:.2f}" + (rf" $\pm$ {cell.std:.2f}" if cell.std is not None else "")
+    text += f" [{cell.interval[0]:.2f}, {cell.interval[1]:.2f}]" if cell.interval else ""
+    text += r" $\downarrow$" if cell.below_start else ""
+    swept = shown_swept(cell)
+    text += " (" + ", ".join(f"{escape(key)} = {value:g}" for key, value in swept.items()) + ")" if swept else ""
+    return rf"\textbf{{{text}}}" if cell.best else text
+
+
+def to_latex(table: Table) -> str:
+    published = {label for _, cells in table.rows for label, cell in cells.items() if cell.paper is not None}
+    header = ["Loss"]
+    for column in table.columns:
+        header += [escape(column.label)] + (["Paper", r"$\Delta$"] if column.label in published else [])
+    lines = [f"% {line}" for line in _comments(table)]
+    lines += [r"\begin{tabular}{l" + "r" * (len(header) - 1) + "}", r"\toprule", _row(header), r"\midrule"]
+    previous = None
+    for loss, cells in table.rows:
+        if previous in table.oracles and loss not in table.oracles or loss == ZERO_SHOT and previous is not None:
+            lines.append(r"\midrule")  # the papers' break after the oracles; the zero-shot reference apart
+        row = [escape(f"{loss} (oracle)" if loss in table.oracles else loss)]
+        for column in table.columns:
+            cell = cells.get(column.label)
+            row.append(cell_tex(cell))
+            if column.label in published:
+                has_paper = cell is not None and cell.paper is not None
+                row += [str(cell.paper), f"{cell.diff:+.2f}"] if has_paper else ["", ""]
+        lines.append(_row(row))
+        previous = loss
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def _row(cells: list[str]) -> str:
+    return " & ".join(cells) + r" \\"
+
+
+def _comments(table: Table) -> list[str]:
+    """What the terminal prints around the table, one comment line each (LaTeX skips a comment whole)."""
+    found = [r"spml-cache report --format tex: needs \usepackage{booktabs}; bold: " + (
+        "the best single-positive loss per column (oracles excluded)" if table.rows else "none"), heading(table)]
+    found += footnotes(table)[1:] if table.rows else footnotes(table)
+    found += [comparison.text() for comparison in table.comparisons]
+    return [" ".join(line.split()) for line in found]  # a note's own line breaks would end the comment
