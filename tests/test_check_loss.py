@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_support import REPO, run_cli
+from cli_support import REPO, run_cli, run_main
 
 from spml_cache import losses
 from spml_cache.losses import contract
@@ -137,3 +137,44 @@ def test_each_check_fails_the_loss_that_breaks_it_and_passes_the_sound_one(check
     with pytest.raises(contract.Failed, match=message):
         check(cls)
     check(type("Sound", (Base,), {"name": "sound"}))  # the same check holds for the loss without the fault
+
+
+HOST_READ = """
+from spml_cache.losses.assume_negative import AssumeNegative
+
+
+class MarginAN(AssumeNegative):
+    name = "margin_an"
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        if logits.abs().max().item() > 1e9:  # a host read in a step
+            logits = logits.clamp(-1e9, 1e9)
+        return super().forward(logits, observed, labels=labels, index=index)
+"""
+
+
+def test_a_host_read_in_a_plugin_names_the_users_line_first_and_briefly(tmp_path):
+    (tmp_path / "margin.py").write_text(HOST_READ)
+    done = run_cli("check-loss", "margin.py:MarginAN", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    where = "margin.py:9 (if logits.abs().max().item() > 1e9:  # a host read in a step)"
+    assert line.startswith(f"FAIL  capture_safe: epoch 1: Tensor.item at {where}; a captured step cannot"), line
+    assert "spml_cache" not in line and len(line) < 400
+
+
+def test_a_misspelt_class_gets_the_closest_one_the_file_defines_and_no_flag_it_was_not_given(tmp_path, monkeypatch,
+                                                                                             capsys):
+    (tmp_path / "margin.py").write_text(HOST_READ)
+    done = run_cli("check-loss", "margin.py:MarginAn", cwd=tmp_path)
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and line == ("error: margin.py:MarginAn: margin.py defines no MarginAn (did you mean"
+                                             " MarginAN?); name a class it defines (docs/your-own-loss.md)")
+    # as a module too, and after --loss where --loss was given
+    code, err = run_main("linear", "--dataset", "voc", "--loss", "margin:MarginAn", cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and err.startswith("error: --loss margin:MarginAn: margin defines no MarginAn (did you mean"
+                                        " MarginAN?)"), err
+    # a name far from any: no guess (AssumeNegative is imported there, not defined)
+    code, err = run_main("check-loss", "margin.py:Focal", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and "did you mean" not in err and "margin.py defines no Focal" in err

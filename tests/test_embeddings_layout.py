@@ -94,16 +94,121 @@ def test_export_then_import_gives_the_same_features_for_every_row(data, tmp_path
         else:
             np.testing.assert_array_equal(np.array(table["observed"]), split.observed)
         np.testing.assert_array_equal(np.load(tmp_path / "out" / "img_emb" / f"img_emb_{index}.npy"), split.features)
-    again = run_cli("import-features", str(tmp_path / "out"), "--dataset", "csv", "--root", str(root), "--out",
-                    str(tmp_path / "again.h5"), cwd=tmp_path, env=env)
+    import shutil
+
+    shutil.rmtree(root)  # the export alone: no --root, no --dataset, no images
+    env.pop("SPML_DATA", None)
+    again = run_cli("import-features", str(tmp_path / "out"), "--out", str(tmp_path / "again.h5"), cwd=tmp_path,
+                    env=env)
     assert again.returncode == 0, again.stderr
-    assert f"matched {COUNT} of {COUNT} embedding rows to the images of csv by id" in again.stdout
+    assert "no images were read" in again.stdout
     imported = cache.load(tmp_path / "again.h5")
     for name in cache.SPLITS:
         assert getattr(imported, name).ids == getattr(original, name).ids
         np.testing.assert_array_equal(getattr(imported, name).features, getattr(original, name).features)
-        np.testing.assert_array_equal(getattr(imported, name).observed, getattr(original, name).observed)
-    assert imported.attrs["backbone"] == original.attrs["backbone"]
+        np.testing.assert_array_equal(getattr(imported, name).labels, getattr(original, name).labels)
+        if name == "test":
+            assert imported.test.observed is None
+        else:
+            np.testing.assert_array_equal(getattr(imported, name).observed, getattr(original, name).observed)
+    kept = ("dataset", "classes", "backbone", "split_seed", "val_frac", "observe_seed", "num_pos", "num_neg",
+            "expected_positives")
+    assert {key: imported.attrs[key] for key in kept} == {key: original.attrs[key] for key in kept}
+
+
+def test_an_older_export_without_its_protocol_settings_is_matched_to_the_images_under_root(data, tmp_path,
+                                                                                          monkeypatch, capsys):
+    import json
+
+    from spml_cache.cache.embeddings import export
+    from spml_cache.extract import import_features
+
+    root, layout, _ = data
+    env = environment(tmp_path)
+    export(import_features(layout, dataset="csv", root=root, out=tmp_path / "a.h5").path, tmp_path / "out")
+    sidecar = json.loads((tmp_path / "out" / "spml_cache.json").read_text())
+    del sidecar["protocol"]  # as exports made before it was kept
+    (tmp_path / "out" / "spml_cache.json").write_text(json.dumps(sidecar))
+    monkeypatch.delenv("SPML_DATA", raising=False)
+    code, err = run_main("import-features", str(tmp_path / "out"), "--out", str(tmp_path / "b.h5"), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and "pass --root DIR" in err and "export the cache again" in err
+    done = run_cli("import-features", str(tmp_path / "out"), "--root", str(root), "--out", str(tmp_path / "b.h5"),
+                   cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"matched {COUNT} of {COUNT} embedding rows to the images of csv by id" in done.stdout
+
+
+def test_an_import_never_writes_over_the_cache_its_export_was_made_from(data, tmp_path, monkeypatch, capsys):
+    """By default an export of cache/csv-imported-0.h5 comes back to that very path: refused, --force or not, and
+    wherever the source was moved to (same cache id); --out elsewhere is the way on."""
+    from spml_cache.extract import import_features
+
+    root, layout, _ = data
+    monkeypatch.setenv("SPML_CACHE", str(tmp_path / "cache"))
+    source = import_features(layout, dataset="csv", root=root).path
+    before = source.read_bytes()
+    assert run_main("export", str(source), "--out", str(tmp_path / "out"), cwd=tmp_path, monkeypatch=monkeypatch,
+                    capsys=capsys)[0] == 0
+    done = run_cli("import-features", str(tmp_path / "out"), "--force", cwd=tmp_path, env=environment(tmp_path))
+    assert done.returncode == 1, done.stdout
+    (line,) = done.stderr.strip().splitlines()
+    assert f"{source} is the cache this export was made from" in line and "--out FILE" in line
+    moved = tmp_path / "elsewhere.h5"
+    source.rename(moved)
+    code, err = run_main("import-features", str(tmp_path / "out"), "--out", str(moved), "--force", cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and f"{moved} is the cache this export was made from" in err
+    assert moved.read_bytes() == before
+    code, err = run_main("import-features", str(tmp_path / "out"), "--out", str(tmp_path / "copy.h5"), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
+
+
+def test_an_export_of_another_dataset_than_dataset_says_which(data, tmp_path, monkeypatch, capsys):
+    from spml_cache.extract import import_features
+
+    root, layout, _ = data
+    path = import_features(layout, dataset="csv", root=root, out=tmp_path / "a.h5").path
+    assert run_main("export", str(path), "--out", str(tmp_path / "out"), cwd=tmp_path, monkeypatch=monkeypatch,
+                    capsys=capsys)[0] == 0
+    done = run_cli("import-features", str(tmp_path / "out"), "--dataset", "coco", cwd=tmp_path,
+                   env=environment(tmp_path))
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "--dataset coco" in line and "spml_cache.json says this export is of csv" in line
+    assert "pass --dataset csv" in line
+
+
+def test_partial_labels_travel_through_an_export(tmp_path):
+    """A cache whose labels are partial (label_mask) exported and imported back keeps which entries were
+    annotated; restated here from the arrays written."""
+    from spml_cache.cache.embeddings import export
+    from spml_cache.extract import import_features
+
+    rng = np.random.default_rng(1)
+
+    def split(rows, observed=True):
+        labels = (rng.random((rows, 3)) < 0.5).astype(np.uint8)
+        labels[:, 0] = 1
+        mask = (rng.random((rows, 3)) < 0.7).astype(np.uint8)
+        mask[:, 0] = 1
+        out = {"features": rng.standard_normal((rows, 4)).astype(np.float32), "labels": labels * mask,
+               "ids": [f"{rows}-{k}.jpg" for k in range(rows)], "label_mask": mask}
+        if observed:
+            out["observed"] = np.eye(3, dtype=np.int8)[np.zeros(rows, dtype=int)]
+        return out
+
+    given = {"train": split(6), "val": split(3), "test": split(4, observed=False)}
+    attrs = {"dataset": "csv", "classes": '["a", "b", "c"]', "num_classes": 3, "backbone": "resnet50",
+             "resolution": 32, "split_seed": 1200, "val_frac": 0.2, "observe_seed": 1200, "num_pos": 1,
+             "num_neg": 0, "expected_positives": 1.5}
+    source = cache.write(tmp_path / "partial.h5", attrs=attrs, **given)
+    export(source, tmp_path / "out")
+    again = cache.load(import_features(tmp_path / "out", out=tmp_path / "again.h5").path)
+    for name, arrays in given.items():
+        np.testing.assert_array_equal(getattr(again, name).label_mask, arrays["label_mask"])
+        np.testing.assert_array_equal(getattr(again, name).labels, arrays["labels"])
 
 
 def _rewrite(layout: Path, index: int, **columns) -> None:

@@ -340,6 +340,23 @@ def test_a_head_of_another_dataset_with_as_many_classes_is_refused(world, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_a_root_that_is_not_there_or_holds_none_of_the_images_says_so_not_skip_missing(world, tmp_path):
+    """Every image missing is a wrong --root, not lost files: no --skip-missing hint (it would leave nothing)."""
+    args = ["finetune", "--from", str(world.linear), "--loss", "role", "--weights", str(world.weights),
+            "--out", str(tmp_path / "out"), *RUN_ARGS]
+    done = run_cli(*args, "--root", str(tmp_path / "nowhere"), cwd=tmp_path)
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and line == (f"error: the image root {tmp_path / 'nowhere'} does not exist: pass"
+                                             " --root DIR, the folder the cache was extracted from (its voc images)")
+    (tmp_path / "empty").mkdir()
+    total = sum(len(getattr(world.features, split).ids) for split in cache.SPLITS)
+    with pytest.raises(SpmlError) as refused:
+        finetune.finetune(init="best", from_run=world.linear, loss="role", skip_missing=True,
+                          **common(world, root=tmp_path / "empty", out=tmp_path / "out"))
+    assert f"the image root {tmp_path / 'empty'} holds none of the cache's {total} images (e.g." in str(refused.value)
+    assert "--skip-missing" not in str(refused.value) and not (tmp_path / "out").exists()
+
+
 def test_missing_images_are_counted_and_refused_unless_skipped(world, tmp_path, monkeypatch):
     root = tmp_path / "data"
     shutil.copytree(world.root, root)

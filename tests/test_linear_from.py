@@ -79,11 +79,18 @@ def test_theta_stays_behind_on_another_cache(tmp_path, tiny_cache, first_run):
     """Same classes, other training rows: the head fits, ROLE's per-row label matrix does not."""
     other = write_synthetic_cache(tmp_path / "other" / "voc-resnet50-448.h5", train=36, val=16, test=20, classes=4,
                                   dim=8, seed=5)
-    run = run_linear(cache=other, losses="role", lrs=STILL, batch_sizes=[4], epochs=1, out=tmp_path / "runs",
-                     from_run=first_run.run_dir, console=quiet())
-    torch.testing.assert_close(best(run)["role"]["head"]["weight"], best(first_run)["role"]["head"]["weight"],
-                               rtol=0, atol=1e-6)
-    assert best(run)["role"]["loss_state"]["theta"].shape == (1, 36, 4)
+    done = run_cli("linear", "--cache", str(other), "--loss", "role", "--lr", "1e-10", "--batch-size", "4",
+                   "--epochs", "1", "--from", str(first_run.run_dir), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # not in silence: one line naming both caches
+    trained_on = json.loads((first_run.run_dir / "config.json").read_text())["cache"]
+    (line,) = [line for line in done.stderr.splitlines() if "--from" in line]
+    assert line.startswith(f"warning: --from {first_run.run_dir}: its heads were trained on {trained_on} (cache ")
+    assert f"not on {other} (cache " in line and "without their loss state" in line
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    trained = torch.load(run_dir / "best.pt", weights_only=True)["role"]
+    torch.testing.assert_close(trained["head"]["weight"], best(first_run)["role"]["head"]["weight"], rtol=0, atol=1e-6)
+    assert trained["loss_state"]["theta"].shape == (1, 36, 4)
 
 
 @pytest.mark.parametrize("classes, dim, message", [
@@ -126,6 +133,7 @@ def test_from_on_the_command_line(tmp_path, tiny_cache, first_run):
     done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", "--lr", "1e-10", "--batch-size", "4",
                    "--epochs", "1", "--from", str(first_run.run_dir), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stderr  # the same cache: nothing to say
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     torch.testing.assert_close(torch.load(run_dir / "best.pt", weights_only=True)["an"]["head"]["weight"],
                                best(first_run)["an"]["head"]["weight"], rtol=0, atol=1e-6)

@@ -67,6 +67,25 @@ def test_resume_gives_the_uninterrupted_run(tmp_path, tiny_cache, monkeypatch):
         run_linear(resume=run_dir, console=quiet())
 
 
+def test_resume_says_once_what_was_kept_and_what_it_trains_and_reprints_no_done(tmp_path, tiny_cache, monkeypatch):
+    """A loss whose every part the stopped run kept is said as kept (trained before), not as done now; the count
+    of kept and trained parts comes once, first."""
+    run_dir = interrupted_run(tmp_path / "cut", tiny_cache, monkeypatch, 5, **GRID)
+    kept = KeptParts(run_dir).read()
+    whole = [key for key in GRID["losses"] if sum(part[0] == key for part in kept) == 4]  # 2 seeds x 2 batch sizes
+    assert len(kept) == 5 and len(whole) == 1  # one loss kept whole, one part of the other
+    done = run_cli("linear", "--resume", str(run_dir), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()  # the progress lines (stdout holds the summary table)
+    said = [line for line in lines if "parts kept" in line]
+    assert said == [f"resuming {run_dir}: 5 of 8 (loss, seed, batch size) parts kept, training 3"]
+    assert lines.index(said[0]) < min(i for i, line in enumerate(lines) if line.startswith(tuple(GRID["losses"])))
+    (reused,) = [line for line in lines if line.startswith(f"{whole[0]}: ")]
+    assert reused.startswith(f"{whole[0]}: kept, trained before in ") and "done" not in reused
+    (other,) = [name for name in GRID["losses"] if name not in whole]
+    assert any(line.startswith(f"{other}: done, ") for line in lines)
+
+
 def test_resume_refuses_what_is_not_an_interrupted_linear_run(tmp_path):
     with pytest.raises(SpmlError, match="not a run directory"):
         run_linear(resume=tmp_path, console=quiet())

@@ -154,11 +154,14 @@ def test_bad_plugins_are_one_line_naming_the_spec_and_the_fix_and_nothing_is_wri
     (tmp_path / "broken.py").write_text(base + "1 / 0\n")
     (tmp_path / "nameless.py").write_text(base + "class Nameless(AssumeNegative):\n    pass\n")
     write_synthetic_cache(tmp_path / "voc.h5")
-    for command in (["linear", "--cache", "voc.h5", "--loss", f"an,{spec}"], ["check-loss", spec], ["losses", spec]):
+    # each named as the user gave it: after --loss for linear, as the argument for check-loss and losses
+    for command, named in ((["linear", "--cache", "voc.h5", "--loss", f"an,{spec}"], f"--loss {spec}"),
+                           (["check-loss", spec], spec), (["losses", spec], spec)):
         code, err = run_main(*command, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
         (line,) = err.strip().splitlines()
         seen, fix = BAD[spec]
-        assert code == 1 and line.startswith(f"error: --loss {spec}: ") and seen in line and fix in line, line
+        assert code == 1 and line.startswith(f"error: {named}: ") and seen in line and fix in line, line
+        assert command[0] == "linear" or "--loss" not in line, line  # no flag the user never gave
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
         ["notaloss.py", "clash.py", "broken.py", "nameless.py", "voc.h5"])  # no runs/ folder
 

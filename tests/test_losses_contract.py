@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from cli_support import run_cli
+from cli_support import run_cli, run_main
 
 from spml_cache import losses
 from spml_cache.runtime.errors import SpmlError
@@ -212,6 +212,18 @@ def test_cli_losses_table_lists_every_loss(tmp_path):
     for name in ALL:
         assert re.search(rf"│ {re.escape(name)}\s+│", result.stdout), name
     assert "Cole et al., CVPR 2021" in result.stdout and "1/(C-1)" in result.stdout and "voc: alpha=0.2" in result.stdout
+
+
+def test_cli_losses_names_shows_just_those(tmp_path, monkeypatch, capsys):
+    result = run_cli("losses", "role", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shown = [name for name in ALL if re.search(rf"│ {re.escape(name)}\s+│", result.stdout)]
+    assert shown == ["role"] and "1 loss" in result.stdout
+    result = run_cli("losses", "wan", "an", "--json", cwd=tmp_path)
+    assert [row["name"] for row in json.loads(result.stdout)] == ["wan", "an"]
+    code, err = run_main("losses", "role", "rolee", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 1 and line.startswith("error: unknown loss 'rolee' (did you mean role?)"), line
 
 
 def test_cli_losses_json(tmp_path):

@@ -132,7 +132,7 @@ def test_a_plugin_that_exits_at_import_is_one_line_not_a_silent_exit(tmp_path, m
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
     code, err = run_main("check-loss", "exits.py:Loss", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     (line,) = err.strip().splitlines()
-    assert code == 1 and line == ("error: --loss exits.py:Loss: importing it raised SystemExit: 3; fix the plugin"
+    assert code == 1 and line == ("error: exits.py:Loss: importing it raised SystemExit: 3; fix the plugin"
                                   " (run it with python to see the traceback)")
     with pytest.raises(SpmlError, match="--backbone exits.py:make: importing it raised SystemExit: 3"):
         backbones.describe("exits.py:make")

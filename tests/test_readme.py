@@ -1,5 +1,6 @@
-"""What the README promises a new user before they run anything: timings that quote docs/benchmarks.md with the
-date each was measured, the test suite's time, and the CPU-only install as one command beside the install line."""
+"""What the README promises a new user before they run anything: install (GPU or CPU, each line with its measured
+size), the demo, then the pipeline, the test line last; timings that quote docs/benchmarks.md with the date each was
+measured, and the test suite's time."""
 
 from __future__ import annotations
 
@@ -58,21 +59,49 @@ def test_the_check_catches_a_stale_or_undated_figure():
     assert dated_in_benchmarks("46.4 s", "2026-11-23") and dated_in_benchmarks("3 min 44 s", "2026-11-25")
 
 
-def test_cpu_only_install_is_one_command_beside_the_install_line():
-    blocks = re.findall(r"```\n(.*?)```", README, flags=re.S)
-    install = 'python -m pip install -e ".[dev]"'
-    quick = next(i for i, block in enumerate(blocks) if block.strip() == f"{install} && spml-cache demo")
-    cpu = [block.strip() for block in blocks if CPU_INDEX in block]
-    assert len(cpu) == 1 and "\n" not in cpu[0]  # one line to copy
-    words = shlex.split(cpu[0])
+def section(title: str) -> str:
+    """The README's `## title` section, up to the next `## `."""
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def code_blocks(text: str) -> list[str]:
+    return [block.strip() for block in re.findall(r"```\w*\n(.*?)```", re.sub(r"\n +", "\n", text), flags=re.S)]
+
+
+def test_a_newcomer_meets_install_then_the_demo_then_the_pipeline_and_the_tests_last():
+    titles = re.findall(r"^## (.+)$", README, flags=re.M)
+    assert titles[:3] == ["Install", "Try it: the demo", "The pipeline"]
+    assert titles[-1] == "Development"
+    # the test line, verbatim, only there (.ci/run runs exactly it)
+    assert [b for b in code_blocks(README) if "pytest" in b] == ['python -m pip install -e ".[dev]" && python -m pytest']
+    assert "python -m pytest" in section("Development") and "pytest" not in README.split("\n## The pipeline\n")[0]
+    assert code_blocks(section("Try it: the demo"))[0] == "spml-cache demo"
+
+
+def test_the_install_asks_gpu_or_cpu_before_the_first_line_to_paste_each_with_its_size():
+    install = section("Install")
+    assert install.index("GPU or CPU?") < install.index("```")
+    gpu, cpu = code_blocks(install)
+    assert gpu == "python -m pip install -e ."
+    assert "\n" not in cpu  # one line to copy
     # torch and torchvision from PyTorch's CPU wheel index first, then the project's own install, which keeps them
+    words = shlex.split(cpu)
     assert words[:4] == ["python", "-m", "pip", "install"] and {"torch", "torchvision"} <= set(words[4:8])
     assert words[words.index("--index-url") + 1] == CPU_INDEX
-    assert cpu[0].endswith(f"&& {install} && spml-cache demo")
-    assert blocks.index(next(b for b in blocks if CPU_INDEX in b)) == quick + 1  # beside the install line
-    # the size it saves is said plainly next to it
-    between = README[README.index(blocks[quick]) + len(blocks[quick]):README.index(cpu[0])]
-    assert re.search(r"\d+(\.\d+)? GB", between) and "CUDA" in between
+    assert cpu.endswith(f"&& {gpu}")
+    # each line followed by its venv's size, a figure docs/benchmarks.md's install section gives too
+    after_gpu = install.split(gpu, 1)[1].split(cpu, 1)[0]
+    after_cpu = install.split(cpu, 1)[1]
+    measured = BENCHMARKS.split("## Install size", 1)[1].split("\n## ", 1)[0]
+    for text in (after_gpu, after_cpu):
+        size = re.search(r"(\d+(?:\.\d)?) GB", text).group(1)
+        assert f"{size} GB" in measured, size
+    assert "not measured" in measured.lower() and "Not measured by the project" in after_cpu
+
+
+def test_no_table_cell_is_a_paragraph():
+    cells = [cell.strip() for line in README.splitlines() if line.startswith("|") for cell in line.split(" | ")]
+    assert max(len(cell) for cell in cells) <= 200
 
 
 def test_the_cpu_wheels_satisfy_the_projects_torch_requirements():

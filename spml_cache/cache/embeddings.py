@@ -6,8 +6,10 @@
 clip-retrieval writes it, embedding-reader reads it; a part's metadata row k names the image of its embedding row
 k (by `image_path`, or by an `id` column). An export writes one part per split (0: train, 1: val, 2: test)
 whose parquet has `id` and `image_path` (the image's id, its path under the dataset root), `split`, `labels`
-(fixed-size list of uint8, the full labels) and `observed` (int8, -1/0/1; null in test), and
-`spml_cache.json` beside them (the cache's dataset, classes and backbone settings, read back on import).
+(fixed-size list of uint8, the full labels), `observed` (int8, -1/0/1; null in test) and, for partial labels,
+`label_mask` (uint8, 1 where annotated), and `spml_cache.json` beside them: the cache's dataset, classes, path,
+backbone settings and protocol settings. An import reads such an export back as it was (`read_export`: its
+splits, labels and single positives; no images needed).
 Parquet goes through pyarrow, the `parquet` extra.
 """
 
@@ -21,11 +23,13 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from spml_cache.cache.reading import load
+from spml_cache.cache.csr import SPARSE_MIN_CLASSES
 from spml_cache.cache.schema import COPY_BLOCK_ROWS, SPLITS, cache_id, plain
-from spml_cache.labels import is_sparse
+from spml_cache.labels import SparseLabels, is_sparse, stack
 from spml_cache.runtime.disk import remove_stale_temporaries, require_room, temporary_path
 from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, finished, stops_deferred
 
@@ -35,6 +39,11 @@ KEY_COLUMNS = ("id", "image_path")  # what a metadata row names its image by, in
 # The cache attrs that say what the features are: an export keeps them, an import of it restores them.
 DESCRIBING = ("backbone", "weights", "resolution", "resize", "mean", "std", "feature_dim", "clip_features",
               "backbone_origin", "features")
+# The cache attrs that say how its rows were drawn: an export keeps them, so that an import of it without the
+# images gives the same cache (`read_export`); an export without them (made before they were kept) needs --root.
+PROTOCOL = ("split_seed", "val_frac", "observe_seed", "num_pos", "num_neg", "expected_positives", "precision",
+            "decoder", "limit", "skipped_missing", "skipped_images")
+LABEL_MASK = "label_mask"
 EXPORT_MARGIN = 64 * 2**10  # bytes beyond `export_size` (an overestimate: parquet compresses): its footers
 
 
@@ -133,6 +142,109 @@ def read_parts(folder: Path) -> Parts:
     return Parts(folder, arrays, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), present, sidecar)
 
 
+def read_sidecar(folder: Path) -> dict:
+    """The folder's spml_cache.json ({} where there is none: clip-retrieval's own output)."""
+    path = Path(folder) / SIDECAR
+    if not path.is_file():
+        return {}
+    try:
+        sidecar = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SpmlError(f"{path} is not readable JSON ({err}); export the cache again") from None
+    return sidecar if isinstance(sidecar, dict) else {}
+
+
+def is_export(sidecar: dict) -> bool:
+    """Whether the sidecar is an export's that records how its rows were drawn (read back without images)."""
+    return {"dataset", "classes", "parts", "protocol"} <= sidecar.keys()
+
+
+def made_from(sidecar: dict, path: Path) -> bool:
+    """Whether the cache at `path` is the one the export was made from: the path its sidecar records, or a cache
+    of the same id (its attrs hash) wherever it now lies."""
+    source = sidecar.get("cache")
+    if source and Path(source).expanduser().resolve() == Path(path).expanduser().resolve():
+        return True
+    if not Path(path).is_file() or "cache_id" not in sidecar:
+        return False
+    try:
+        with h5py.File(path, "r") as file:
+            attrs = {key: plain(value) for key, value in file.attrs.items()}
+    except OSError:  # not HDF5, or locked by its writer: not the export's source as it was
+        return False
+    return cache_id(attrs) == sidecar["cache_id"]
+
+
+@dataclass
+class Exported:
+    """An export read back as the cache it was made from: the sidecar and `cache.write`'s split dicts (features
+    memory-mapped; labels, observed and label_mask as exported, sparse from `SPARSE_MIN_CLASSES` classes)."""
+
+    folder: Path
+    sidecar: dict
+    splits: dict[str, dict]
+
+
+def _label_rows(table_path: Path, name: str, column, num_classes: int, dtype, sparse: bool):
+    """A fixed-size list column as an [N, C] matrix (None where every row is null: test's observed)."""
+    if column.null_count == len(column) and len(column):
+        return None
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    allowed = (-1, 0, 1) if dtype == np.int8 else (0, 1)
+    if len(values) != len(column) * num_classes or not np.isin(values, allowed).all():
+        raise SpmlError(f"{table_path}: its {name} lists are not {num_classes} values in {allowed} per row; export"
+                        " the cache again")
+    matrix = values.astype(dtype).reshape(len(column), num_classes)
+    return SparseLabels.from_dense(matrix) if sparse else matrix
+
+
+def _read_split_rows(table_path: Path, num_classes: int) -> dict:
+    """An export's metadata part read back: ids, labels, observed, label_mask, a block of rows at a time."""
+    _, pq = parquet()
+    sparse = num_classes >= SPARSE_MIN_CLASSES
+    wanted = ["id", "labels", "observed", LABEL_MASK]
+    try:
+        file = pq.ParquetFile(table_path)
+        names = [name for name in wanted if name in file.schema_arrow.names]
+        blocks = list(file.iter_batches(batch_size=COPY_BLOCK_ROWS, columns=names))
+    except Exception as err:  # pyarrow's own errors: a damaged or foreign file
+        raise SpmlError(f"{table_path} is not a readable parquet file ({type(err).__name__}: {err})") from None
+    if not {"id", "labels", "observed"} <= set(names):
+        raise SpmlError(f"{table_path}: no id, labels and observed columns, which an export writes; export the"
+                        " cache again, or import with --root DIR (the images' folder)")
+    rows = {"ids": [str(v) for block in blocks for v in block.column("id").to_pylist()]}
+    for name, dtype in (("labels", np.uint8), ("observed", np.int8), (LABEL_MASK, np.uint8)):
+        if name in names:
+            parts = [_label_rows(table_path, name, block.column(name), num_classes, dtype, sparse) for block in blocks]
+            if parts and all(part is not None for part in parts):
+                rows[name] = stack(parts)
+    if not blocks:
+        rows["labels"] = np.zeros((0, num_classes), np.uint8)
+    return rows
+
+
+def read_export(folder: Path) -> Exported:
+    """An export (`is_export`) read back: one part per split as its sidecar's `parts` names them, each part's
+    metadata row for row with its embeddings."""
+    folder = Path(folder).expanduser()
+    sidecar = read_sidecar(folder)
+    files = _matched_files(folder)
+    parts = {int(index): name for index, name in sidecar["parts"].items()}
+    if sorted(parts) != list(range(len(files))) or sorted(parts.values()) != sorted(SPLITS):
+        raise SpmlError(f"{folder}: {len(files)} img_emb parts, where {SIDECAR} names {len(parts)} ({parts}); an"
+                        " export holds one part per split: export the cache again")
+    splits = {}
+    for index, (array_path, table_path) in enumerate(files):
+        check_stop()
+        array = _read_array(array_path)
+        rows = _read_split_rows(table_path, len(sidecar["classes"]))
+        if len(rows["ids"]) != len(array):
+            raise SpmlError(f"{table_path}: {len(rows['ids'])} rows for the {len(array)} of {array_path.name}; a"
+                            " part's metadata names its embeddings row for row: export the cache again")
+        splits[parts[index]] = {"features": array, **rows}
+    return Exported(folder, sidecar, splits)
+
+
 @dataclass
 class ExportReport:
     folder: Path
@@ -163,8 +275,10 @@ def _write_features(file, split) -> None:
 def _write_metadata(file, name: str, split) -> None:
     pa, pq = parquet()
     total, num_classes = len(split.ids), split.labels.shape[1]
+    mask = getattr(split, LABEL_MASK, None)
     schema = pa.schema([("id", pa.string()), ("image_path", pa.string()), ("split", pa.string()),
-                        ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8(), num_classes))])
+                        ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8(), num_classes)),
+                        *([(LABEL_MASK, pa.list_(pa.uint8(), num_classes))] if mask is not None else [])])
     with pq.ParquetWriter(file, schema) as writer:
         for start in range(0, max(total, 1), COPY_BLOCK_ROWS):  # labels made dense a block at a time
             check_stop()
@@ -172,10 +286,11 @@ def _write_metadata(file, name: str, split) -> None:
             ids = split.ids[start:stop]
             observed = (pa.nulls(stop - start, schema.field("observed").type) if split.observed is None else
                         _fixed_lists(pa, _dense_rows(split.observed, start, stop, np.int8), pa.int8()))
+            masks = [] if mask is None else [_fixed_lists(pa, _dense_rows(mask, start, stop, np.uint8), pa.uint8())]
             writer.write_table(pa.table([pa.array(ids, pa.string()), pa.array(ids, pa.string()),
                                          pa.array([name] * (stop - start), pa.string()),
                                          _fixed_lists(pa, _dense_rows(split.labels, start, stop, np.uint8), pa.uint8()),
-                                         observed], schema=schema))
+                                         observed, *masks], schema=schema))
 
 
 def _write_file(path: Path, write) -> None:
@@ -195,9 +310,10 @@ def _write_layout(folder: Path, path: Path, features) -> None:
         _write_file(folder / EMBEDDINGS / f"{EMBEDDINGS}_{index}.npy", lambda file: _write_features(file, split))
         _write_file(folder / METADATA / f"{METADATA}_{index}.parquet",
                     lambda file: _write_metadata(file, name, split))
-    sidecar = {"dataset": features.dataset, "classes": features.classes, "cache": str(path),
+    sidecar = {"dataset": features.dataset, "classes": features.classes, "cache": str(path.resolve()),
                "cache_id": cache_id(features.attrs), "parts": dict(enumerate(SPLITS)),
-               "attrs": {key: plain(features.attrs[key]) for key in DESCRIBING if key in features.attrs}}
+               "attrs": {key: plain(features.attrs[key]) for key in DESCRIBING if key in features.attrs},
+               "protocol": {key: plain(features.attrs[key]) for key in PROTOCOL if key in features.attrs}}
     _write_file(folder / SIDECAR, lambda file: file.write(json.dumps(sidecar, indent=1).encode("utf-8")))
 
 

@@ -22,6 +22,7 @@ from spml_cache.cli.text import (  # noqa: F401 (parse_* are the command line's 
     default_data_root,
     extract_report,
     finetune_summary,
+    help_as_prose,
     last_line,
     no_type_for_flags,
     one_line_warning,
@@ -46,6 +47,7 @@ from spml_cache.options import (
     ExtractOptions, ExtractPlacement, FinetuneOptions, FinetunePlacement, LinearOptions, LinearPlacement,
 )
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
+from spml_cache.runtime.install import mismatched_torchvision
 
 app = typer.Typer(
     name="spml-cache",
@@ -162,6 +164,7 @@ def finetune_command(options: FinetuneOptions, placement: FinetunePlacement) -> 
 
 # --- report (report helper) ---
 app.command("report")(report_command)
+help_as_prose(app)  # last: every command's docstring wraps at the terminal's width
 
 
 def main() -> None:
@@ -193,6 +196,9 @@ def main() -> None:
         except Exception as err:  # a bug or an environment failure: still one line unless --debug
             if _debug["on"]:
                 raise
+            known = mismatched_torchvision(err)  # a broken install, met as the command starts: the fix
+            if known is not None:
+                last_line(Text("error: ", style="bold red") + Text(str(known), style="red"), 1)
             message = f"{type(err).__name__}: {err} (run with --debug for the traceback)"
             last_line(Text("error: ", style="bold red") + Text(message, style="red"), 1)
 

@@ -23,8 +23,10 @@ def check_loss_command(
     """
     from spml_cache import losses
     from spml_cache.losses.contract import run_checks
+    from spml_cache.runtime.plugins import given_as_argument
 
-    cls = losses.get(spec)
+    with given_as_argument():  # refusals name SPEC as typed: no --loss was given
+        cls = losses.get(spec)
     console = Console(soft_wrap=True, highlight=False)
     console.print(f"checking {cls.name} ({spec})", markup=False)
     for passed, line in run_checks(cls):

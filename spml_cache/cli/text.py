@@ -4,6 +4,7 @@ declaration (options/text.py)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -43,6 +44,25 @@ def require_root(root: Optional[Path]) -> Path:
 def one_line_warning(message, category, *_) -> None:
     """Python's warnings (e.g. `--weights none`) as one yellow line, without the source line they point at."""
     ERR_CONSOLE.print(Text(f"warning: {message}", style="yellow"))
+
+
+def as_prose(doc: str | None) -> str:
+    """A command's docstring as its --help shows it: each paragraph one line, which the terminal wraps at its own
+    width (typer keeps a paragraph's source line breaks, which at 80 columns left short orphans mid-sentence);
+    a paragraph of `Example:` lines keeps them, one a line."""
+    paragraphs = []
+    for paragraph in inspect.cleandoc(doc or "").split("\n\n"):
+        lines = [line.strip() for line in paragraph.splitlines()]
+        examples = lines and all(line.startswith("Example:") for line in lines)
+        paragraphs.append("\n".join(lines) if examples else " ".join(lines))
+    return "\n\n".join(paragraphs)
+
+
+def help_as_prose(app) -> None:
+    """Every registered command's help (its docstring, unless given) `as_prose`."""
+    for command in app.registered_commands:
+        if command.help is None:
+            command.help = as_prose(command.callback.__doc__)
 
 
 def no_type_for_flags() -> None:

@@ -62,19 +62,21 @@ def make_demo_data_command(
 
 def import_features_command(
     folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy, metadata/metadata_{i}.parquet)."),
-    dataset: str = typer.Option(..., "--dataset", help=f"{PUBLISHED_HELP} (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root)."),
-    root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say)."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help=f"{PUBLISHED_HELP} (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root; an spml-cache export names its own)."),
+    root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout from other tools: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA); an spml-cache export needs none."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say; never the cache an export was made from)."),
     classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing cache at --out."),
 ) -> None:
     """Turn features computed elsewhere into a project cache: the authors' published features (their `val` = the
     official test split), or embeddings in the clip-retrieval layout matched to a dataset's images.
 
-    Authors' files: our val split is drawn from their train rows, their observed labels kept. clip-retrieval
-    layout: splits and single positives drawn from the dataset under --root, as extract draws them.
+    Authors' files: our val split is drawn from their train rows, their observed labels kept. An spml-cache
+    export: its own splits, labels and single positives, no images needed. Other clip-retrieval output: splits
+    and single positives drawn from the dataset under --root, as extract draws them.
 
     Example: spml-cache import-features data/pascal --dataset voc
+    Example: spml-cache import-features voc-embeddings --out cache/voc-imported.h5
     """
     from spml_cache.extract import import_features
 
@@ -103,22 +105,24 @@ def export_command(
 
 
 def losses_command(
-    specs: Optional[List[str]] = typer.Argument(None, help="Plugin losses to list too: path/to/file.py:Class or package.module:Class."),
+    names: Optional[List[str]] = typer.Argument(None, help="Only these losses: a built-in's name, an installed plugin's, path/to/file.py:Class or package.module:Class (default: every loss)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array (one object per loss) instead of a table."),
 ) -> None:
-    """Every loss: name, description, paper reference, defaults (and per-dataset defaults), state, flags; then
-    the installed plugins (entry-point group spml_cache.losses) and the plugins named, with their origin.
+    """Every loss, or the losses named: name, description, paper reference, defaults (and per-dataset defaults), state, flags; with every loss, the installed plugins (entry-point group spml_cache.losses) too, with their origin.
 
     Override any default in training with --hp name=value. Your own loss: docs/your-own-loss.md.
 
+    Example: spml-cache losses role
     Example: spml-cache losses --json
     Example: spml-cache losses examples/masked_focal.py:MaskedFocal
     """
     import json
 
     from spml_cache import losses
+    from spml_cache.runtime.plugins import given_as_argument
 
-    rows = losses.describe(tuple(specs or ()))
+    with given_as_argument():  # refusals name each NAME as typed: no --loss was given
+        rows = losses.describe(tuple(names or ()))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return

@@ -86,6 +86,49 @@ def _attrs(images, protocol_attrs: dict, described: dict, folder: Path) -> dict:
     }  # fmt: skip
 
 
+def _output(out: Path | None, dataset: str, described: dict, sidecar: dict, force: bool) -> Path:
+    """Where the import goes: --out, else the default path of its dataset, backbone and resolution; never a file
+    that is not a cache, a cache without --force, nor the very cache an export was made from."""
+    if out is None:
+        kind = described.get("features", DEFAULT_FEATURES)  # a last4 export comes back as a last4 cache
+        backbone = slug(described["backbone"]) + ("" if kind == DEFAULT_FEATURES else f"_{kind}")
+        out = cache.default_path(dataset, int(described["resolution"]), backbone=backbone)
+    path = Path(out).expanduser()
+    if embeddings.made_from(sidecar, path):
+        raise SpmlError(f"{path} is the cache this export was made from, which an import never writes over: pass"
+                        " --out FILE for the imported cache")
+    refuse_foreign_file(path)
+    if path.exists() and not force:
+        raise SpmlError(f"{path} already exists: pass --force to replace it, or pick another --out")
+    return path
+
+
+def import_export(folder: Path, *, out: Path | None = None, force: bool = False) -> ImportReport:
+    """The cache an `spml-cache export` in `folder` was made from, again, from the export alone (no images): its
+    rows, labels and single positives as exported, its backbone's and protocol's settings from spml_cache.json.
+    Refuses to replace a cache unless `force`, and the export's own source always."""
+    exported = embeddings.read_export(folder)
+    sidecar, splits = exported.sidecar, exported.splits
+    check_stop()
+    described = {**FOREIGN, **sidecar.get("attrs", {}), "feature_dim": int(splits["train"]["features"].shape[1])}
+    path = _output(out, sidecar["dataset"], described, sidecar, force)
+    for name, split in splits.items():
+        wrong = cache.invalid_rows(split["features"])
+        if len(wrong):
+            raise SpmlError(f"{exported.folder}: embeddings not finite (NaN or inf) for {name}"
+                            f" {cache.describe_rows(wrong, split['ids'])}; nothing was written: export them again")
+        check_stop()
+    attrs = {"dataset": sidecar["dataset"], "classes": json.dumps(list(sidecar["classes"])),
+             "num_classes": len(sidecar["classes"]), **described, "precision": "fp32", "limit": 0,
+             "skipped_missing": "[]", "skipped_images": "{}", **sidecar["protocol"],
+             "source": f"import-features {exported.folder.resolve()}", **run_attrs(torch.device("cpu")),
+             "device": "unknown (imported embeddings)"}
+    written = write_import(path, attrs, splits)
+    note = (f"the export's own splits, labels and single positives, as in {sidecar.get('cache', 'its cache')}; no"
+            " images were read")
+    return ImportReport(written, {name: len(splits[name]["ids"]) for name in cache.SPLITS}, [note])
+
+
 def import_embeddings(folder: Path, *, dataset: str, root: Path, out: Path | None = None,
                       force: bool = False) -> ImportReport:
     """The cache of `dataset` (read under `root`) from the embeddings in `folder`; refuses to replace a cache
@@ -101,14 +144,7 @@ def import_embeddings(folder: Path, *, dataset: str, root: Path, out: Path | Non
     ids = [image_id for name in cache.SPLITS for image_id in rows[name].ids]
     positions, column, unmatched = _positions(parts, images, ids)
     described = {**FOREIGN, **parts.sidecar.get("attrs", {}), "feature_dim": int(parts.arrays[0].shape[1])}
-    if out is None:
-        kind = described.get("features", DEFAULT_FEATURES)  # a last4 export comes back as a last4 cache
-        backbone = slug(described["backbone"]) + ("" if kind == DEFAULT_FEATURES else f"_{kind}")
-        out = cache.default_path(images.dataset, int(described["resolution"]), backbone=backbone)
-    path = Path(out).expanduser()
-    refuse_foreign_file(path)
-    if path.exists() and not force:
-        raise SpmlError(f"{path} already exists: pass --force to replace it, or pick another --out")
+    path = _output(out, images.dataset, described, parts.sidecar, force)
     splits = {name: _split(rows[name], parts, positions, name) for name in cache.SPLITS}
     check_stop()
     attrs = _attrs(images, protocol_result.attrs, described, folder)

@@ -40,7 +40,12 @@ def usable_rows(dataset: str, root: Path, ids: dict[str, list[str]], skip_missin
     if not missing:
         return root, rows, ""
     shown = ", ".join(missing[:MISSING_SHOWN]) + (", ..." if len(missing) > MISSING_SHOWN else "")
-    described = f"{len(missing)} of {sum(map(len, ids.values()))} images are missing under {root} ({shown})"
+    total = sum(map(len, ids.values()))
+    if len(missing) == total:  # a wrong folder, not a few lost files: --skip-missing would leave nothing
+        where = "does not exist" if not root.exists() else f"holds none of the cache's {total} images (e.g. {missing[0]})"
+        raise SpmlError(f"the image root {root} {where}: pass --root DIR, the folder the cache was extracted from"
+                        f" (its {dataset} images)")
+    described = f"{len(missing)} of {total} images are missing under {root} ({shown})"
     if not skip_missing:
         raise SpmlError(f"{described}: pass --root DIR where the images are, or leave them out with --skip-missing")
     if any(len(split_rows) == 0 for split_rows in rows.values()):

@@ -37,7 +37,7 @@ class Gathering:
         self.progress: dict[tuple, dict] = {}  # (key, seed index): {batch sizes: (epoch, best so far)}
         self.groups: dict[tuple, Part] = {}  # the lr groups of a part trained so far (memory budget)
         for key in [key for key in plan.units if len(self.parts[key]) == self.expected]:
-            self._finish(key)
+            self._finish(key, reused=True)  # every part kept by the run this one resumes: said as such, once
 
     def take(self, event: JobEvent) -> None:
         """One event of a job: its metrics lines written, its progress shown, its finished parts kept."""
@@ -73,8 +73,8 @@ class Gathering:
         return (record.seed, settings.lrs.index(record.lr), wd, settings.batch_sizes.index(record.batch_size),
                 self.positions[record.loss][record.swept])
 
-    def _finish(self, key: str) -> None:
-        """Select unit `key` once its every part is in."""
+    def _finish(self, key: str, reused: bool = False) -> None:
+        """Select unit `key` once its every part is in (`reused`: all of them were kept before this resume)."""
         done, (name, rule) = self.parts.pop(key), self.plan.units[key]
         records = sorted((record for part in done.values() for record in part.records), key=self._grid_order)
         seconds = sum(part.seconds for part in done.values())  # training time, summed over the loss's parts
@@ -82,7 +82,7 @@ class Gathering:
         self.entries[key] = entry if rule == observation.DEFAULT_RULE else {"loss": name, "rule": rule, **entry}
         if best is not None:
             self.checkpoints[key] = best
-        self.live.loss_done(key, self.entries[key])
+        self.live.loss_done(key, self.entries[key], reused)
 
 
 @torch.no_grad()

@@ -85,18 +85,20 @@ class LiveTable:
             self.rows[loss] = [progress, f"{best['val_map']:.2f}", f"{best['test_map']:.2f}", config]
         self._show(f"{loss}: {progress}, best val mAP {self.rows[loss][1]} (test {self.rows[loss][2]})")
 
-    def loss_done(self, loss: str, result: dict) -> None:
+    def loss_done(self, loss: str, result: dict, reused: bool = False) -> None:
+        """A loss selected: `reused`, its every part was trained by the run this one resumes (kept, not done now)."""
         selected = result.get("selected")
+        state = f"kept, trained before in {result['seconds']:.1f} s" if reused else f"done, {result['seconds']:.1f} s"
         if selected is None:
-            self.rows[loss] = [f"done, {result['seconds']:.1f} s", "-", "-", "every head diverged"]
+            self.rows[loss] = [state, "-", "-", "every head diverged"]
         else:
             epochs = ",".join(str(epoch) for epoch in result["best_epoch"])
             swept = hparams_text(selected.get("swept", {}), ", ")
             config = f"lr {lr_text(selected)}, batch {selected['batch_size']}, {swept}epoch {epochs}"
             val, test = _mean_std(result, "val_map"), _mean_std(result, "test_map")
-            self.rows[loss] = [f"done, {result['seconds']:.1f} s", val, test, config]
-        self._show(f"{loss}: done in {result['seconds']:.1f} s, val mAP {self.rows[loss][1]}, "
-                   f"test mAP {self.rows[loss][2]} ({self.rows[loss][3]})", force=True)
+            self.rows[loss] = [state, val, test, config]
+        self._show(f"{loss}: {state}, val mAP {self.rows[loss][1]}, test mAP {self.rows[loss][2]}"
+                   f" ({self.rows[loss][3]})", force=True)
 
     def _show(self, line: str, force: bool = False) -> None:
         if self.live:

@@ -128,11 +128,16 @@ class _Planned:
     whole: LinearData
 
 
-def _interrupted(run_dir: Path, plan: JobPlan, stop: BaseException, going_on: str) -> Interrupted:
-    """What a stopped run says: the parts kept, and the command that goes on."""
+def _part_count(plan: JobPlan) -> tuple[int, str]:
+    """How many parts the run has, and what one is (a loss's, or a loss's under a rule, seed and batch size)."""
     settings = plan.settings
     parts = len(plan.units) * len(settings.seeds) * len(settings.batch_sizes)
-    what = "(loss, rule, seed, batch size)" if _several(settings) else "(loss, seed, batch size)"
+    return parts, "(loss, rule, seed, batch size)" if _several(settings) else "(loss, seed, batch size)"
+
+
+def _interrupted(run_dir: Path, plan: JobPlan, stop: BaseException, going_on: str) -> Interrupted:
+    """What a stopped run says: the parts kept, and the command that goes on."""
+    parts, what = _part_count(plan)
     lost = f"another process of this torchrun command ended ({stop}): " if isinstance(stop, PeerLost) else ""
     return Interrupted(f"{lost}{len(KeptParts(run_dir).read())} of {parts} {what} parts are kept in {run_dir}",
                        going_on)
@@ -141,8 +146,7 @@ def _interrupted(run_dir: Path, plan: JobPlan, stop: BaseException, going_on: st
 def _loss_failed(run_dir: Path, plan: JobPlan, failed: LossFailed, going_on: str) -> SpmlError:
     """A loss failed while it trained: its line, what was kept, and how to go on once it is fixed: `--resume`, which
     takes a plugin's changed code only while none of its parts is kept (else a new run)."""
-    settings, kept = plan.settings, KeptParts(run_dir).read()
-    parts = len(plan.units) * len(settings.seeds) * len(settings.batch_sizes)
+    kept, (parts, _) = KeptParts(run_dir).read(), _part_count(plan)
     own = [key for key in kept if plan.units[key[0]][0] in failed.names]
     where = f"{len(kept)} of {parts} parts are kept in {run_dir}"
     if own and any(loss_registry.plugins.origin(name) for name in failed.names):
@@ -276,6 +280,10 @@ def _train_in(run_dir: Path, resuming: bool, ranks, console, plan: JobPlan) -> d
                           test_mask=features.test.label_mask,
                           rules={rule: found.train for rule, found in observed.items() if several})
     kept = KeptParts(run_dir).read() if resuming else {}
+    if resuming:  # once, before any training: what the run before this one left, and what is left to train
+        parts, what = _part_count(plan)
+        (console or progress_console).print(f"resuming {run_dir}: {len(kept)} of {parts} {what} parts kept, training"
+                                            f" {parts - len(kept)}", markup=False, highlight=False, soft_wrap=True)
     if ranks:
         ranks.broadcast(set(kept))  # every process plans the same missing parts
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rebuilt: the kept parts' lines, then the new ones

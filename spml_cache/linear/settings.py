@@ -5,6 +5,7 @@ an interrupted run was started with.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -185,6 +186,9 @@ def start_heads(from_run: Path | str | None, names: list[str], features: Feature
         keep_state = head.loss == name and head.cache_id == same_cache
         starts[name] = StartHead(head.weight, head.bias, head.loss_state if keep_state else {},
                                  {"run": str(head.run), "loss": head.loss, **head.settings})
+    for said in dict.fromkeys(runs.other_cache(head, same_cache, features.path) for head in read.values()):
+        if said:  # the heads fit, but come from another cache's features: one line, not silence
+            warnings.warn(said, stacklevel=2)
     return starts
 
 

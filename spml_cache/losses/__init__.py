@@ -87,12 +87,15 @@ def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: st
     return dict(loss.hparams)
 
 
-def describe(specs: tuple[str, ...] = ()) -> list[dict]:
-    """One row per registered loss, then per installed plugin (entry points) and per plugin spec in `specs`, what
-    `spml-cache losses` prints: name, description, reference, defaults (a default derived at build time shows
-    how, e.g. "1/(C-1)"), per-dataset defaults, state, flags and, for a plugin, its origin. An installed plugin
-    that cannot be loaded is a row of its name and `error`, the one line that says why, and the rest are listed;
-    a spec named in `specs` that cannot be loaded is refused (it was asked for)."""
+def describe(names: tuple[str, ...] = ()) -> list[dict]:
+    """What `spml-cache losses` prints, one row per loss: name, description, reference, defaults (a default derived
+    at build time shows how, e.g. "1/(C-1)"), per-dataset defaults, state, flags and, for a plugin, its origin.
+    `names` (built-in names, plugin specs, installed plugins' names): those alone, in that order, each refused in
+    one line when it names no loss. Without names, every registered loss, then every installed plugin; one that
+    cannot be loaded is a row of its name and `error`, the one line that says why, and the rest are listed."""
+    if names:
+        found = {cls.name: cls for cls in map(get, names)}
+        return [_describe_row(name, cls) for name, cls in found.items()]
     found, broken = dict(LOSSES.items()), {}
     for name in plugins.installed():
         try:
@@ -101,7 +104,6 @@ def describe(specs: tuple[str, ...] = ()) -> list[dict]:
             broken[name] = str(err)
             continue
         found[cls.name] = cls
-    found.update({cls.name: cls for cls in map(get, specs)})
     rows = [_describe_row(name, cls) for name, cls in found.items()]
     return rows + [{"name": name, "origin": None, "error": error} for name, error in broken.items()]
 
@@ -151,7 +153,7 @@ def describe_table(rows: list[dict] | None = None) -> Table:
     from rich.text import Text
 
     rows = describe() if rows is None else rows
-    table = Table(title=f"{len(rows)} losses", show_lines=True, caption="equations: docs/losses.md; what"
+    table = Table(title=f"{len(rows)} loss{'' if len(rows) == 1 else 'es'}", show_lines=True, caption="equations: docs/losses.md; what"
                   " --fidelity authors changes, and every known difference from the authors' code: docs/fidelity.md")
     table.add_column("name", style="bold", no_wrap=True)
     table.add_column("what it does / paper reference", ratio=3)

@@ -84,26 +84,26 @@ def _register(found: loader.Loaded) -> type[Loss]:
     """Check the class against the contract's declarations and make it known by its `name`."""
     cls, spec = found.target, found.shown
     if not (inspect.isclass(cls) and issubclass(cls, Loss)) or cls is Loss:
-        raise SpmlError(f"--loss {spec}: {getattr(cls, '__name__', cls)!s} is not a loss; subclass"
+        raise SpmlError(f"{KIND.named(spec)}: {getattr(cls, '__name__', cls)!s} is not a loss; subclass"
                         f" spml_cache.losses.Loss ({GUIDE})")
     name = cls.__dict__.get("name")
     if found.origin.kind == loader.ENTRY_POINT and name not in (None, found.origin.spec):
-        raise SpmlError(f"--loss {spec}: the entry point is named {found.origin.spec!r} but the class's name is"
+        raise SpmlError(f"{KIND.named(spec)}: the entry point is named {found.origin.spec!r} but the class's name is"
                         f" {name!r}; make them the same")
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise SpmlError(f"--loss {spec}: set the class attribute name = \"my_loss\" (letters, digits and _,"
+        raise SpmlError(f"{KIND.named(spec)}: set the class attribute name = \"my_loss\" (letters, digits and _,"
                         f" a letter first); it names the loss's results ({GUIDE})")
     if len(name) > NAME_MAX:
-        raise SpmlError(f"--loss {spec}: its name is {len(name)} characters ({name[:16]}...); give it at most"
+        raise SpmlError(f"{KIND.named(spec)}: its name is {len(name)} characters ({name[:16]}...); give it at most"
                         f" {NAME_MAX} (it is part of file names, which filesystems cap at 255 bytes)")
     if name in LOSSES:
-        raise SpmlError(f"--loss {spec}: its name {name!r} is a built-in loss's; give the plugin another name")
+        raise SpmlError(f"{KIND.named(spec)}: its name {name!r} is a built-in loss's; give the plugin another name")
     if cls.forward is Loss.forward:  # torch's placeholder, which raises at the first step
-        raise SpmlError(f"--loss {spec}: {cls.__name__} has no forward(logits, observed, *, labels=None,"
+        raise SpmlError(f"{KIND.named(spec)}: {cls.__name__} has no forward(logits, observed, *, labels=None,"
                         f" index=None); define it ({GUIDE})")
     before = _LOADED.get(name)
     if before is not None and before[0] is not cls:
-        raise SpmlError(f"--loss {spec}: the name {name!r} is taken by the plugin {before[1]['spec']}; give one"
+        raise SpmlError(f"{KIND.named(spec)}: the name {name!r} is taken by the plugin {before[1]['spec']}; give one"
                         " of them another name")
     _LOADED[name] = (cls, found.origin.as_dict())
     return cls

@@ -62,6 +62,16 @@ def check_same_cache(head: LinearHead, cache_id: str, cache_path) -> None:
                         f" {head.cache}), or train a linear run on this one")
 
 
+def other_cache(head: LinearHead, cache_id: str, cache_path) -> str | None:
+    """What to say when `--from`'s head was trained on another cache than the one stage two trains on now (None
+    when the same, or when the run predates cache ids): the heads fit (classes and width were checked), so they
+    start all the same, but from features of another cache, which the user should know."""
+    if head.cache_id is None or head.cache_id == cache_id:
+        return None
+    return (f"--from {head.run}: its heads were trained on {head.cache} (cache {head.cache_id}), not on"
+            f" {cache_path} (cache {cache_id}); they start these heads all the same, without their loss state")
+
+
 def best_loss(trained: dict[str, dict]) -> str | None:
     """The loss whose head a later stage starts from when none is named: the best val mAP among the
     single-positive losses (never an oracle: it saw the full labels), under any observation rule (a result key,

@@ -24,11 +24,12 @@ import os
 import re
 import sys
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from pathlib import Path
 
-from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, stops_at_once
+from spml_cache.runtime.errors import Interrupted, SpmlError, closest, stop_requested, stops_at_once
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,25 @@ class Kind:
     @property
     def flag(self) -> str:
         return f"--{self.noun}"
+
+    def named(self, spec: str) -> str:
+        """How a refusal names `spec`: after its flag (`--loss x.py:A`), or as typed where it came as a command's
+        argument (`check-loss x.py:A`, `losses NAME`: `given_as_argument`)."""
+        return spec if _AS_ARGUMENT.get() else f"{self.flag} {spec}"
+
+
+_AS_ARGUMENT: ContextVar[bool] = ContextVar("plugin_spec_as_argument", default=False)
+
+
+@contextmanager
+def given_as_argument():
+    """Within it, refusals name a plugin spec as the user typed it, without a flag: it came as a command's
+    argument (check-loss SPEC, losses NAME), where no --loss or --backbone was given."""
+    token = _AS_ARGUMENT.set(True)
+    try:
+        yield
+    finally:
+        _AS_ARGUMENT.reset(token)
 
 
 LOSSES = Kind(noun="loss", group="spml_cache.losses", guide="docs/your-own-loss.md", thing="class",
@@ -152,7 +172,7 @@ def load(spec: str, kind: Kind) -> Loaded:
     """Import `path/to/file.py:Name` or `package.module:Name` and find Name there."""
     found = split(spec)
     if found is None or not found[0] or not found[1].isidentifier():
-        raise SpmlError(f"{kind.flag} {spec}: expected path/to/file.py:{kind.placeholder} or"
+        raise SpmlError(f"{kind.named(spec)}: expected path/to/file.py:{kind.placeholder} or"
                         f" package.module:{kind.placeholder} ({kind.guide})")
     where, name = found
     if is_file(where):
@@ -162,9 +182,16 @@ def load(spec: str, kind: Kind) -> Loaded:
         module = _import_module(spec, where, kind)
         origin = Origin(kind="module", spec=spec, module=where, **_file_origin(module), **_distribution(module))
     if not hasattr(module, name):
-        raise SpmlError(f"{kind.flag} {spec}: {where} defines no {name}; name a {kind.thing} it defines"
-                        f" ({kind.guide})")
+        close = closest(name, _defined(module))
+        raise SpmlError(f"{kind.named(spec)}: {where} defines no {name}" + (f" (did you mean {close}?)" if close else "")
+                        + f"; name a {kind.thing} it defines ({kind.guide})")
     return Loaded(getattr(module, name), origin, spec)
+
+
+def _defined(module) -> list[str]:
+    """The classes and functions `module` defines itself (not those it imports): what a spec may name there."""
+    return [key for key, value in vars(module).items()
+            if callable(value) and getattr(value, "__module__", None) == module.__name__]
 
 
 def entry_point(name: str, kind: Kind) -> metadata.EntryPoint | None:
@@ -173,8 +200,8 @@ def entry_point(name: str, kind: Kind) -> metadata.EntryPoint | None:
     found = [point for point in metadata.entry_points(group=kind.group) if point.name == name]
     if len(found) > 1:
         owners = ", ".join(f"{point.value} ({_owner(point)})" for point in found)
-        raise SpmlError(f"{kind.flag} {name}: {len(found)} installed entry points of {kind.group} have this name"
-                        f" ({owners}); name one as {kind.flag} module:{kind.placeholder}, or uninstall the other")
+        raise SpmlError(f"{kind.named(name)}: {len(found)} installed entry points of {kind.group} have this name"
+                        f" ({owners}); name one as {kind.named(f'module:{kind.placeholder}')}, or uninstall the other")
     return found[0] if found else None
 
 
@@ -229,7 +256,7 @@ def importing(shown: str, kind: Kind):
     except KeyboardInterrupt:
         if stop_requested() is None:  # no signal asked for it: the plugin raised it itself
             raise import_failed(shown, KeyboardInterrupt(), kind) from None
-        raise Interrupted(f"nothing was written ({kind.flag} {shown} was being imported)") from None
+        raise Interrupted(f"nothing was written ({kind.named(shown)} was being imported)") from None
     except (Exception, SystemExit) as err:
         raise import_failed(shown, err, kind) from None
 
@@ -237,13 +264,13 @@ def importing(shown: str, kind: Kind):
 def import_failed(shown: str, err: BaseException, kind: Kind) -> SpmlError:
     said = " ".join(str(err).split())  # one line, whatever the message holds
     raised = f"{type(err).__name__}: {said}" if said else type(err).__name__
-    return SpmlError(f"{kind.flag} {shown}: importing it raised {raised}; fix the plugin (run it with python to see"
+    return SpmlError(f"{kind.named(shown)}: importing it raised {raised}; fix the plugin (run it with python to see"
                      " the traceback)")
 
 
 def _import_file(spec: str, path: Path, kind: Kind):
     if not path.is_file():
-        raise SpmlError(f"{kind.flag} {spec}: no file {path}; give the path of a .py file that defines the"
+        raise SpmlError(f"{kind.named(spec)}: no file {path}; give the path of a .py file that defines the"
                         f" {kind.noun} ({kind.guide})")
     path = path.resolve()
     key = hashlib.sha256(f"{path}\0{_digest(path)}".encode()).hexdigest()[:12]
@@ -277,7 +304,7 @@ def _import_module(spec: str, module_name: str, kind: Kind):
         err = failed.__context__
         if isinstance(err, ModuleNotFoundError) and err.name and (module_name == err.name or
                                                                    module_name.startswith(f"{err.name}.")):
-            raise SpmlError(f"{kind.flag} {spec}: no module {err.name} on the Python path (the current folder"
+            raise SpmlError(f"{kind.named(spec)}: no module {err.name} on the Python path (the current folder"
                             " included); install its package, run from the folder that holds it, or add that"
                             f" folder to PYTHONPATH ({kind.guide})") from None
         raise

@@ -18,6 +18,7 @@ records (`KernelHostReads`).
 
 from __future__ import annotations
 
+import os
 import traceback
 from contextlib import ExitStack
 
@@ -49,11 +50,29 @@ INDEXING_OPS = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_
 FORBIDDEN_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__"}
 
 
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spml_cache/
+
+
 def where_in_the_package() -> str:
-    """The calling lines of the package's code, and of a loss plugin's file (check-loss), innermost first."""
-    frames = [f for f in traceback.extract_stack()[:-1] if ("spml_cache" in f.filename and "step_trace" not in
-              f.filename) or (f.filename.endswith(".py") and not _library(f.filename))]
-    return " <- ".join(f"{f.filename.split('spml_cache')[-1]}:{f.lineno} {f.line}" for f in reversed(frames)) or "?"
+    """Where the op was called. In code outside the package (a loss plugin's file, under check-loss) its innermost
+    line alone, `file.py:8 (the line)`, the path as short as the current folder allows: the line to change. Else
+    the package's own calling lines, innermost first (at most `PACKAGE_FRAMES`)."""
+    frames = [f for f in reversed(traceback.extract_stack()[:-1])
+              if f.filename.endswith(".py") and not _library(f.filename) and f.filename != __file__]
+    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(PACKAGE + os.sep)]
+    if outside:
+        return f"{_short(outside[0].filename)}:{outside[0].lineno} ({outside[0].line})"
+    return " <- ".join(f"{os.path.relpath(f.filename, os.path.dirname(PACKAGE))}:{f.lineno} {f.line}"
+                       for f in frames[:PACKAGE_FRAMES]) or "?"
+
+
+PACKAGE_FRAMES = 4
+
+
+def _short(filename: str) -> str:
+    """`filename` relative to the current folder where it lies below it, else as it is."""
+    relative = os.path.relpath(filename)
+    return filename if relative.startswith("..") else relative
 
 
 def flat(value) -> list:
