@@ -13,7 +13,7 @@ import torch
 
 from spml_cache import datasets
 from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
-from spml_cache.losses.slopes import bce_terms, logs_of, reduced, sigmoid_slope
+from spml_cache.losses.slopes import bce_terms, logs_of, reduced
 from spml_cache.runtime.errors import SpmlError
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -28,11 +28,15 @@ def expected_positive_regularizer(p: torch.Tensor, k: float) -> torch.Tensor:
     return ((k_hat - k) / num_classes) ** 2
 
 
-def expected_positive_terms(p: torch.Tensor, k) -> tuple[torch.Tensor, torch.Tensor]:
-    """R_k(P) (`[...]`) and its gradient with respect to the logits, `2 (k_hat - k) / (B C^2) (1 - p) p`."""
+def expected_positive_terms(p: torch.Tensor, k, weight=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """R_k(P) (`[...]`) and the gradient of `weight * R_k(P)` with respect to the logits,
+    `weight 2 (k_hat - k) / (B C^2) (1 - p) p`, taken in autograd's order (the weight first, each division, then
+    the sigmoid's factors one at a time): ROLE's theta slope sums it with near-equal terms (`weight`: a number or
+    one per head `[K]`)."""
     num_rows, num_classes = p.shape[-2:]
     gap = (p.sum(dim=(-2, -1)) / num_rows - k) / num_classes
-    return gap**2, (2 * gap / (num_classes * num_rows)).unsqueeze(-1).unsqueeze(-1) * sigmoid_slope(p)
+    coefficient = (weight * (2 * gap) / num_classes / num_rows).unsqueeze(-1).unsqueeze(-1)
+    return gap**2, coefficient * (1 - p) * p
 
 
 def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor, eps: float | None = None) -> torch.Tensor:
@@ -154,13 +158,13 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
         cross = [bce_terms(side, other, eps, side_logs) for side, side_logs, other in
                  zip(sides, logs, probabilities[::-1])]
         terms = 0.5 * (own[0][0] * known + own[1][0] * known) + 0.5 * (cross[0][0] + cross[1][0])
-        regularizers = [expected_positive_terms(p, head_vector(self.k)) for p in probabilities]
+        regularizers = [expected_positive_terms(p, head_vector(self.k), 0.5) for p in probabilities]
         value = mean_over_entries(terms) + 0.5 * (regularizers[0][0] + regularizers[1][0])
         # each term's slope at its own scale, then their sum, as autograd accumulates them: theta's slope is a
         # difference of near-equal probabilities where q ~ p, which Adam's normalisation then magnifies
         scale = 0.5 / (logits.shape[-2] * logits.shape[-1])
         known_scale = known * scale
-        grad_logits, grad_theta = (own_slope * known_scale + cross_slope * scale + 0.5 * regularizer_slope
+        grad_logits, grad_theta = (own_slope * known_scale + cross_slope * scale + regularizer_slope
                                    for (_, own_slope), (_, cross_slope), (_, regularizer_slope)
                                    in zip(own, cross, regularizers))
         return value, grad_logits, {"theta": grad_theta}

@@ -85,5 +85,7 @@ def power_slope(base: torch.Tensor, exponent) -> torch.Tensor:
 
 
 def reduced(terms: torch.Tensor, slopes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A `[..., B, C]` term matrix and its slopes as the loss's value (`mean_over_entries`) and gradient."""
-    return mean_over_entries(terms), slopes / (terms.shape[-2] * terms.shape[-1])
+    """A `[..., B, C]` term matrix and its slopes as the loss's value (`mean_over_entries`) and gradient: the slopes
+    times 1/(B*C), the factor autograd's mean hands down (a division would round otherwise), so that a loss whose
+    slope is one term's (`an`, `bce`, the smoothed ones, `epr`) gets autograd's gradient bit for bit."""
+    return mean_over_entries(terms), slopes * (1 / (terms.shape[-2] * terms.shape[-1]))

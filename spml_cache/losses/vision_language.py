@@ -196,8 +196,8 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
                       for on_p, on_1mp, on_missing in zip((logs.nl_p, logs.d_nl_p), (logs.nl_1mp, logs.d_nl_1mp),
                                                              (missing, d_missing))]
         value, grad = reduced(*known_or_unobserved(observed, logs, unobserved))
-        regularizer, slopes = expected_positive_terms(logs.p, head_vector(self.k))
-        return value + head_vector(self.reg) * regularizer, grad + self.reg * slopes
+        regularizer, slopes = expected_positive_terms(logs.p, head_vector(self.k), head_vector(self.reg))
+        return value + head_vector(self.reg) * regularizer, grad + slopes
 
 
 def _values_of(value) -> list[float]:
