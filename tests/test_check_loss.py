@@ -117,8 +117,17 @@ class NaNOnNegatives(Base):
         return mean_over_entries(torch.where(observed == -1, logits.log(), terms))  # log of a negative logit
 
 
+class WrongClosedForm(Base):
+    name = "wrong_closed_form"
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):  # twice the slope of forward's terms
+        slopes = torch.sigmoid(logits) - (observed == 1).to(logits.dtype)
+        return self(logits, observed), 2 * slopes / (observed.shape[-2] * observed.shape[-1])
+
+
 @pytest.mark.parametrize("check, cls, message", [
     (contract.check_gradient, WrongGradient, "but central finite differences in float64 give"),
+    (contract.check_closed_form, WrongClosedForm, "loss_and_grad's gradient differs from autograd of forward"),
     (contract.check_stacked, ReadsOtherHeads, "of 3 stacked heads gets"),
     (contract.check_capture_safe, Branches, "a captured step cannot wait on the device"),
     (contract.check_deterministic, Unseeded, "two builds with the same seed give different values"),

@@ -289,6 +289,7 @@ def test_a_built_in_loss_failing_the_same_way_is_a_bug_named_by_the_loss(tmp_pat
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(AssumeNegative, "forward", broken)
+    monkeypatch.setattr(AssumeNegative, "loss_and_grad", broken)  # what a step runs: an's closed form
     write_synthetic_cache(tmp_path / "voc.h5", train=24, val=8, test=8)
     code, err = run_main("linear", "--cache", "voc.h5", "--loss", "an", *TINY, cwd=tmp_path, monkeypatch=monkeypatch,
                          capsys=capsys)

@@ -15,8 +15,9 @@ def check_loss_command(
     """Hold a loss to the contract the built-in losses meet, one line per check; exit 1 at the first failure.
 
     Finite values and gradients (random logits and |z| = 30), the gradient against finite differences in float64,
-    K stacked heads equal to K heads alone, a capture-safe step (no host sync), determinism under a seed, and
-    every observation rule's masks (observed negatives too). docs/your-own-loss.md says what each one asks.
+    a closed form (loss_and_grad, if defined) against autograd, K stacked heads equal to K heads alone, a
+    capture-safe step (no host sync), determinism under a seed, and every observation rule's masks (observed
+    negatives too). docs/your-own-loss.md says what each one asks.
 
     Example: spml-cache check-loss examples/masked_focal.py:MaskedFocal
     """

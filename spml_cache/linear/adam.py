@@ -53,6 +53,7 @@ class _Slot:
         self.fused_rows = kernel and lazy_rows  # its batch's rows updated by the fused kernel
         self.step_tensor = torch.zeros((), device=param.device)  # where the kernel reads the step count
         self.lr = torch.tensor(lr, dtype=scalar_dtype(param.device), device=param.device) * self.lr_mult  # [K]
+        self.step_lrs: dict[int, torch.Tensor] = {}  # per number of dims: `lr` as a step broadcasts it
         self.exp_avg = torch.zeros_like(param, memory_format=torch.contiguous_format)
         self.exp_avg_sq = torch.zeros_like(param, memory_format=torch.contiguous_format)
         # The step each row is up to date with (lazy parameters only).
@@ -117,7 +118,12 @@ class StackedAdam:
             slot.param.grad = None
 
     def _lr_tensor(self, slot: _Slot, active: torch.Tensor | None, ndim: int, scale: float = 1.0) -> torch.Tensor:
-        """`lr_k * lr_mult * scale` per head (0 for stopped heads), shaped to broadcast over a slice."""
+        """`lr_k * lr_mult * scale` per head (0 for stopped heads), shaped to broadcast over a slice; a step's
+        (every head, scale 1) made once, by the first (eager) step."""
+        if active is None and scale == 1.0:
+            if ndim not in slot.step_lrs:
+                slot.step_lrs[ndim] = slot.lr.to(slot.param.dtype).view(-1, *([1] * (ndim - 1)))
+            return slot.step_lrs[ndim]
         lr = slot.lr * scale
         if active is not None:
             lr = lr * active

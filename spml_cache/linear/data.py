@@ -141,13 +141,22 @@ class LinearData:
         for a loss that reads the `whole` matrix (`losses.reads_whole_observed`), made dense, else None."""
         return observed_for_loss(self.train_observed, whole)
 
-    def batch(self, rows: torch.Tensor, oracle: bool, features: torch.Tensor | None = None) -> Batch:
+    def batch(self, rows: torch.Tensor, oracle: bool, features: torch.Tensor | None = None,
+              into: Batch | None = None) -> Batch:
         """The batch of training rows `rows`: their features (given when read from the cache) and dense label
-        blocks, gathered from tensors or built from CSR."""
+        blocks, gathered from tensors or built from CSR. `into`: an earlier batch of the same size whose tensors
+        the gathers write into (`out=`) instead of allocating (a captured step replays the same addresses)."""
         if features is None:
-            features = self.train_features.index_select(0, rows)
-        labels = block(self.train_labels, rows, np.uint8) if oracle else None
-        return Batch(features, block(self.train_observed, rows, np.int8), labels)
+            features = _gathered(self.train_features, rows, into and into.features)
+        labels = _gathered(self.train_labels, rows, into and into.labels, np.uint8) if oracle else None
+        return Batch(features, _gathered(self.train_observed, rows, into and into.observed, np.int8), labels)
+
+
+def _gathered(matrix, rows: torch.Tensor, out: torch.Tensor | None, dtype=None) -> torch.Tensor:
+    """`matrix`'s rows `rows`: gathered into `out` when both are tensors, else as `labels.block` builds them."""
+    if out is not None and isinstance(matrix, torch.Tensor):
+        return torch.index_select(matrix, 0, rows, out=out)
+    return matrix.index_select(0, rows) if dtype is None else block(matrix, rows, dtype)
 
 
 def _on_device(array, device: torch.device):

@@ -10,7 +10,6 @@ batch-16 head trained alone, for any loss, batch-coupled or stateful. Each epoch
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from spml_cache import losses as loss_registry
 from spml_cache.linear.adam import StackedAdam
 from spml_cache.linear.data import LinearData
+from spml_cache.linear.gradients import autograd_gradients, closed_form_gradients, rows_for_loss
 from spml_cache.linear.head_matrix import HeadMatrix
 from spml_cache.runtime.devices import head_conditions, to_host
 from spml_cache.runtime.errors import check_stop
@@ -59,8 +59,9 @@ class HeadStack:
     the loss takes per head), trained as one stacked tensor.
 
     A step: the batch's logits for every head (one matmul), the loss and its gradient with respect to the
-    logits (and the loss's own parameters) by autograd, then the heads' gradient and Adam update in
-    `HeadMatrix.step`. A head whose loss turns NaN/inf in an epoch stops at the end of that epoch.
+    logits (in closed form where the loss states it, else by autograd, with the loss's own parameters':
+    gradients.py), then the heads' gradient and Adam update in `HeadMatrix.step`. A head whose loss turns NaN/inf
+    in an epoch stops at the end of that epoch.
     """
 
     def __init__(self, name: str, heads: HeadSettings, seed: int, batch_size: int, data: LinearData,
@@ -84,7 +85,6 @@ class HeadStack:
         if start:
             self.loss.load_head_state(start.loss_state)
         loss_type = type(self.loss)
-        self.penalised = loss_type.penalises_weight
         self.adam = StackedAdam(lrs)  # the loss's own parameters (ROLE's theta), at their lr multiplier
         # Per-training-row parameters (ROLE's theta, as the loss declares them) only get gradient on the batch's
         # rows: Adam keeps them lazily. A loss with no per-row buffers uses `index` only to read them, so it can
@@ -97,11 +97,15 @@ class HeadStack:
             self.adam.add_param(param, getattr(param, "lr_mult", 1.0), lazy_rows=id(param) in lazy)
         self.lazy = bool(self.row_params)
         self.rows_only = self.lazy and not loss_type.row_buffers and len(self.row_params) == len(self.params)
+        # The loss's value and gradient in one pass, no autograd graph (gradients.py), where it states them: with
+        # trainable parameters only per-row ones, whose rows' gradients it gives (ROLE's theta)
+        self.closed_form = loss_type.closed_form() and (not self.params or self.rows_only)
         self.active = torch.ones(len(lrs), dtype=torch.bool, device=device)  # false once a head has diverged
         self.active_at_start = self.active
         self.stopped = None  # `active` once a head has stopped: the optimisers then leave that head alone
         self.frozen = None  # the stopped heads' columns of `heads` (HeadMatrix.frozen_columns)
         self.stopped_heads: tuple[int, ...] = ()  # which heads have stopped, on the host
+        self.gathered: dict[int, Batch] = {}  # per batch size: the tensors a step gathers its batch into
         self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
         self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
@@ -128,28 +132,23 @@ class HeadStack:
         With dense arrays in memory nothing in it waits on the GPU or copies from the host, and what changes
         between steps lives in tensors updated in place: a CUDA graph of it replays correctly (graphs.py); the
         Python step counters it advances are `step_counts`."""
-        batch = batch or data.batch(rows, self.loss.oracle)
-        features = batch.features
-        with self._rows_for_loss(rows) as (index, params):
-            logits = self.heads(features).requires_grad_()
-            per_head = self.loss(logits, batch.observed, labels=batch.labels, index=index)
-            inputs = [logits] + params
-            if self.penalised:
-                weight = self.heads.weight.requires_grad_()
-                per_head = per_head + self.loss.penalty(weight)
-                inputs.append(weight)
-            # Heads share no computation: a NaN in one head's loss reaches no other head's gradient.
-            grads = torch.autograd.grad(per_head.sum(), inputs, allow_unused=True)
-        self.heads.step(features, grads[0], grads[-1] if self.penalised else None, self.frozen)
-        if params:
-            param_grads = grads[1 : 1 + len(params)]
+        if batch is None:  # gathered into this batch size's buffers (made by its first step: the eager warm-up)
+            batch = data.batch(rows, self.loss.oracle, into=self.gathered.get(len(rows)))
+            self.gathered.setdefault(len(rows), batch)
+        if self.closed_form:
+            grads = closed_form_gradients(self.loss, self.heads, batch, rows)
+        else:
+            with rows_for_loss(self.loss, rows, self.params, self.row_params, self.rows_only) as (index, params):
+                grads = autograd_gradients(self.loss, self.heads, batch, index, params)
+        self.heads.step(batch.features, grads.logits, grads.weight, self.frozen)
+        if grads.params:
             if self.rows_only:
-                self.adam.step(self.stopped, rows, {id(p): g for (_, p), g in zip(self.row_params, param_grads)})
+                self.adam.step(self.stopped, rows, {id(p): g for (_, p), g in zip(self.row_params, grads.params)})
             else:
-                for param, grad in zip(self.params, param_grads):
+                for param, grad in zip(self.params, grads.params):
                     param.grad = grad
                 self.adam.step(self.stopped, rows)
-        self.epoch_loss += per_head.detach()
+        self.epoch_loss += grads.values
         self.num_steps += 1
 
     def step_counts(self) -> tuple[int, int, int]:
@@ -183,24 +182,6 @@ class HeadStack:
         self.stopped_heads = stopped_heads
         self.stopped = active
         self.frozen = self.heads.frozen_columns(active)
-
-    @contextmanager
-    def _rows_for_loss(self, rows: torch.Tensor):
-        """The `index` to hand the loss and the loss's tensors to differentiate: its parameters, or (with
-        `rows_only`) leaves standing in for them holding just the batch's rows, swapped into the loss for this
-        step and swapped back after; `index` is then `slice(None)`, every row of the stand-ins, so that
-        reading them is a view rather than a gather (and its gradient no scatter)."""
-        if not self.rows_only:
-            yield rows, self.params
-            return
-        proxies = [torch.nn.Parameter(param.detach().index_select(1, rows)) for _, param in self.row_params]
-        for (key, _), proxy in zip(self.row_params, proxies):
-            setattr(self.loss, key, proxy)
-        try:
-            yield slice(None), proxies
-        finally:
-            for key, param in self.row_params:
-                setattr(self.loss, key, param)
 
     def eval_logits(self, data: LinearData) -> torch.Tensor:
         self.adam.flush(self.active)

@@ -18,7 +18,9 @@ class HeadMatrix:
     """K linear heads `D -> C` side by side in one matrix, each trained by Adam at its own learning rate.
 
     Layout: `scaled_weight [D, K*C]` and `scaled_bias [K*C]`, head k in columns `k*C .. (k+1)*C - 1`, so one
-    `addmm` gives every head's logits on a batch and one `mm` every head's weight gradient.
+    `addmm` gives every head's logits on a batch and one `mm` every head's weight gradient. Both are views of one
+    `[D + 1, K*C]` buffer (the bias its last row), and so are their gradients and Adam's moments: the fused Adam
+    update reads one tensor of each.
 
     Adam moves a parameter by lr times a quantity of the gradients alone, so head k's parameters are stored
     divided by its lr (`scaled_*`): Adam updates them at lr 1 for all heads in one fused call, from the
@@ -61,10 +63,10 @@ class HeadMatrix:
                 raise ValueError(f"got {len(wds)} weight decays for {len(lrs)} learning rates: give one per head")
             wd_columns = torch.tensor(wds, dtype=torch.float64).repeat_interleave(num_classes)
             self.decay_columns = (wd_columns * lr_columns).float().to(device)
-        self.scaled_weight, self.scaled_bias = weight.float().to(device), bias.float().to(device)
-        params = [self.scaled_weight, self.scaled_bias]
-        self.grads, self.exp_avgs, self.exp_avg_sqs = ([torch.zeros_like(p) for p in params] for _ in range(3))
-        self.params = params
+        param = torch.cat([weight, bias.unsqueeze(0)]).float().to(device)  # [D + 1, K*C]
+        self.scaled_weight, self.scaled_bias = param[:-1], param[-1]
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [param], *([torch.zeros_like(param)] for _ in range(3))
+        self.grad_weight, self.grad_bias = self.grads[0][:-1], self.grads[0][-1]
         self.steps = 0
         self.step_tensor = torch.zeros((), device=device)  # where the fused kernel reads the step count
 
@@ -107,9 +109,9 @@ class HeadMatrix:
         `frozen` (`frozen_columns`; None: none): the columns of stopped heads, which keep their parameters and
         moments."""
         grad = grad_logits.transpose(0, 1).reshape(len(features), -1)  # [B, K*C], the layout of the logits
-        grad_weight, grad_bias = self.grads
+        grad_weight = self.grad_weight
         torch.mm(features.t(), grad, out=grad_weight)
-        torch.sum(grad, dim=0, out=grad_bias)
+        torch.sum(grad, dim=0, out=self.grad_bias)
         if weight_grad is not None:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
         if self.decay_columns is not None:  # d/dw of wd/2 |w|^2 = wd * w = wd * lr * scaled weight

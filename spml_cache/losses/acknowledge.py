@@ -21,6 +21,8 @@ from spml_cache.losses.base import (
     register,
     rows_for_heads,
 )
+from spml_cache.losses.assume_negative import known_or_unobserved
+from spml_cache.losses.slopes import bce_terms, entropy_terms, logs_of, reduced
 from spml_cache.runtime.registry import Param
 
 EM_ALPHA = {"voc": 0.2, "coco": 0.1, "nus": 0.1, "cub": 0.01}
@@ -49,6 +51,10 @@ class EntropyMaximization(Loss):
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return mean_over_entries(_em_terms(logits, observed, -self.alpha * entropy(logits, self.log_eps), self.log_eps))
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        logs = logs_of(logits, self.log_eps)
+        return reduced(*known_or_unobserved(observed, logs, entropy_terms(logits, logs, self.log_eps), -self.alpha))
 
 
 @register
@@ -128,3 +134,12 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
             pseudo_negative, self.beta * bce(logits, soft_target, self.log_eps), -self.alpha * entropy(logits, self.log_eps)
         )
         return mean_over_entries(_em_terms(logits, observed, unobserved_term, self.log_eps))
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        pseudo_negative = rows_for_heads(self.pseudo_negative, index, logits)
+        soft_target = rows_for_heads(self.soft_target, index, logits).to(logits.dtype)
+        logs = logs_of(logits, self.log_eps)
+        pseudo = bce_terms(logits, soft_target, self.log_eps, logs)
+        unobserved = [torch.where(pseudo_negative, self.beta * labelled, -self.alpha * maximised)
+                      for labelled, maximised in zip(pseudo, entropy_terms(logits, logs, self.log_eps))]
+        return reduced(*known_or_unobserved(observed, logs, unobserved))

@@ -15,6 +15,7 @@ from spml_cache.runtime.errors import SpmlError
 from spml_cache.losses.base import (
     Loss, as_tensor_like, bce, entropy, head_vector, mean_over_entries, neg_log_1mp, neg_log_p, register,
 )
+from spml_cache.losses.slopes import bce_terms, entropy_terms, logs_of, reduced, sigmoid_slope
 from spml_cache.runtime.registry import Param
 
 
@@ -33,11 +34,17 @@ class AssumeNegative(Loss):
         # nl(p) where z = 1 and nl(1 - p) elsewhere: BCE against the target 1[z = 1], as one fused op
         return mean_over_entries(bce(logits, (observed == 1).to(logits.dtype), self.log_eps))
 
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        return reduced(*bce_terms(logits, (observed == 1).to(logits.dtype), self.log_eps))
+
+
+def _smoothed_target(logits: torch.Tensor, observed: torch.Tensor, positive_target, negative_target) -> torch.Tensor:
+    return torch.where(observed == 1, as_tensor_like(positive_target, logits), as_tensor_like(negative_target, logits))
+
 
 def _smoothed_bce(logits: torch.Tensor, observed: torch.Tensor, positive_target: float, negative_target: float,
                   eps: float | None, reduce: bool = True):
-    target = torch.where(observed == 1, as_tensor_like(positive_target, logits), as_tensor_like(negative_target, logits))
-    terms = bce(logits, target, eps)
+    terms = bce(logits, _smoothed_target(logits, observed, positive_target, negative_target), eps)
     return mean_over_entries(terms) if reduce else terms
 
 
@@ -58,6 +65,9 @@ class AssumeNegativeLabelSmoothing(Loss):
     def forward(self, logits, observed, *, labels=None, index=None):
         return _smoothed_bce(logits, observed, 1.0 - self.ls, self.ls, self.log_eps)
 
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        return reduced(*bce_terms(logits, _smoothed_target(logits, observed, 1.0 - self.ls, self.ls), self.log_eps))
+
 
 @register
 class AssumeNegativeSmoothNegatives(Loss):
@@ -75,6 +85,11 @@ class AssumeNegativeSmoothNegatives(Loss):
     def forward(self, logits, observed, *, labels=None, index=None):
         smoothed = _smoothed_bce(logits, observed, 1.0, self.ls, self.log_eps, reduce=False)
         return mean_over_entries(torch.where(observed == -1, neg_log_1mp(logits, self.log_eps), smoothed))
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        smoothed, slopes = bce_terms(logits, _smoothed_target(logits, observed, 1.0, self.ls), self.log_eps)
+        logs, known = logs_of(logits, self.log_eps), observed == -1
+        return reduced(torch.where(known, logs.nl_1mp, smoothed), torch.where(known, logs.d_nl_1mp, slopes))
 
 
 @register
@@ -105,6 +120,12 @@ class WeakAssumeNegative(Loss):
         terms = torch.where(observed == 1, neg_log_p(logits, self.log_eps), weight * negative)
         return mean_over_entries(terms)
 
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        logs, positive = logs_of(logits, self.log_eps), observed == 1
+        weight = torch.where(observed == -1, 1.0, as_tensor_like(self.gamma, logits))
+        return reduced(torch.where(positive, logs.nl_p, weight * logs.nl_1mp),
+                       torch.where(positive, logs.d_nl_p, weight * logs.d_nl_1mp))
+
 
 @register
 class AssumeNegativeL1(AssumeNegative):
@@ -123,6 +144,9 @@ class AssumeNegativeL1(AssumeNegative):
 
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
         return head_vector(self.lam) * weight.abs().sum(dim=(-2, -1))
+
+    def penalty_and_grad(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.penalty(weight), self.lam * weight.sign()
 
 
 @register
@@ -143,6 +167,9 @@ class AssumeNegativeL2(AssumeNegative):
     def penalty(self, weight: torch.Tensor) -> torch.Tensor:
         return 0.5 * head_vector(self.lam) * weight.square().sum(dim=(-2, -1))
 
+    def penalty_and_grad(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.penalty(weight), self.lam * weight
+
 
 @register
 class EntropyMinimization(Loss):
@@ -162,6 +189,19 @@ class EntropyMinimization(Loss):
         other_term = torch.where(observed == 1, neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps))
         return mean_over_entries(torch.where(observed == 0, unobserved_term, other_term))
 
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        logs = logs_of(logits, self.log_eps)
+        return reduced(*known_or_unobserved(observed, logs, entropy_terms(logits, logs, self.log_eps), self.alpha))
+
+
+def known_or_unobserved(observed: torch.Tensor, logs, unobserved: tuple, weight=None) -> tuple[torch.Tensor, ...]:
+    """Terms and slopes: `nl(p)` on observed positives, `nl(1-p)` on observed negatives, the `unobserved` (term,
+    slope) elsewhere, times `weight` if given (entmin's `alpha`, em's `-alpha`)."""
+    positive, missing = observed == 1, observed == 0
+    unobserved = unobserved if weight is None else [weight * value for value in unobserved]
+    return (torch.where(missing, unobserved[0], torch.where(positive, logs.nl_p, logs.nl_1mp)),
+            torch.where(missing, unobserved[1], torch.where(positive, logs.d_nl_p, logs.d_nl_1mp)))
+
 
 @register
 class PairwiseRanking(Loss):
@@ -175,10 +215,19 @@ class PairwiseRanking(Loss):
     reference = "Cole et al., CVPR 2021, appendix A, L_PR and Table A1"
 
     def forward(self, logits, observed, *, labels=None, index=None):
-        p = torch.sigmoid(logits)
+        return mean_over_entries(self.pairs(torch.sigmoid(logits), observed)[0])
+
+    @staticmethod
+    def pairs(p: torch.Tensor, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The terms `[..., B, C]`, and which pairs (i, j) count with a hinge above 0 `[..., B, C, C]`."""
         positive = observed == 1
         # hinge[..., n, i, j] = max(0, 1 - p_ni + p_nj); only pairs (observed positive i, assumed negative j) count
         hinge = torch.relu(1.0 - p.unsqueeze(-1) + p.unsqueeze(-2))
         pairs = positive.unsqueeze(-1) & ~positive.unsqueeze(-2)
-        terms = (hinge * pairs).sum(dim=-1)
-        return mean_over_entries(terms)
+        return (hinge * pairs).sum(dim=-1), pairs & (hinge > 0)
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        p = torch.sigmoid(logits)
+        terms, active = self.pairs(p, observed)
+        # d/dp: +1 for each active pair an entry is the negative j of, -1 for each it is the positive i of
+        return reduced(terms, (active.sum(dim=-2) - active.sum(dim=-1)) * sigmoid_slope(p))

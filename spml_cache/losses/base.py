@@ -105,6 +105,13 @@ class Loss(torch.nn.Module):
     `row_params`, the `nn.Parameter`s indexed by training row on dim 1 (`[K, N_train, ...]`, ROLE's theta);
     `row_buffers`, the buffers of per-training-row state that `forward` reads or writes through `index`; and
     `penalises_weight`, True when `penalty` adds a term on the head's weight.
+    A loss whose gradient with respect to the logits is cheap to state may also define
+    `loss_and_grad(logits, observed, *, labels=None, index=None)`, returning `forward`'s value `[K]` and that
+    gradient `[K, B, C]` from one pass (and `penalty_and_grad(weight)` likewise beside `penalty`): stage two
+    then takes no autograd graph for the loss (`closed_form`). It must agree with autograd of `forward`
+    (`check-loss` checks it in float64). A loss whose trainable parameters are all `row_params` returns a third
+    item, `{name: gradient with respect to the rows index selects, [K, B, ...]}`; one with other trainable
+    parameters trains by autograd.
     Hyperparameters become attributes (`self.alpha`), resolved as: class `defaults`, then
     `dataset_defaults[dataset]`, then the caller's overrides. A default of `None` is derived at build time
     (from the class count, the dataset, ...); `derived` says how, for `spml-cache losses`, and the subclass
@@ -279,6 +286,17 @@ class Loss(torch.nn.Module):
         training row, i.e. after epoch `epoch - 1`; the trainer computes them only when `needs_train_logits`.
         """
 
+    @classmethod
+    def closed_form(cls) -> bool:
+        """Whether `loss_and_grad` states the gradient of this class's `forward`: defined by the class that
+        defines `forward` or by one below it (a subclass that rewrites `forward` alone trains by autograd)."""
+        return _defined_below(cls, "loss_and_grad", "forward")
+
+    @classmethod
+    def closed_form_penalty(cls) -> bool:
+        """Whether `penalty_and_grad` states the gradient of this class's `penalty` (as `closed_form`)."""
+        return _defined_below(cls, "penalty_and_grad", "penalty")
+
     def penalty(self, weight: torch.Tensor) -> torch.Tensor | float:
         """A regulariser on the linear head's weight (`[K, D, C]` or `[D, C]`, bias excluded); 0 for most losses."""
         return 0.0
@@ -297,6 +315,12 @@ class Loss(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.hparams.items())
+
+
+def _defined_below(cls: type, method: str, of: str) -> bool:
+    """Whether `cls` has `method`, from the class that defines `of` or from a subclass of it."""
+    owners = [klass for klass in cls.__mro__ if method in vars(klass)], [k for k in cls.__mro__ if of in vars(k)]
+    return bool(owners[0]) and issubclass(owners[0][0], owners[1][0])
 
 
 # Every built-in loss, in the order of docs/losses.md (the order the family modules are imported in).

@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from spml_cache.losses.base import Loss
+from spml_cache.losses.closed_form_contract import closed_step, same_as_autograd
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.step_trace import first_difference, flat, record
 
@@ -193,6 +194,26 @@ def check_gradient(cls: type[Loss]) -> str:
             f" (up to {worst:.1e})")
 
 
+def check_closed_form(cls: type[Loss]) -> str:
+    if not cls.closed_form():
+        return "no closed form (loss_and_grad): stage two differentiates it by autograd"
+    data = problem()
+    loss = build(cls, data).double()
+    worst = 0.0
+    for epoch in range(1, EPOCHS + 1):
+        every = train_logits(loss, epoch)
+        loss.start_epoch(epoch, EPOCHS, None if every is None else every.double())
+        for size in BATCHES:
+            rows, logits, weight = inputs(100 * epoch + size, size, dtype=torch.float64)
+            extreme = torch.where(logits.detach() > 0, EXTREME, -EXTREME).to(logits.dtype).requires_grad_()
+            for what, z in ((f"epoch {epoch}", logits), (f"epoch {epoch}, |z| = {EXTREME:g}", extreme)):
+                error, failure = same_as_autograd(loss, data, rows, z, weight, step)
+                if failure:
+                    raise Failed(f"{what}: {failure}")
+                worst = max(worst, error)
+    return f"loss_and_grad gives forward's value and autograd's gradient in float64 (up to {worst:.1e} relative)"
+
+
 def check_stacked(cls: type[Loss]) -> str:
     data = problem()
     stacked = build(cls, data)
@@ -234,21 +255,22 @@ def check_capture_safe(cls: type[Loss]) -> str:
     for size in BATCHES:  # the eager warm-up of each shape, before any capture
         rows, logits, weight = inputs(size, size)
         step(loss, data, rows, logits, weight)
-    traces: dict[int, list] = {size: [] for size in BATCHES}
+    steps = [step] + ([closed_step] if cls.closed_form() else [])  # stage two runs the closed form's
+    traces: dict[tuple, list] = {(size, way): [] for size in BATCHES for way in steps}
     for epoch in range(1, EPOCHS + 2):
         if epoch > 1:
             loss.start_epoch(epoch, EPOCHS + 1, train_logits(loss, epoch))
-        for size in BATCHES:
+        for size, way in traces:
             rows, logits, weight = inputs(100 * epoch + size, size)
-            _, recorder = record(lambda: step(loss, data, rows, logits, weight),
+            _, recorder = record(lambda: way(loss, data, rows, logits, weight),
                                  {"logits": logits, "index": rows, "weight": weight},
                                  {value.untyped_storage().data_ptr(): key for key, value in loss.state_dict().items()})
             if recorder.forbidden:
                 raise Failed(f"epoch {epoch}: {recorder.forbidden[0]}; a captured step cannot wait on the device or"
                              " copy from the host: no .item(), bool(tensor), torch.tensor(...), nonzero or boolean"
                              " indexing in a step (use torch.where, and buffers updated in start_epoch)")
-            traces[size].append(recorder.trace)
-    for size, by_epoch in traces.items():
+            traces[size, way].append(recorder.trace)
+    for (size, _), by_epoch in traces.items():
         for epoch, trace in enumerate(by_epoch[1:], start=2):
             if trace != by_epoch[0]:
                 where = first_difference(by_epoch[0], trace, ("epoch 1", f"epoch {epoch}")).replace("\n", " ")
@@ -284,7 +306,8 @@ def check_rules(cls: type[Loss]) -> str:
 
 
 CHECKS: tuple[Callable[[type[Loss]], str], ...] = (
-    check_finite, check_gradient, check_stacked, check_capture_safe, check_deterministic, check_rules)
+    check_finite, check_gradient, check_closed_form, check_stacked, check_capture_safe, check_deterministic,
+    check_rules)
 
 
 def run_checks(cls: type[Loss], checks: tuple[Callable[[type[Loss]], str], ...] = CHECKS

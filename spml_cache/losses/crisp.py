@@ -22,6 +22,7 @@ import math
 import torch
 
 from spml_cache.losses.base import Loss, assign_, neg_log_1mp, neg_log_p, register
+from spml_cache.losses.slopes import logs_of
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.registry import Param
 
@@ -103,3 +104,25 @@ class ClassPriorsRisk(Loss):
         known_negative = ((observed == -1) * nl_1mp).sum(dim=(-2, -1)) / num_entries
         assume_negative = torch.where(observed == 1, nl_p, nl_1mp).sum(dim=(-2, -1)) / num_entries
         return torch.lerp(assume_negative, risk + known_negative, estimating)
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        """`forward`'s value and gradient: `lerp` passes `1 - estimating` of AN's slopes and `estimating` of the
+        risk's and the known negatives'; `max(0, .)` passes the negative risk's where it is at least 0."""
+        stacked = logits.dim() == 3
+        prior = (self.prior if stacked else self.prior[0]).to(logits.dtype).unsqueeze(-2)  # [.., 1, C]
+        estimating = (self.estimating if stacked else self.estimating[0]).to(logits.dtype)
+        logs, positive, known = logs_of(logits, self.log_eps), observed == 1, observed == -1
+        num_rows, num_classes = observed.shape[-2:]
+        weight = prior * (positive.to(logits.dtype) / (num_rows * self.positive_share.to(logits.dtype)))
+        negative_risk = logs.nl_1mp.mean(dim=-2) - (weight * logs.nl_1mp).sum(dim=-2)
+        risk = ((weight * logs.nl_p).sum(dim=-2) + negative_risk.clamp(min=0)).mean(dim=-1)
+        num_entries = num_rows * num_classes
+        known_negative = (known * logs.nl_1mp).sum(dim=(-2, -1)) / num_entries
+        assume_negative = torch.where(positive, logs.nl_p, logs.nl_1mp).sum(dim=(-2, -1)) / num_entries
+        open_risk = (negative_risk >= 0).unsqueeze(-2)
+        d_risk = (weight * logs.d_nl_p + open_risk * (logs.d_nl_1mp / num_rows - weight * logs.d_nl_1mp)) / num_classes
+        d_estimating = d_risk + known * logs.d_nl_1mp / num_entries
+        d_assume_negative = torch.where(positive, logs.d_nl_p, logs.d_nl_1mp) / num_entries
+        share = estimating.unsqueeze(-1).unsqueeze(-1)
+        value = torch.lerp(assume_negative, risk + known_negative, estimating)
+        return value, (1 - share) * d_assume_negative + share * d_estimating

@@ -13,6 +13,7 @@ import torch
 
 from spml_cache import datasets
 from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
+from spml_cache.losses.slopes import bce_terms, logs_of, reduced
 from spml_cache.runtime.errors import SpmlError
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -25,6 +26,17 @@ def expected_positive_regularizer(p: torch.Tensor, k: float) -> torch.Tensor:
     num_rows, num_classes = p.shape[-2:]
     k_hat = p.sum(dim=(-2, -1)) / num_rows
     return ((k_hat - k) / num_classes) ** 2
+
+
+def expected_positive_terms(p: torch.Tensor, k, weight=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """R_k(P) (`[...]`) and the gradient of `weight * R_k(P)` with respect to the logits,
+    `weight 2 (k_hat - k) / (B C^2) (1 - p) p`, taken in autograd's order (the weight first, each division, then
+    the sigmoid's factors one at a time): ROLE's theta slope sums it with near-equal terms (`weight`: a number or
+    one per head `[K]`)."""
+    num_rows, num_classes = p.shape[-2:]
+    gap = (p.sum(dim=(-2, -1)) / num_rows - k) / num_classes
+    coefficient = (weight * (2 * gap) / num_classes / num_rows).unsqueeze(-1).unsqueeze(-1)
+    return gap**2, coefficient * (1 - p) * p
 
 
 def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor, eps: float | None = None) -> torch.Tensor:
@@ -68,6 +80,12 @@ class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
     def forward(self, logits, observed, *, labels=None, index=None):
         regularizer = expected_positive_regularizer(torch.sigmoid(logits), head_vector(self.k))
         return mean_over_entries(observed_label_terms(logits, observed)) + regularizer
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        p, target, known = torch.sigmoid(logits), (observed == 1).to(logits.dtype), observed != 0
+        value, grad = reduced(bce(logits, target) * known, (p - target) * known)  # observed_label_terms
+        regularizer, slopes = expected_positive_terms(p, head_vector(self.k))
+        return value + regularizer, grad + slopes
 
 
 @register
@@ -126,3 +144,27 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
         k = head_vector(self.k)
         regularizer = 0.5 * (expected_positive_regularizer(p, k) + expected_positive_regularizer(q, k))
         return mean_over_entries(terms) + regularizer
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        """`forward`'s value, its gradient with respect to the logits and, by name, to theta's rows `index`
+        (`[K, B, C]`): each side a masked BCE to the observed labels and a BCE to the other side's probability,
+        held fixed, plus half of its R_k."""
+        theta_batch = rows_for_heads(self.theta, index, logits).detach().to(logits.dtype)
+        eps, known, target = self.log_eps, observed != 0, (observed == 1).to(logits.dtype)
+        sides = (logits, theta_batch)
+        logs = [torch.sigmoid(side) if eps is None else logs_of(side, eps) for side in sides]  # p alone, or both logs
+        probabilities = logs if eps is None else [side_logs.p for side_logs in logs]
+        own = [bce_terms(side, target, eps, side_logs) for side, side_logs in zip(sides, logs)]
+        cross = [bce_terms(side, other, eps, side_logs) for side, side_logs, other in
+                 zip(sides, logs, probabilities[::-1])]
+        terms = 0.5 * (own[0][0] * known + own[1][0] * known) + 0.5 * (cross[0][0] + cross[1][0])
+        regularizers = [expected_positive_terms(p, head_vector(self.k), 0.5) for p in probabilities]
+        value = mean_over_entries(terms) + 0.5 * (regularizers[0][0] + regularizers[1][0])
+        # each term's slope at its own scale, then their sum, as autograd accumulates them: theta's slope is a
+        # difference of near-equal probabilities where q ~ p, which Adam's normalisation then magnifies
+        scale = 0.5 / (logits.shape[-2] * logits.shape[-1])
+        known_scale = known * scale
+        grad_logits, grad_theta = (own_slope * known_scale + cross_slope * scale + regularizer_slope
+                                   for (_, own_slope), (_, cross_slope), (_, regularizer_slope)
+                                   in zip(own, cross, regularizers))
+        return value, grad_logits, {"theta": grad_theta}

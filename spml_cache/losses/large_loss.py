@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from spml_cache.losses.base import Fidelity, Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
+from spml_cache.losses.slopes import logs_of, reduced
 from spml_cache.runtime.registry import Param
 
 
@@ -119,15 +120,32 @@ class _LargeLoss(Loss):
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
         raise NotImplementedError
 
+    def modify_slopes(self, slopes, large, d_nl_p):
+        """`modify`'s change to the terms' slopes (the closed form's)."""
+        raise NotImplementedError
+
+    def selected(self, logits, nl_1mp, unobserved):
+        """`largest_unobserved` of this batch: selected in every epoch, epoch 1 too (m = 0 selects nothing), so
+        that a step runs the same ops whatever the epoch."""
+        positions, depth = self.positions_for(logits.shape[-2] * logits.shape[-1], logits.device)
+        positions = positions if logits.dim() == 3 else positions[0]  # [K, 1], or [1] for one head's [B, C]
+        return largest_unobserved(nl_1mp.detach(), unobserved, positions, depth)
+
     def forward(self, logits, observed, *, labels=None, index=None):
         positive, unobserved = self.targets(logits, observed, index)
         nl_p, nl_1mp = neg_log_p(logits), neg_log_1mp(logits)
         terms = torch.where(positive, nl_p, nl_1mp)
-        # selected in every epoch, epoch 1 too (m = 0 selects nothing): the same ops whatever the epoch
-        positions, depth = self.positions_for(logits.shape[-2] * logits.shape[-1], logits.device)
-        positions = positions if logits.dim() == 3 else positions[0]  # [K, 1], or [1] for one head's [B, C]
-        large, threshold = largest_unobserved(nl_1mp.detach(), unobserved, positions, depth)
+        large, threshold = self.selected(logits, nl_1mp, unobserved)
         return mean_over_entries(self.modify(terms, large, threshold, nl_p, nl_1mp, index))
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        positive, unobserved = self.targets(logits, observed, index)
+        logs = logs_of(logits)
+        terms, slopes = (torch.where(positive, on_p, on_1mp) for on_p, on_1mp in
+                         ((logs.nl_p, logs.nl_1mp), (logs.d_nl_p, logs.d_nl_1mp)))
+        large, threshold = self.selected(logits, logs.nl_1mp, unobserved)
+        terms = self.modify(terms, large, threshold, logs.nl_p, logs.nl_1mp, index)
+        return reduced(terms, self.modify_slopes(slopes, large, logs.d_nl_p))
 
 
 @register
@@ -141,6 +159,9 @@ class LargeLossReject(_LargeLoss):
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
         return torch.where(large, torch.zeros_like(terms), terms)
 
+    def modify_slopes(self, slopes, large, d_nl_p):
+        return torch.where(large, 0.0, slopes)
+
 
 @register
 class LargeLossCorrectTemporary(_LargeLoss):
@@ -152,6 +173,9 @@ class LargeLossCorrectTemporary(_LargeLoss):
 
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
         return torch.where(large, nl_p, terms)
+
+    def modify_slopes(self, slopes, large, d_nl_p):
+        return torch.where(large, d_nl_p, slopes)
 
 
 @register
@@ -196,3 +220,6 @@ class LargeLossCorrectPermanent(_LargeLoss):
             else:
                 self.corrected_observed[:, index] = rows
         return torch.where(large, nl_p, terms)
+
+    def modify_slopes(self, slopes, large, d_nl_p):  # as LL-Ct in both modes: what modify returns
+        return torch.where(large, d_nl_p, slopes)

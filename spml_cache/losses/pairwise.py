@@ -23,18 +23,40 @@ def soft_pair_loss(logits: torch.Tensor, targets: torch.Tensor, log_alpha: float
     log-sum-exp as logs, so nothing is exponentiated outside it; a weight of 0 is a log of -inf, which drops
     the entry from the sum and from the gradient.
     """
+    negatives, positives, shift = _pair_sums(logits, targets, log_alpha, log_beta)
+    return torch.logsumexp(negatives, dim=-1) + torch.logsumexp(positives, dim=-1) - shift
+
+
+def soft_pair_terms(logits: torch.Tensor, targets: torch.Tensor, log_alpha, log_beta):
+    """`soft_pair_loss` and its gradient with respect to the logits `[..., B, C]`: each log-sum-exp's softmax
+    weights on the logits' entries, the negatives' minus the positives' (`-x` enters the positives' sum)."""
+    negatives, positives, shift = _pair_sums(logits, targets, log_alpha, log_beta)
+    sum_negatives, sum_positives = torch.logsumexp(negatives, dim=-1), torch.logsumexp(positives, dim=-1)
+    weights = [(sums[..., 1:] - total.unsqueeze(-1)).exp() for sums, total in
+               ((negatives, sum_negatives), (positives, sum_positives))]
+    return sum_negatives + sum_positives - shift, weights[0] - weights[1]
+
+
+def _pair_sums(logits: torch.Tensor, targets: torch.Tensor, log_alpha, log_beta):
+    """The two log-sum-exps' arguments `[..., B, 1 + C]` (the constant first) and the constants' shift."""
     logits, targets = torch.broadcast_tensors(logits, targets.to(logits.dtype))
     column = logits.new_full((*logits.shape[:-1], 1), 0.0)
     negatives = torch.cat([column + log_alpha, logits + torch.log1p(-targets)], dim=-1)
     positives = torch.cat([column + log_beta, -logits + torch.log(targets)], dim=-1)
     # per-head constants are [K, 1, 1]: [K, 1] against the per-image values [K, B]
     shift = sum(c.squeeze(-1) if isinstance(c, torch.Tensor) else c for c in (log_alpha, log_beta))
-    return torch.logsumexp(negatives, dim=-1) + torch.logsumexp(positives, dim=-1) - shift
+    return negatives, positives, shift
 
 
 def per_image_mean(values: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Per-image values `[..., B]` reduced like every loss: the batch sum over B*C."""
     return values.sum(dim=-1) / (values.shape[-1] * num_classes)
+
+
+def per_image_reduced(values: torch.Tensor, slopes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`per_image_mean` of the values and the gradient of that mean, from per-image values' slopes `[..., B, C]`."""
+    num_entries = slopes.shape[-2] * slopes.shape[-1]
+    return values.sum(dim=-1) / num_entries, slopes / num_entries
 
 
 @register
@@ -48,6 +70,9 @@ class ZLPR(Loss):
 
     def forward(self, logits, observed, *, labels=None, index=None):
         return per_image_mean(soft_pair_loss(logits, observed == 1, 0.0, 0.0), self.num_classes)
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        return per_image_reduced(*soft_pair_terms(logits, observed == 1, 0.0, 0.0))
 
 
 @register
@@ -69,6 +94,9 @@ class OPML(Loss):
     def forward(self, logits, observed, *, labels=None, index=None):
         values = soft_pair_loss(logits, observed == 1, self.log_alpha, self.log_beta)
         return per_image_mean(values, self.num_classes)
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        return per_image_reduced(*soft_pair_terms(logits, observed == 1, self.log_alpha, self.log_beta))
 
 
 @register

@@ -6,6 +6,7 @@ positive"; they are meant for rules that observe negatives too (`entry:P`, `unif
 from __future__ import annotations
 
 from spml_cache.losses.base import Loss, bce, mean_over_entries, register
+from spml_cache.losses.slopes import bce_terms, reduced
 
 
 @register
@@ -21,3 +22,8 @@ class ObservedBCE(Loss):
     def forward(self, logits, observed, *, labels=None, index=None):
         known = observed != 0
         return mean_over_entries(bce(logits, (observed == 1).to(logits.dtype), self.log_eps) * known)
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        terms, slopes = bce_terms(logits, (observed == 1).to(logits.dtype), self.log_eps)
+        known = observed != 0
+        return reduced(terms * known, slopes * known)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from spml_cache.losses.base import Fidelity, Loss, mean_over_entries, neg_log_1mp, neg_log_p, register
+from spml_cache.losses.slopes import focal_terms, power_slope, reduced, sigmoid_slope
 from spml_cache.runtime.registry import Param
 
 
@@ -43,6 +44,11 @@ class Focal(Loss):
     def forward(self, logits, observed, *, labels=None, index=None):
         terms = torch.where(observed == 1, focal_positive(logits, self.g), focal_negative(logits, self.g))
         return mean_over_entries(terms)
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        sign = torch.where(observed == 1, 1.0, -1.0)  # the negative term at x is the positive one at -x
+        terms, slopes = focal_terms(sign * logits, self.g)
+        return reduced(terms, sign * slopes)
 
 
 ASL_LOG_FLOOR = 1e-8  # what the ASL authors' code clamps probabilities to before a log
@@ -79,6 +85,34 @@ class AsymmetricLoss(Loss):
             negative = focal_negative(logits, self.gn)
         return mean_over_entries(torch.where(observed == 1, positive, negative))
 
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        p = torch.sigmoid(logits)
+        positive = self._clamped_positive(p) if self.fidelity is Fidelity.AUTHORS else focal_terms(logits, self.gp)
+        if self.clip > 0:
+            negative = self._shifted_negative(p, torch.sigmoid(-logits))
+        else:
+            negative = focal_terms(-logits, self.gn)
+            negative = (negative[0], -negative[1])
+        chosen = observed == 1
+        return reduced(*(torch.where(chosen, pos, neg) for pos, neg in zip(positive, negative)))
+
+    def _clamped_positive(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(1-p)^gp * -log(max(p, 1e-8))` and its slope (0 below the floor, as the clamp passes none)."""
+        base, floor, slope = 1 - p, p.clamp(min=ASL_LOG_FLOOR), sigmoid_slope(p)
+        weight, nl = base.pow(self.gp), -torch.log(floor)
+        d_nl = torch.where(p >= ASL_LOG_FLOOR, -slope / floor, 0.0)
+        return weight * nl, -power_slope(base, self.gp) * slope * nl + weight * d_nl
+
+    def _shifted_negative(self, p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pm^gn nl(1 - pm)` with `pm = max(p - clip, 0)`, as `forward` computes it, and its slope."""
+        shifted, complement = (p - self.clip).clamp(min=0), (q + self.clip).clamp(max=1)
+        nonzero = shifted > 0
+        base = torch.where(nonzero, shifted, 1.0)
+        weight, nl = torch.where(nonzero, base.pow(self.gn), 0.0**self.gn), -torch.log(complement)
+        d_weight = torch.where(nonzero, power_slope(base, self.gn) * sigmoid_slope(p), 0.0)
+        d_nl = torch.where(q + self.clip <= 1, sigmoid_slope(q) / complement, 0.0)
+        return weight * nl, d_weight * nl + weight * d_nl
+
 
 @register
 class Hill(Loss):
@@ -99,6 +133,16 @@ class Hill(Loss):
         positive = focal_positive(logits - self.m, self.g)
         negative = (self.lam - p) * p.square()
         return mean_over_entries(torch.where(observed == 1, positive, negative))
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        p, (positive, d_positive) = torch.sigmoid(logits), focal_terms(logits - self.m, self.g)
+        remaining, square = self.lam - p, p.square()
+        value, d_positive = reduced(torch.where(observed == 1, positive, remaining * square), d_positive)
+        # d/dp of (lam - p) p^2 is 2 p (lam - p) - p^2, two near-equal terms near p = 1: taken at the gradient's
+        # scale 1/(B*C) first, as autograd takes it, so that the difference rounds alike
+        scale = 1 / (logits.shape[-2] * logits.shape[-1])
+        d_negative = ((scale * remaining) * (2 * p) - scale * square) * (1 - p) * p
+        return value, torch.where(observed == 1, d_positive, d_negative)
 
 
 @register
@@ -132,3 +176,11 @@ class SPLC(Loss):
         negative = torch.where(pseudo_positive, focal_positive(logits, self.g), focal_negative(logits, self.g))
         positive = focal_positive(logits - self.m, self.g)
         return mean_over_entries(torch.where(observed == 1, positive, negative))
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
+        # one focal term at u: the margin's x - m on positives, x on pseudo-positives, -x on the negatives
+        positive, pseudo_positive = observed == 1, (observed == 0) & (torch.sigmoid(logits) > self.tau) & self.correcting
+        u = torch.where(positive, logits - self.m, torch.where(pseudo_positive, logits, -logits))
+        sign = torch.where(positive | pseudo_positive, 1.0, -1.0)
+        terms, slopes = focal_terms(u, self.g)
+        return reduced(terms, sign * slopes)
