@@ -56,7 +56,7 @@ COCO_3=hill+splc+ll_r+ll_ct+ll_cp+gr+zlpr+opml+bce_observed+crisp
 cuda_tests() {  # part name, test files: every test runs (no -x), each result printed as it ends
   local part=$1
   shift
-  timeout --signal=INT --kill-after=20 "$limit_s" python3 -m pytest -m cuda -v -p no:cacheprovider --durations=0 "$@" \
+  timeout --signal=INT --kill-after=20 "$limit_s" python3 -m pytest -m cuda -n 8 -v -p no:cacheprovider --durations=0 "$@" \
     2>&1 | tee "$out/pytest-$part.txt"
   grep -E "^=+ .*(passed|failed|error|skipped|no tests ran).* =+$" "$out/pytest-$part.txt" | tail -1 \
     | tee "$out/pytest-$part-summary.txt"
