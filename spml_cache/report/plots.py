@@ -193,6 +193,8 @@ def _train_summary(run: Run, loss: str) -> dict:
 
 
 def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
+    from matplotlib.ticker import NullLocator
+
     available = {loss: summary for loss, summary in summaries.items() if "positives" in summary}
     if not available:
         return None
@@ -211,6 +213,8 @@ def _train_histograms(Figure, title: str, summaries: dict[str, dict]):
                                            (positives, mean_pos, "tab:orange", "positives")):
             axes.stairs(values, BINS, fill=True, alpha=0.55, color=colour, label=f"true {name}, mean {mean:.2f}")
         axes.set_yscale("log")
+        # a tick per decade reads the heights; the minor ticks of 28 panels tripled tight_layout's time (1.4 s)
+        axes.yaxis.set_minor_locator(NullLocator())
         axes.set(xlim=(0, 1), ylim=ylim, xlabel="predicted probability", ylabel="density (log)")
         axes.set_title(wrapped(loss, figure, 10, 1 / columns), fontsize=10)
         axes.xaxis.label.set_fontsize(MIN_POINTS)
