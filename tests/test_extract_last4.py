@@ -158,6 +158,14 @@ def test_a_timm_vit_and_a_torchvision_cnn_extract_last4_caches_named_by_their_ki
     assert done.returncode == 1 and "holds last4 features" in done.stderr and "Traceback" not in done.stderr
 
 
+# The fixture was written on a CPU with AVX2. There `--weights none`'s random trunk draws its weights with ATen's
+# vectorised normal_; on a CPU without AVX2 (ATEN_CPU_CAPABILITY=default) the scalar normal_ differs in the last bit
+# of 37% of resnet18's weights, which the random trunk carries to up to 1.6e-2 in these features (measured, 2-core
+# EPYC; the bound is twice that): the same code, other weights. With AVX2 or AVX-512 the draw is the same (0 here).
+FIXTURE_TOLERANCE = (dict(rtol=1e-5, atol=1e-6) if torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+                     else dict(rtol=0, atol=3e-2))
+
+
 def test_pooled_caches_are_what_they_were_before_the_choice(data, tmp_path):
     """The cache the code before `--features` wrote (a fixture) against today's default and `--features pooled`."""
     for options in ({}, {"features": "pooled"}):
@@ -177,7 +185,7 @@ def test_pooled_caches_are_what_they_were_before_the_choice(data, tmp_path):
                 assert list(now[split]) == list(before[split])
                 for key in now[split]:
                     if key == "features":
-                        np.testing.assert_allclose(now[split][key][...], before[split][key][...], rtol=1e-5, atol=1e-6)
+                        np.testing.assert_allclose(now[split][key][...], before[split][key][...], **FIXTURE_TOLERANCE)
                     else:
                         assert np.array_equal(now[split][key][...], before[split][key][...]), (split, key)
 
