@@ -219,8 +219,8 @@ def test_cli_losses_names_shows_just_those(tmp_path, monkeypatch, capsys):
     assert result.returncode == 0, result.stderr
     shown = [name for name in ALL if re.search(rf"│ {re.escape(name)}\s+│", result.stdout)]
     assert shown == ["role"] and "1 loss" in result.stdout
-    result = run_cli("losses", "wan", "an", "--json", cwd=tmp_path)
-    assert [row["name"] for row in json.loads(result.stdout)] == ["wan", "an"]
+    result = run_cli("losses", "wan,an", "role", "--json", cwd=tmp_path)  # apart, or comma-separated as --loss
+    assert [row["name"] for row in json.loads(result.stdout)] == ["wan", "an", "role"]
     code, err = run_main("losses", "role", "rolee", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     (line,) = err.strip().splitlines()
     assert code == 1 and line.startswith("error: unknown loss 'rolee' (did you mean role?)"), line

@@ -105,7 +105,7 @@ def export_command(
 
 
 def losses_command(
-    names: Optional[List[str]] = typer.Argument(None, help="Only these losses: a built-in's name, an installed plugin's, path/to/file.py:Class or package.module:Class (default: every loss)."),
+    names: Optional[List[str]] = typer.Argument(None, help="Only these losses, apart or comma-separated as --loss takes them: a built-in's name, an installed plugin's, path/to/file.py:Class or package.module:Class (default: every loss)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array (one object per loss) instead of a table."),
 ) -> None:
     """Every loss, or the losses named: name, description, paper reference, defaults (and per-dataset defaults), state, flags; with every loss, the installed plugins (entry-point group spml_cache.losses) too, with their origin.
@@ -122,7 +122,7 @@ def losses_command(
     from spml_cache.runtime.plugins import given_as_argument
 
     with given_as_argument():  # refusals name each NAME as typed: no --loss was given
-        rows = losses.describe(tuple(names or ()))
+        rows = losses.describe(tuple(name for given in names or () for name in given.split(",") if name))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
