@@ -132,12 +132,13 @@ def count_ops(name: str, data: LinearData) -> dict:
     """The ops of one step of loss `name`, per part, and the ops by name."""
     with single_threaded(data.device), flushing_denormals(data.device):
         stack, order = stack_in_epoch_two(name, data)
+        rows = order[BATCH_SIZE : 2 * BATCH_SIZE]  # the engine cuts an epoch's batches at its start, not per step
         recorder = PartRecorder()
         with ExitStack() as recording:  # as step_trace.record, with this recorder
             recording.enter_context(KernelHostReads(recorder))
             recording.enter_context(HostReads(recorder.forbidden))
             recording.enter_context(recorder)
-            stack.train_step(order[BATCH_SIZE : 2 * BATCH_SIZE], data)
+            stack.train_step(rows, data)
     if recorder.forbidden:
         raise SystemExit(f"{name}: the step syncs with the host: {recorder.forbidden[0]}")
     row = {"loss": name, "closed_form": getattr(stack, "closed_form", False)}

@@ -127,20 +127,20 @@ class HeadStack:
             batch_index = torch.arange(len(order), device=order.device) // self.batch_size
             self.adam.advance_rows(order, self.adam.steps + batch_index, self.stopped)
 
-    def train_step(self, rows: torch.Tensor, data: LinearData, batch: Batch | None = None) -> None:
-        """One step on the training rows `rows` (`batch`: their features and labels, when read from the cache).
-        With dense arrays in memory nothing in it waits on the GPU or copies from the host, and what changes
-        between steps lives in tensors updated in place: a CUDA graph of it replays correctly (graphs.py); the
-        Python step counters it advances are `step_counts`."""
-        if batch is None:  # gathered into this batch size's buffers (made by its first step: the eager warm-up)
-            batch = data.batch(rows, self.loss.oracle, into=self.gathered.get(len(rows)))
-            self.gathered.setdefault(len(rows), batch)
+    def train_step(self, rows: torch.Tensor, data: LinearData, reader: ChunkReader | None = None) -> None:
+        """One step on the training rows `rows` (`reader`: where their features are read, when they stream from
+        the cache). With dense arrays in memory nothing in it waits on the GPU or copies from the host, and what
+        changes between steps lives in tensors updated in place: a CUDA graph of it replays correctly
+        (graphs.py); the Python step counters it advances are `step_counts`."""
+        # gathered into this batch size's buffers (made by its first step: the eager warm-up)
+        batch = data.batch(rows, self.loss.oracle, reader, into=self.gathered.get(len(rows)))
+        self.gathered.setdefault(len(rows), batch)
         if self.closed_form:
             grads = closed_form_gradients(self.loss, self.heads, batch, rows)
         else:
             with rows_for_loss(self.loss, rows, self.params, self.row_params, self.rows_only) as (index, params):
                 grads = autograd_gradients(self.loss, self.heads, batch, index, params)
-        self.heads.step(batch.features, grads.logits, grads.weight, self.frozen)
+        self.heads.step(batch.features, grads.logits, grads.weight, self.frozen, batch.features_t)
         if grads.params:
             if self.rows_only:
                 self.adam.step(self.stopped, rows, {id(p): g for (_, p), g in zip(self.row_params, grads.params)})
@@ -305,13 +305,9 @@ class SeedRun:
                     end = len(order) - len(order) % stack.batch_size if stack.drop_last else len(order)
                     reader = ChunkReader(data.train_features, data.plan.chunk_rows, data.device) \
                         if data.streams_train else None
-                    for start in range(0, end, stack.batch_size):
+                    for rows in order[:end].split(stack.batch_size):  # the epoch's batches, as views, at once
                         check_stop()  # a safe point: a signal's stop is taken here (errors.stops_deferred)
-                        rows = order[start : start + stack.batch_size]
-                        if reader is None:
-                            stack.train_step(rows, data)
-                        else:
-                            stack.train_step(rows, data, data.batch(rows, stack.loss.oracle, reader.features(rows)))
+                        stack.train_step(rows, data, reader)
                     stack.end_epoch()
 
     @torch.no_grad()

@@ -17,10 +17,11 @@ from spml_cache.protocol import initial_head
 class HeadMatrix:
     """K linear heads `D -> C` side by side in one matrix, each trained by Adam at its own learning rate.
 
-    Layout: `scaled_weight [D, K*C]` and `scaled_bias [K*C]`, head k in columns `k*C .. (k+1)*C - 1`, so one
-    `addmm` gives every head's logits on a batch and one `mm` every head's weight gradient. Both are views of one
-    `[D + 1, K*C]` buffer (the bias its last row), and so are their gradients and Adam's moments: the fused Adam
-    update reads one tensor of each.
+    Layout: `scaled_weight [D, K*C]` and `scaled_bias [K*C]`, head k in columns `k*C .. (k+1)*C - 1`. Both are
+    views of one `[D + 1, K*C]` buffer (the bias its last row), and so are their gradients and Adam's moments: the
+    fused Adam update reads one tensor of each. A training batch carries a ones column after its features
+    (`out_of_core.Batch`), so one `mm` with that buffer gives every head's logits, bias included, and one `mm`
+    every head's weight and bias gradient.
 
     Adam moves a parameter by lr times a quantity of the gradients alone, so head k's parameters are stored
     divided by its lr (`scaled_*`): Adam updates them at lr 1 for all heads in one fused call, from the
@@ -71,9 +72,16 @@ class HeadMatrix:
         self.step_tensor = torch.zeros((), device=device)  # where the fused kernel reads the step count
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits `[K, B, C]` of every head on the same rows `[B, D]` (no autograd through the heads)."""
-        flat = torch.addmm(self.scaled_bias, features, self.scaled_weight).mul_(self.lr_columns)
-        return flat.view(len(features), self.num_heads, self.num_classes).transpose(0, 1)
+        """Logits `[K, B, C]` of every head on the same rows: `[B, D]`, or `[B, D + 1]` with a ones column last
+        (a training batch, `out_of_core.Batch`), whose product with the `[D + 1, K*C]` buffer adds the bias in the
+        same matrix product (no autograd through the heads)."""
+        if features.shape[1] == self.params[0].shape[0]:
+            flat = torch.mm(features, self.params[0])
+        else:
+            flat = torch.addmm(self.scaled_bias, features, self.scaled_weight)
+        flat.mul_(self.lr_columns)
+        # [B, K*C] read as [K, B, C] (head k's columns as its own matrix): one view
+        return flat.as_strided((self.num_heads, len(features), self.num_classes), (self.num_classes, flat.shape[1], 1))
 
     def logits(self, features: torch.Tensor, chunk_rows: int = 16384) -> torch.Tensor:
         """Evaluation logits `[K, N, C]` for many rows, in row chunks to bound the memory of one matmul."""
@@ -103,15 +111,20 @@ class HeadMatrix:
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
-             frozen: torch.Tensor | None = None) -> None:
-        """One Adam step of every head from the batch `features [B, D]` and the loss's gradient with respect
-        to the logits `[K, B, C]`; `weight_grad [K, D, C]`: a penalty's gradient on the weights, added.
-        `frozen` (`frozen_columns`; None: none): the columns of stopped heads, which keep their parameters and
-        moments."""
-        grad = grad_logits.transpose(0, 1).reshape(len(features), -1)  # [B, K*C], the layout of the logits
+             frozen: torch.Tensor | None = None, features_t: torch.Tensor | None = None) -> None:
+        """One Adam step of every head from the batch `features` (`[B, D]`, or `[B, D + 1]` with a ones column
+        last: then one product gives the weight's and the bias's gradient; `features_t`: its transpose, if the
+        caller keeps one) and the loss's gradient with respect to the logits `[K, B, C]`; `weight_grad [K, D, C]`:
+        a penalty's gradient on the weights, added. `frozen` (`frozen_columns`; None: none): the columns of
+        stopped heads, which keep their parameters and moments."""
+        grad = rows_of(grad_logits)  # [B, K*C], the layout of the logits
         grad_weight = self.grad_weight
-        torch.mm(features.t(), grad, out=grad_weight)
-        torch.sum(grad, dim=0, out=self.grad_bias)
+        features_t = features.t() if features_t is None else features_t
+        if features.shape[1] == self.params[0].shape[0]:  # the ones column's row of the product is the bias's
+            torch.mm(features_t, grad, out=self.grads[0])
+        else:
+            torch.mm(features_t, grad, out=grad_weight)
+            torch.sum(grad, dim=0, out=self.grad_bias)
         if weight_grad is not None:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
         if self.decay_columns is not None:  # d/dw of wd/2 |w|^2 = wd * w = wd * lr * scaled weight
@@ -126,3 +139,13 @@ class HeadMatrix:
         if frozen is not None:
             for t, saved in zip(state, kept):
                 t.index_copy_(t.dim() - 1, frozen, saved)
+
+
+def rows_of(grad_logits: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient `[K, B, C]` as `[B, K*C]`, the heads' columns side by side: a view of it (one op)
+    when it keeps the logits' memory layout (`HeadMatrix.__call__`'s, as elementwise ops on the logits keep
+    it), else a copy."""
+    num_heads, rows, classes = grad_logits.shape
+    if grad_logits.stride() == (classes, num_heads * classes, 1):
+        return grad_logits.as_strided((rows, num_heads * classes), (num_heads * classes, 1))
+    return grad_logits.transpose(0, 1).reshape(rows, -1)
