@@ -109,14 +109,21 @@ class HeadMatrix:
         stopped = (~active).repeat_interleave(self.num_classes)
         return stopped.nonzero().squeeze(1).to(self.scaled_bias.device)
 
-    @torch.no_grad()
     def step(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
              frozen: torch.Tensor | None = None, features_t: torch.Tensor | None = None) -> None:
         """One Adam step of every head from the batch `features` (`[B, D]`, or `[B, D + 1]` with a ones column
         last: then one product gives the weight's and the bias's gradient; `features_t`: its transpose, if the
         caller keeps one) and the loss's gradient with respect to the logits `[K, B, C]`; `weight_grad [K, D, C]`:
         a penalty's gradient on the weights, added. `frozen` (`frozen_columns`; None: none): the columns of
-        stopped heads, which keep their parameters and moments."""
+        stopped heads, which keep their parameters and moments. `take_gradient` then `update`."""
+        self.take_gradient(features, grad_logits, weight_grad, features_t)
+        self.update(frozen)
+
+    @torch.no_grad()
+    def take_gradient(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
+                      features_t: torch.Tensor | None = None) -> None:
+        """The heads' gradient (`step`'s arguments) into `grads`: tensor ops alone (`linear --compile` compiles
+        them with the loss's)."""
         grad = rows_of(grad_logits)  # [B, K*C], the layout of the logits
         grad_weight = self.grad_weight
         features_t = features.t() if features_t is None else features_t
@@ -129,6 +136,10 @@ class HeadMatrix:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
         if self.decay_columns is not None:  # d/dw of wd/2 |w|^2 = wd * w = wd * lr * scaled weight
             grad_weight.addcmul_(self.scaled_weight, self.decay_columns)
+
+    @torch.no_grad()
+    def update(self, frozen: torch.Tensor | None = None) -> None:
+        """Adam's step of every head from `grads` (`step`'s `frozen`): torch's fused kernel, eager on every path."""
         if frozen is not None:
             state = self.params + self.exp_avgs + self.exp_avg_sqs
             kept = [t.index_select(t.dim() - 1, frozen) for t in state]
@@ -139,7 +150,6 @@ class HeadMatrix:
         if frozen is not None:
             for t, saved in zip(state, kept):
                 t.index_copy_(t.dim() - 1, frozen, saved)
-
 
 def rows_of(grad_logits: torch.Tensor) -> torch.Tensor:
     """The logits' gradient `[K, B, C]` as `[B, K*C]`, the heads' columns side by side: a view of it (one op)
