@@ -135,10 +135,12 @@ class HeadStack:
         changes between steps lives in tensors updated in place: a CUDA graph of it replays correctly
         (graphs.py); the Python step counters it advances are `step_counts`."""
         # gathered into this batch size's buffers (made by its first step: the eager warm-up)
+        warm = len(rows) in self.gathered
         batch = data.batch(rows, self.loss.oracle, reader, into=self.gathered.get(len(rows)))
         self.gathered.setdefault(len(rows), batch)
-        full = self.compiled is not None and len(rows) == self.batch_size  # the last, partial batch: eager
-        params = self.compiled(batch, rows) if full else self.gradients(batch, rows)
+        # compiled from the second full step (the first makes the buffers a step reuses); the partial batch eager
+        compiled = self.compiled is not None and warm and len(rows) == self.batch_size
+        params = self.compiled(batch, rows) if compiled else self.gradients(batch, rows)
         self.heads.update(self.frozen)
         if params:
             if self.rows_only:

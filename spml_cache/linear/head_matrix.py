@@ -70,6 +70,8 @@ class HeadMatrix:
         self.grad_weight, self.grad_bias = self.grads[0][:-1], self.grads[0][-1]
         self.steps = 0
         self.step_tensor = torch.zeros((), device=device)  # where the fused kernel reads the step count
+        self.batch_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `batch_logits`' per batch size
+        self.gradient_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `_gradient_rows`' per batch size
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         """Logits `[K, B, C]` of every head on the same rows: `[B, D]`, or `[B, D + 1]` with a ones column last
@@ -82,6 +84,21 @@ class HeadMatrix:
         flat.mul_(self.lr_columns)
         # [B, K*C] read as [K, B, C] (head k's columns as its own matrix): one view
         return flat.as_strided((self.num_heads, len(features), self.num_classes), (self.num_classes, flat.shape[1], 1))
+
+    def batch_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """`self(features)` for a training batch `[B, D + 1]` (a ones column last) into a buffer of its batch size,
+        made with its view as `[K, B, C]` by the batch size's first step: no allocation and no view a step (one op
+        fewer). The next step of that batch size writes over it: for a closed form, whose gradient is a new tensor
+        (autograd's logits are a leaf of their own: `self(features)`)."""
+        flat, logits = self.batch_buffers.get(len(features), (None, None))
+        if flat is None:
+            flat = torch.empty((len(features), self.params[0].shape[1]), device=features.device)
+            logits = flat.as_strided((self.num_heads, len(features), self.num_classes), (self.num_classes,
+                                                                                         flat.shape[1], 1))
+            self.batch_buffers[len(features)] = flat, logits
+        torch.mm(features, self.params[0], out=flat)
+        flat.mul_(self.lr_columns)
+        return logits
 
     def logits(self, features: torch.Tensor, chunk_rows: int = 16384) -> torch.Tensor:
         """Evaluation logits `[K, N, C]` for many rows, in row chunks to bound the memory of one matmul."""
@@ -124,7 +141,7 @@ class HeadMatrix:
                       features_t: torch.Tensor | None = None) -> None:
         """The heads' gradient (`step`'s arguments) into `grads`: tensor ops alone (`linear --compile` compiles
         them with the loss's)."""
-        grad = rows_of(grad_logits)  # [B, K*C], the layout of the logits
+        grad = self._gradient_rows(grad_logits)  # [B, K*C], the layout of the logits
         grad_weight = self.grad_weight
         features_t = features.t() if features_t is None else features_t
         if features.shape[1] == self.params[0].shape[0]:  # the ones column's row of the product is the bias's
@@ -136,6 +153,21 @@ class HeadMatrix:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
         if self.decay_columns is not None:  # d/dw of wd/2 |w|^2 = wd * w = wd * lr * scaled weight
             grad_weight.addcmul_(self.scaled_weight, self.decay_columns)
+
+    def _gradient_rows(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        """`rows_of(grad_logits)`: a view when the gradient keeps the logits' layout; else one copy into a buffer
+        of its batch size made by its first step, with its `[K, B, C]` view (a copy, a transpose and a view
+        otherwise: two ops fewer; a copy is exact, so the same bits)."""
+        num_heads, rows, classes = grad_logits.shape
+        if grad_logits.stride() == (classes, num_heads * classes, 1):
+            return grad_logits.as_strided((rows, num_heads * classes), (num_heads * classes, 1))
+        flat, view = self.gradient_buffers.get(rows, (None, None))
+        if flat is None:
+            flat = grad_logits.new_empty((rows, num_heads * classes))
+            view = flat.as_strided(grad_logits.shape, (classes, num_heads * classes, 1))
+            self.gradient_buffers[rows] = flat, view
+        view.copy_(grad_logits)
+        return flat
 
     @torch.no_grad()
     def update(self, frozen: torch.Tensor | None = None) -> None:

@@ -36,6 +36,12 @@ def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions
     return unobserved & (losses >= threshold), threshold
 
 
+def detached(x: torch.Tensor) -> torch.Tensor:
+    """`x` out of autograd's graph: `x.detach()` where it is in one (`forward`), else `x` (a closed form's step: no
+    op)."""
+    return x.detach() if x.requires_grad else x
+
+
 def threshold_positions(counts: list[int], num_entries: int, depth: int) -> torch.Tensor:
     """Per head, the position of the m-th largest of `num_entries` candidates in descending order, `[K, 1]`: the
     last one when there are fewer, one past the `depth` ranked (the NaN) when m is 0."""
@@ -129,7 +135,7 @@ class _LargeLoss(Loss):
         that a step runs the same ops whatever the epoch."""
         positions, depth = self.positions_for(logits.shape[-2] * logits.shape[-1], logits.device)
         positions = positions if logits.dim() == 3 else positions[0]  # [K, 1], or [1] for one head's [B, C]
-        return largest_unobserved(nl_1mp.detach(), unobserved, positions, depth)
+        return largest_unobserved(detached(nl_1mp), unobserved, positions, depth)
 
     def forward(self, logits, observed, *, labels=None, index=None):
         positive, unobserved = self.targets(logits, observed, index)
@@ -157,10 +163,10 @@ class LargeLossReject(_LargeLoss):
     description = "large-loss rejection: the ceil(B*C*(t-1)*delta) largest unobserved losses are set to 0"
 
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
-        return torch.where(large, torch.zeros_like(terms), terms)
+        return terms.masked_fill(large, 0.0)  # one op: torch.where(large, 0, terms) makes its 0 a tensor first
 
     def modify_slopes(self, slopes, large, d_nl_p):
-        return torch.where(large, 0.0, slopes)
+        return slopes.masked_fill(large, 0.0)
 
 
 @register
@@ -211,7 +217,7 @@ class LargeLossCorrectPermanent(_LargeLoss):
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
         if self.fidelity is Fidelity.AUTHORS:  # ... and corrects nothing for good: LL-Ct, as its code runs
             return torch.where(large, nl_p, terms)
-        permanent = large & (nl_1mp.detach() > threshold)
+        permanent = large & (detached(nl_1mp) > threshold)
         with torch.no_grad():
             rows = rows_for_heads(self.corrected_observed, index, nl_1mp)
             rows = torch.where(permanent, torch.ones_like(rows), rows)
