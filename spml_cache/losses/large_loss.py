@@ -32,13 +32,14 @@ def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions
     """
     # The `depth` largest read at a position, not topk(m): the shapes do not depend on m, so one captured step
     # serves every epoch and every head's m. The NaN past the end is the threshold of m = 0: no loss is >= NaN.
-    if buffers is None:
+    # compiled (linear --compile), the ops are fused anyway: dynamo breaks its graph at an `out=` into a view
+    if buffers is None or torch.compiler.is_compiling():
         candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
         ordered = F.pad(candidates.topk(depth, dim=-1).values, (0, 1), value=float("nan"))
         threshold = ordered.gather(-1, positions).unsqueeze(-1)
     else:
-        candidates = torch.where(unobserved, losses, buffers.minus_inf, out=buffers.candidates).flatten(-2)
-        torch.topk(candidates, depth, dim=-1, out=(buffers.largest, buffers.indices))
+        torch.where(unobserved, losses, buffers.minus_inf, out=buffers.candidates)
+        torch.topk(buffers.flat_candidates, depth, dim=-1, out=(buffers.largest, buffers.indices))
         threshold = buffers.ordered.gather(-1, buffers.positions)
     return unobserved & (losses >= threshold), threshold
 
@@ -54,6 +55,7 @@ class RankingBuffers:
         like = dict(dtype=losses.dtype, device=losses.device)
         self.source, self.depth = positions, depth
         self.candidates = torch.empty(losses.shape, **like)
+        self.flat_candidates = self.candidates.flatten(-2)  # a view: the buffer is contiguous
         self.minus_inf = torch.full((), float("-inf"), **like)
         ranked = torch.full((*losses.shape[:-2], depth + 1), float("nan"), **like)
         self.largest = ranked[..., :depth]
