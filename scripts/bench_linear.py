@@ -14,6 +14,9 @@ through `spml_cache.cache.write`, then timed:
   (`--sweep L.key=v1,v2,...`), and every timed run with `--hp-grid paper`.
 - observation rules: with `--observe R1,R2,...`, each timed run again under those rules (`linear --observe`,
   the rules drawn from the cache's labels), beside its time under `single` alone, and the ratio.
+- `--compile N`: each timed run N times without and N times with `linear --compile`, interleaved, every stack
+  compiled whatever its step count (`compiled.MIN_STEPS` 0: what compiling the default grid costs and gains),
+  the first compiled run cold (an empty inductor cache), the others warm; the compile time each printed.
 - fidelity: `--fidelity authors` times every run under the authors' rules (`linear --fidelity authors`: their
   logs' eps, dropped last batches, early stopping, so heads stop and their stacks capture graphs anew).
 
@@ -27,7 +30,7 @@ With `--json` the file is rewritten after every run, so a run cut short still le
 
 Usage: python scripts/bench_linear.py [--shape voc|coco] [--losses an,role,all] [--device cpu|cuda] [--eager]
        [--seeds 1] [--epochs 25] [--reference-epochs 2] [--no-reference] [--sweep ll_r.delta=0.001,0.002]
-       [--hp-grid paper] [--observe single,entry:0.1,entry:0.5] [--fidelity exact|authors]
+       [--hp-grid paper] [--observe single,entry:0.1,entry:0.5] [--fidelity exact|authors] [--compile 3]
        [--json docs/benchmarks/NAME.json]
 """
 
@@ -95,13 +98,16 @@ def synthetic_cache(folder: Path, shape: str, seed: int = 0) -> Path:
 
 def time_linear(path: Path, loss: str, epochs: int, device: str, out: Path, hparams: dict | None = None,
                 hp_grid: str | None = None, graphs: bool = True, seeds: int = 1, observe: str | None = None,
-                fidelity: str | None = None) -> tuple[float, dict]:
-    """`loss`: one name, `all`, or names joined by `+` (one run of them together)."""
+                fidelity: str | None = None, **placement) -> tuple[float, dict, str]:
+    """`loss`: one name, `all`, or names joined by `+` (one run of them together); `placement`: more of
+    `run_linear`'s placement keywords (`compile_steps`). Returns the seconds, the results and what it printed."""
     start = time.perf_counter()
+    printed = io.StringIO()
     run = run_linear(cache=path, losses=loss if loss == "all" else loss.split("+"), epochs=epochs, device=device,
                      out=out, hparams=hparams, hp_grid=hp_grid, graphs=graphs, seeds=seeds,
-                     observe=observe and parse_rules(observe), fidelity=fidelity, console=Console(file=io.StringIO()))
-    return time.perf_counter() - start, run.results
+                     observe=observe and parse_rules(observe), fidelity=fidelity, console=Console(file=printed),
+                     **placement)
+    return time.perf_counter() - start, run.results, printed.getvalue()
 
 
 class PerSampleFeatures(torch.utils.data.Dataset):
@@ -156,6 +162,34 @@ def time_reference(path: Path, loss_name: str, epochs: int, measured_epochs: int
     return total
 
 
+def compile_rounds(path: Path, loss: str, args, folder: Path) -> list[dict]:
+    """`--compile N`: `linear --loss LOSS` N times eager and N times with --compile, interleaved; the first compiled
+    run with an empty inductor cache (cold), the others with the one it filled (warm)."""
+    import torch._dynamo
+
+    from spml_cache.linear import compiled
+
+    compiled.MIN_STEPS = 0  # every stack, whatever its step count (forked workers inherit it)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor-cache")  # empty: the first compile is cold
+    rows = []
+    for round_ in range(args.compile):
+        for compile_steps in (False, True):
+            torch._dynamo.reset()  # nothing compiled in this process carries over to the next run
+            seconds, results, printed = time_linear(path, loss, args.epochs, args.device, folder / "runs",
+                                                    compile_steps=compile_steps)
+            lines = [line for line in printed.splitlines() if line.startswith("compiled the")]
+            best = {n: round(r["test_map"], 2) for n, r in results["losses"].items() if r.get("selected")}
+            label = f"linear --loss {loss}" + (" --compile" if compile_steps else "")
+            cold = " (cold)" if compile_steps and round_ == 0 else " (warm)" if compile_steps else ""
+            heads = sum(len(r["configs"]) for r in results["losses"].values())
+            rows.append({"run": label + cold, "loss": loss, "path": "compiled" if compile_steps else "eager",
+                         "heads": heads, "round": round_ + 1, "seconds": round(seconds, 2), "compile_lines": lines,
+                         "test_map": best, "load_average": round(os.getloadavg()[0], 2)})
+            print(f"round {round_ + 1}: {label}{cold}: {seconds:.1f} s; {'; '.join(lines)}; test mAP {best};"
+                  f" load {os.getloadavg()[0]:.1f}", flush=True)
+    return rows
+
+
 def cpu_name() -> str:
     """The CPU's model name (Linux), else what platform knows."""
     try:
@@ -182,6 +216,8 @@ def main() -> None:
     parser.add_argument("--hp-grid", default=None, help="paper: every timed run sweeps the papers' grids")
     parser.add_argument("--observe", default=None, help="also time every run under these observation rules")
     parser.add_argument("--fidelity", choices=["exact", "authors"], default=None, help="time under these rules")
+    parser.add_argument("--compile", type=int, default=0, metavar="N",
+                        help="time each run N times without and with --compile, interleaved (every stack compiled)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here as JSON")
     args = parser.parse_args()
     device = resolve_device(args.device)
@@ -200,11 +236,14 @@ def main() -> None:
         path = synthetic_cache(Path(folder), args.shape)
         print(f"{args.shape}-shaped cache written in {time.perf_counter() - start:.1f} s", flush=True)
         variants = [None] + ([args.observe] if args.observe else [])  # single alone, then the rules
-        for loss, hparams in runs:
+        for loss, hparams in runs if args.compile else []:
+            rows += compile_rounds(path, loss, args, Path(folder))
+            write_json(args, device, name, load_before, rows)
+        for loss, hparams in runs if not args.compile else []:
             for way, observe in [(way, observe) for way in paths for observe in variants]:
-                seconds, results = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs", hparams,
-                                               args.hp_grid, graphs=way == "graphs", seeds=args.seeds, observe=observe,
-                                               fidelity=args.fidelity)
+                seconds, results, _ = time_linear(path, loss, args.epochs, args.device, Path(folder) / "runs",
+                                                  hparams, args.hp_grid, graphs=way == "graphs", seeds=args.seeds,
+                                                  observe=observe, fidelity=args.fidelity)
                 heads = sum(len(r["configs"]) for r in results["losses"].values())
                 label = f"linear --loss {loss}" + "".join(f" --hp {k}={','.join(map(str, v))}" for k, v in
                                                           (hparams or {}).items())

@@ -22,13 +22,17 @@ large-loss rejections, SPLC's correction), after a warm-up step; a loss's step r
 (4,574 training rows, 2,048-d, 20 classes, 4 heads: the papers' four learning rates); the op counts do not depend
 on the sizes.
 
+`--compiled` times each loss's step eagerly and compiled (`linear --compile`: `HeadStack.gradients` by inductor,
+linear/compiled.py), the two alternating `--repeats` times, beside the compile's seconds (cold where inductor's
+cache, TORCHINDUCTOR_CACHE_DIR, is empty) and the steps it takes to pay it back.
+
 `--against DIR --rounds N` compares this checkout with another (DIR: a checkout of the package, e.g. `git
 worktree add /tmp/main main`): N rounds, each running this script on DIR's code and then on this one's in child
 processes (`--code`), so that the machine's drift hits both alike; the JSON then holds both sides' counts and
 each loss's median time of the N rounds.
 
 Usage: python scripts/bench_step_ops.py [--losses an,role | all] [--time-steps 200] [--repeats 3]
-       [--json docs/benchmarks/NAME.json] [--markdown] [--against DIR --rounds 3] [--code DIR]
+       [--json docs/benchmarks/NAME.json] [--markdown] [--against DIR --rounds 3] [--code DIR] [--compiled]
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ VIEW_OPS = {
     "aten.unflatten", "aten.movedim", "aten.numpy_T", "aten.real", "aten.imag",
 }
 # the functions whose ops are the optimiser's (the heads' gradient and every Adam update) ...
-OPTIMISER_FUNCTIONS = {("head_matrix.py", "step"), ("adam.py", "step"), ("adam_kernel.py", "adam_update")}
+OPTIMISER_FUNCTIONS = {("head_matrix.py", "step"), ("head_matrix.py", "take_gradient"), ("head_matrix.py", "update"),
+                       ("adam.py", "step"), ("adam_kernel.py", "adam_update")}
 # ... and those whose ops are the loss's gradient: autograd's engine, a closed form's gradient part
 BACKWARD_FUNCTIONS = {("graph.py", "_engine_run_backward")}
 
@@ -132,12 +137,13 @@ def count_ops(name: str, data: LinearData) -> dict:
     """The ops of one step of loss `name`, per part, and the ops by name."""
     with single_threaded(data.device), flushing_denormals(data.device):
         stack, order = stack_in_epoch_two(name, data)
+        rows = order[BATCH_SIZE : 2 * BATCH_SIZE]  # the engine cuts an epoch's batches at its start, not per step
         recorder = PartRecorder()
         with ExitStack() as recording:  # as step_trace.record, with this recorder
             recording.enter_context(KernelHostReads(recorder))
             recording.enter_context(HostReads(recorder.forbidden))
             recording.enter_context(recorder)
-            stack.train_step(order[BATCH_SIZE : 2 * BATCH_SIZE], data)
+            stack.train_step(rows, data)
     if recorder.forbidden:
         raise SystemExit(f"{name}: the step syncs with the host: {recorder.forbidden[0]}")
     row = {"loss": name, "closed_form": getattr(stack, "closed_form", False)}
@@ -170,6 +176,33 @@ def time_steps(name: str, data: LinearData, steps: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_compiled(name: str, data: LinearData, steps: int, repeats: int) -> dict:
+    """`--compiled`: us per step eager and compiled (medians of `repeats`, alternating), the compile's seconds."""
+    from spml_cache.linear.compiled import CompiledStep, CompileTime
+
+    with single_threaded(data.device), flushing_denormals(data.device):
+        stack, order = stack_in_epoch_two(name, data)
+        if not stack.closed_form:
+            return {"loss": name, "compiled": False}
+        starts = [(BATCH_SIZE * (1 + i)) % (len(order) - BATCH_SIZE) for i in range(steps)]
+        batches = [order[start : start + BATCH_SIZE] for start in starts]
+        spent, eager = CompileTime(name), None
+        compiled = CompiledStep(stack, spent)
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(repeats):
+            for way in times:
+                stack.compiled = None if way == "eager" else compiled
+                begin = time.perf_counter()
+                for rows in batches:
+                    stack.train_step(rows, data)
+                times[way].append((time.perf_counter() - begin) / steps * 1e6)
+        eager, fused = statistics.median(times["eager"]), statistics.median(times["compiled"][1:] or times["compiled"])
+    saved = eager - fused
+    return {"loss": name, "compiled": True, "compile_s": round(spent.seconds, 2), "graphs": spent.graphs,
+            "us_eager": round(eager, 1), "us_compiled": round(fused, 1),
+            "steps_to_pay": round(spent.seconds / (saved * 1e-6)) if saved > 0 else None}
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| loss | ops (kernels) | forward | backward | optimiser | us per step |", "|---|---|---|---|---|---|"]
     for row in rows:
@@ -181,6 +214,27 @@ def markdown(rows: list[dict]) -> str:
     kernels = statistics.median(row["kernels"] for row in rows)
     lines.append(f"| median of {len(rows)} losses | {ops:g} ({kernels:g}) | | | | |")
     return "\n".join(lines)
+
+
+def compare_compiled(args) -> None:
+    """`--compiled`: per loss, its step eager and compiled; a markdown table and (`--json`) the figures."""
+    names = losses.names() if args.losses == "all" else args.losses.split(",")
+    data = synthetic_data()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    rows = []
+    for name in names:
+        rows.append(time_compiled(name, data, args.time_steps, args.repeats))
+        print(rows[-1], f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print("| loss | compile (s) | us per step eager | compiled | steps to pay the compile back |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        if row["compiled"]:
+            pay = f"{row['steps_to_pay']:,}" if row["steps_to_pay"] else "never (no faster)"
+            print(f"| `{row['loss']}` | {row['compile_s']:.1f} | {row['us_eager']:.0f} | {row['us_compiled']:.0f} | {pay} |")
+    if args.json:
+        write_json(args.json, {"script": "scripts/bench_step_ops.py", "argv": sys.argv[1:], "torch": torch.__version__,
+                               "cpus": os.cpu_count(), "shape": SHAPE, "batch_size": BATCH_SIZE,
+                               "heads": len(GRID_LRS), "load_average": os.getloadavg()[0], "losses": rows})
 
 
 def compare(args) -> None:
@@ -253,9 +307,12 @@ def main() -> None:
     parser.add_argument("--code", type=Path, default=HERE, help="the checkout whose code is measured")
     parser.add_argument("--against", type=Path, default=None, help="another checkout to compare with, interleaved")
     parser.add_argument("--rounds", type=int, default=3, help="with --against: rounds of both")
+    parser.add_argument("--compiled", action="store_true", help="time each step eager and compiled (inductor)")
     args = parser.parse_args()
     if args.against:
         return compare(args)
+    if args.compiled:
+        return compare_compiled(args)
     names = losses.names() if args.losses == "all" else args.losses.split(",")
     data = synthetic_data()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)

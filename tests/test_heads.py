@@ -5,7 +5,7 @@ import torch
 from trace_support import record
 
 from spml_cache.linear.adam import StackedAdam, fused_adam_available
-from spml_cache.linear.head_matrix import HeadMatrix
+from spml_cache.linear.head_matrix import HeadMatrix, rows_of
 
 LRS = [1e-1, 1e-2, 1e-3]
 
@@ -21,6 +21,8 @@ def test_each_head_starts_as_nn_linear_under_its_seed():
     x = torch.randn(4, 7)
     torch.testing.assert_close(heads(x)[1], reference_logits(heads, 1, x))
     torch.testing.assert_close(heads.logits(x, chunk_rows=3), heads(x))
+    # a training batch's features with a ones column last: the bias in the same product, the same logits
+    torch.testing.assert_close(heads(torch.cat([x, torch.ones(4, 1)], dim=1)), heads(x))
     torch.testing.assert_close(heads.weight[2], heads.linear_state(2)["weight"].T)
 
 
@@ -29,9 +31,11 @@ def reference_logits(heads, k, x):
     return x @ state["weight"].T + state["bias"]
 
 
-def train_heads_and_reference(fused, steps=15, stop=None, penalty=False):
+def train_heads_and_reference(fused, steps=15, stop=None, penalty=False, ones_column=False):
     """Three heads at three lrs, trained by `HeadMatrix.step` from the logits' gradient, and the same three
-    heads as `nn.Linear` + `torch.optim.Adam` each; `stop=(head, step)` stops that head before that step."""
+    heads as `nn.Linear` + `torch.optim.Adam` each; `stop=(head, step)` stops that head before that step.
+    `ones_column`: the heads see each batch as training does, `[B, D + 1]` with a ones column last (the bias's
+    gradient from the same product as the weight's)."""
     generator = torch.Generator().manual_seed(0)
     heads = HeadMatrix(6, 4, seeds=[1, 2, 1], lrs=LRS, fused=fused)
     alone = []
@@ -45,12 +49,13 @@ def train_heads_and_reference(fused, steps=15, stop=None, penalty=False):
         active = None
         if stop is not None and step >= stop[1]:
             active = torch.tensor([k != stop[0] for k in range(3)])
-        logits = heads(x).requires_grad_()
+        seen = torch.cat([x, torch.ones(len(x), 1)], dim=1) if ones_column else x
+        logits = heads(seen).requires_grad_()
         weight = heads.weight.requires_grad_()
         value = (((logits - target) ** 2) * (1 + logits.abs())).sum()
         value = value + (weight.abs().sum() if penalty else 0.0)
         grad_logits, grad_weight = torch.autograd.grad(value, [logits, weight], allow_unused=True)
-        heads.step(x, grad_logits, grad_weight if penalty else None, heads.frozen_columns(active))
+        heads.step(seen, grad_logits, grad_weight if penalty else None, heads.frozen_columns(active))
         for k, (linear, optimiser) in enumerate(alone):
             if active is not None and not active[k]:
                 continue
@@ -62,12 +67,13 @@ def train_heads_and_reference(fused, steps=15, stop=None, penalty=False):
     return heads, [linear for linear, _ in alone]
 
 
+@pytest.mark.parametrize("ones_column", [False, True], ids=["", "ones column"])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("penalty", [False, True])
-def test_stacked_heads_train_as_torch_adam_per_head(fused, penalty):
+def test_stacked_heads_train_as_torch_adam_per_head(fused, penalty, ones_column):
     if fused and not fused_adam_available(torch.device("cpu")):
         pytest.skip("no fused Adam kernel on the CPU in this torch")
-    heads, alone = train_heads_and_reference(fused, penalty=penalty)
+    heads, alone = train_heads_and_reference(fused, penalty=penalty, ones_column=ones_column)
     for k, linear in enumerate(alone):
         state = heads.linear_state(k)
         assert not torch.allclose(state["weight"], heads_at_start(k), atol=1e-3)  # it moved
@@ -258,3 +264,14 @@ def test_weight_decay_is_torch_adams_on_the_weight_alone(fused):
         torch.testing.assert_close(heads.linear_state(k)["bias"], linear.bias.detach(), rtol=1e-5, atol=1e-6)
         decayed = not torch.allclose(heads.linear_state(k)["weight"], plain.linear_state(k)["weight"], atol=1e-4)
         assert decayed == bool(wds[k])  # the decay changed exactly the heads that have one
+
+
+def test_the_logits_gradient_is_read_as_the_heads_columns_without_a_copy_when_it_keeps_their_layout():
+    heads = HeadMatrix(5, 3, seeds=[1, 2], lrs=LRS[:2])
+    logits = heads(torch.randn(4, 5))
+    slope = torch.sigmoid(logits) - 0.5  # elementwise: the logits' memory layout, [B, K*C] underneath
+    assert rows_of(slope).data_ptr() == slope.data_ptr()
+    expected = slope.transpose(0, 1).reshape(4, -1)
+    assert torch.equal(rows_of(slope), expected)
+    contiguous = slope.contiguous()  # another layout: copied into the heads' columns, the same values
+    assert contiguous.stride() != slope.stride() and torch.equal(rows_of(contiguous), expected)

@@ -42,8 +42,8 @@ def test_the_keyword_form_splits_its_keywords_between_the_two_types(monkeypatch)
     monkeypatch.setattr(linear_run, "_run_linear", lambda options, placement: seen.update(
         options=options, placement=placement))
     given = dict(cache=Path("c.h5"), losses=["an"], lrs=[1e-2], seeds=2, memory_budget=1024, resume=Path("r"),
-                 device="cpu", out=Path("o"), workers=3, graphs=False, cache_dir=Path("caches"))
-    placement = {"device", "out", "workers", "graphs", "cache_dir", "console", "resume"}
+                 device="cpu", out=Path("o"), workers=3, graphs=False, compile_steps=True, cache_dir=Path("caches"))
+    placement = {"device", "out", "workers", "graphs", "compile_steps", "cache_dir", "console", "resume"}
     assert {f.name for f in fields(LinearPlacement)} == placement
     assert not placement & {f.name for f in fields(LinearOptions)}  # no keyword is both
     spml_cache.linear.run_linear(**given)
@@ -59,10 +59,11 @@ def test_the_command_line_builds_the_options_the_python_api_would(tmp_path, monk
         options=options, placement=placement))
     code, err = run_main("linear", "--cache", "c.h5", "--loss", "an,role", "--lr", "0.1,0.01", "--wd", "0,1e-4",
                          "--epochs", "2", "--hp", "delta=0.1", "--observe", "single,entry:0.1", "--memory-budget",
-                         "1MB", "--device", "cpu", "--workers", "2", "--no-graphs", cwd=tmp_path,
+                         "1MB", "--device", "cpu", "--workers", "2", "--no-graphs", "--compile", cwd=tmp_path,
                          monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0, err
     assert seen["options"] == LinearOptions(cache=Path("c.h5"), losses=["an", "role"], lrs=[0.1, 0.01],
                                             wds=[0.0, 1e-4], epochs=2, hparams={"delta": 0.1},
                                             observe=parse_rules("single,entry:0.1"), memory_budget=2**20)
-    assert seen["placement"] == LinearPlacement(device="cpu", out=None, workers=2, graphs=False)  # None: runs/
+    assert seen["placement"] == LinearPlacement(device="cpu", out=None, workers=2, graphs=False,
+                                                compile_steps=True)  # out None: runs/

@@ -148,3 +148,19 @@ def test_a_subclass_that_rewrites_forward_alone_trains_by_autograd():
             return 2 * value, 2 * grad
 
     assert losses.get("an").closed_form() and not Doubled.closed_form() and Restated.closed_form()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_mean_over_entries_is_their_sum_divided_by_their_count_bit_for_bit(dtype):
+    """`mean_over_entries` is one op (torch's mean), the sum over (B, C) then a division by B*C on the CPU: the same
+    bits as the two ops it replaced, on the logits' layout (`HeadMatrix.__call__`'s [K, B, C] view of [B, K*C]), a
+    contiguous one and values of many magnitudes (the vector width of the sum's kernel, ATEN_CPU_CAPABILITY, must
+    not matter: the sum is the same kernel either way)."""
+    generator = torch.Generator().manual_seed(0)
+    for heads, rows, classes in [(4, 8, 20), (3, 33, 80), (1, 7, 3), (2, 64, 1000)]:
+        flat = torch.randn(rows, heads * classes, generator=generator, dtype=dtype)
+        flat *= 10.0 ** torch.randint(-4, 5, (rows, 1), generator=generator)
+        for terms in (flat.as_strided((heads, rows, classes), (classes, heads * classes, 1)),
+                      flat.view(rows, heads, classes).transpose(0, 1).contiguous()):
+            reference = terms.sum(dim=(-2, -1)) / (rows * classes)
+            assert torch.equal(losses.base.mean_over_entries(terms), reference)

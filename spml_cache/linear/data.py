@@ -24,7 +24,7 @@ from spml_cache.labels import (
     positives,
     scored_classes,
 )
-from spml_cache.linear.out_of_core import Batch, MemoryPlan, RowSource
+from spml_cache.linear.out_of_core import Batch, ChunkReader, MemoryPlan, RowSource
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,15 +141,23 @@ class LinearData:
         for a loss that reads the `whole` matrix (`losses.reads_whole_observed`), made dense, else None."""
         return observed_for_loss(self.train_observed, whole)
 
-    def batch(self, rows: torch.Tensor, oracle: bool, features: torch.Tensor | None = None,
+    def batch(self, rows: torch.Tensor, oracle: bool, reader: ChunkReader | None = None,
               into: Batch | None = None) -> Batch:
-        """The batch of training rows `rows`: their features (given when read from the cache) and dense label
-        blocks, gathered from tensors or built from CSR. `into`: an earlier batch of the same size whose tensors
-        the gathers write into (`out=`) instead of allocating (a captured step replays the same addresses)."""
-        if features is None:
-            features = _gathered(self.train_features, rows, into and into.features)
+        """The batch of training rows `rows`: their features (read through `reader` when they stream from the
+        cache) beside a ones column, and dense label blocks, gathered from tensors or built from CSR. `into`: an
+        earlier batch of the same size whose tensors the gathers write into (`out=`) instead of allocating (a
+        captured step replays the same addresses); it is returned when it holds the whole batch."""
+        batch = into or Batch(Batch.features_buffer(len(rows), self.train_features.shape[1], self.device),
+                              torch.empty(0), None)
+        if reader is None:
+            _gathered(self.train_features, rows, batch.rows)
+        else:
+            reader.features(rows, out=batch.rows)
+        observed = _gathered(self.train_observed, rows, into and into.observed, np.int8)
         labels = _gathered(self.train_labels, rows, into and into.labels, np.uint8) if oracle else None
-        return Batch(features, _gathered(self.train_observed, rows, into and into.observed, np.int8), labels)
+        if observed is batch.observed and labels is batch.labels:
+            return batch
+        return Batch(batch.features, observed, labels)
 
 
 def _gathered(matrix, rows: torch.Tensor, out: torch.Tensor | None, dtype=None) -> torch.Tensor:

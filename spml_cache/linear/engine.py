@@ -17,6 +17,7 @@ import torch
 
 from spml_cache import losses as loss_registry
 from spml_cache.linear.adam import StackedAdam
+from spml_cache.linear.compiled import CompileTime, CompiledStep, pays
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.gradients import autograd_gradients, closed_form_gradients, rows_for_loss
 from spml_cache.linear.head_matrix import HeadMatrix
@@ -106,6 +107,7 @@ class HeadStack:
         self.frozen = None  # the stopped heads' columns of `heads` (HeadMatrix.frozen_columns)
         self.stopped_heads: tuple[int, ...] = ()  # which heads have stopped, on the host
         self.gathered: dict[int, Batch] = {}  # per batch size: the tensors a step gathers its batch into
+        self.compiled: CompiledStep | None = None  # `linear --compile`: `gradients` compiled (compiled.py)
         self.epoch_loss = torch.zeros(len(lrs), device=device)  # this epoch's per-step losses [K], summed in place
         self.num_steps = 0  # steps taken this epoch
         self.loss_sum = torch.zeros(len(lrs), device=device)
@@ -127,29 +129,40 @@ class HeadStack:
             batch_index = torch.arange(len(order), device=order.device) // self.batch_size
             self.adam.advance_rows(order, self.adam.steps + batch_index, self.stopped)
 
-    def train_step(self, rows: torch.Tensor, data: LinearData, batch: Batch | None = None) -> None:
-        """One step on the training rows `rows` (`batch`: their features and labels, when read from the cache).
-        With dense arrays in memory nothing in it waits on the GPU or copies from the host, and what changes
-        between steps lives in tensors updated in place: a CUDA graph of it replays correctly (graphs.py); the
-        Python step counters it advances are `step_counts`."""
-        if batch is None:  # gathered into this batch size's buffers (made by its first step: the eager warm-up)
-            batch = data.batch(rows, self.loss.oracle, into=self.gathered.get(len(rows)))
-            self.gathered.setdefault(len(rows), batch)
+    def train_step(self, rows: torch.Tensor, data: LinearData, reader: ChunkReader | None = None) -> None:
+        """One step on the training rows `rows` (`reader`: where their features are read, when they stream from
+        the cache). With dense arrays in memory nothing in it waits on the GPU or copies from the host, and what
+        changes between steps lives in tensors updated in place: a CUDA graph of it replays correctly
+        (graphs.py); the Python step counters it advances are `step_counts`."""
+        # gathered into this batch size's buffers (made by its first step: the eager warm-up)
+        warm = len(rows) in self.gathered
+        batch = data.batch(rows, self.loss.oracle, reader, into=self.gathered.get(len(rows)))
+        self.gathered.setdefault(len(rows), batch)
+        # compiled from the second full step (the first makes the buffers a step reuses); the partial batch eager
+        compiled = self.compiled is not None and warm and len(rows) == self.batch_size
+        params = self.compiled(batch, rows) if compiled else self.gradients(batch, rows)
+        self.heads.update(self.frozen)
+        if params:
+            if self.rows_only:
+                self.adam.step(self.stopped, rows, {id(p): g for (_, p), g in zip(self.row_params, params)})
+            else:
+                for param, grad in zip(self.params, params):
+                    param.grad = grad
+                self.adam.step(self.stopped, rows)
+        self.num_steps += 1
+
+    def gradients(self, batch: Batch, rows: torch.Tensor) -> tuple:
+        """A step's arithmetic before Adam: the loss's value and gradients (gradients.py), the heads' gradient
+        into their buffer (`HeadMatrix.take_gradient`), the epoch's loss sum; returns the gradients of the loss's
+        own parameters. Tensor ops alone for a closed form: what `linear --compile` compiles (compiled.py)."""
         if self.closed_form:
             grads = closed_form_gradients(self.loss, self.heads, batch, rows)
         else:
             with rows_for_loss(self.loss, rows, self.params, self.row_params, self.rows_only) as (index, params):
                 grads = autograd_gradients(self.loss, self.heads, batch, index, params)
-        self.heads.step(batch.features, grads.logits, grads.weight, self.frozen)
-        if grads.params:
-            if self.rows_only:
-                self.adam.step(self.stopped, rows, {id(p): g for (_, p), g in zip(self.row_params, grads.params)})
-            else:
-                for param, grad in zip(self.params, grads.params):
-                    param.grad = grad
-                self.adam.step(self.stopped, rows)
+        self.heads.take_gradient(batch.features, grads.logits, grads.weight, batch.features_t)
         self.epoch_loss += grads.values
-        self.num_steps += 1
+        return grads.params
 
     def step_counts(self) -> tuple[int, int, int]:
         """The Python counters a step advances (the heads' and Adam's steps, the epoch's): a captured step
@@ -277,6 +290,16 @@ class SeedRun:
         else:
             self.permutations = epoch_permutations(data.num_train, seed, epochs).to(data.device)
 
+    def compile_steps(self) -> CompileTime | None:
+        """`linear --compile`: each stack's step compiled where it pays (compiled.py); the compiles' time, which
+        grows as the steps run (None: no stack's step is compiled)."""
+        spent = CompileTime(self.stacks[0].records[0].loss)
+        chosen = [stack for stack in self.stacks
+                  if stack.closed_form and pays(self.epochs * (self.data.num_train // stack.batch_size))]
+        for stack in chosen:
+            stack.compiled = CompiledStep(stack, spent)
+        return spent if chosen else None
+
     @property
     def records(self) -> list[HeadRecord]:
         """Every head (the caller puts them in grid order)."""
@@ -305,13 +328,9 @@ class SeedRun:
                     end = len(order) - len(order) % stack.batch_size if stack.drop_last else len(order)
                     reader = ChunkReader(data.train_features, data.plan.chunk_rows, data.device) \
                         if data.streams_train else None
-                    for start in range(0, end, stack.batch_size):
+                    for rows in order[:end].split(stack.batch_size):  # the epoch's batches, as views, at once
                         check_stop()  # a safe point: a signal's stop is taken here (errors.stops_deferred)
-                        rows = order[start : start + stack.batch_size]
-                        if reader is None:
-                            stack.train_step(rows, data)
-                        else:
-                            stack.train_step(rows, data, data.batch(rows, stack.loss.oracle, reader.features(rows)))
+                        stack.train_step(rows, data, reader)
                     stack.end_epoch()
 
     @torch.no_grad()

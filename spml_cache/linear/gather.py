@@ -36,6 +36,7 @@ class Gathering:
         self.checkpoints: dict[str, dict] = {}
         self.progress: dict[tuple, dict] = {}  # (key, seed index): {batch sizes: (epoch, best so far)}
         self.groups: dict[tuple, Part] = {}  # the lr groups of a part trained so far (memory budget)
+        self.compiled: set[str] = set()  # the losses whose compile time was told (`linear --compile`: once each)
         for key in [key for key in plan.units if len(self.parts[key]) == self.expected]:
             self._finish(key, reused=True)  # every part kept by the run this one resumes: said as such, once
 
@@ -43,6 +44,9 @@ class Gathering:
         """One event of a job: its metrics lines written, its progress shown, its finished parts kept."""
         job, key = event.job, observation.result_key(event.job.loss, event.job.rule)
         runs.append_metrics(self.run_dir, event.lines)
+        if event.compiled is not None and event.job.loss not in self.compiled:
+            self.compiled.add(event.job.loss)
+            self.live.note(event.compiled.line())
         if event.progress is not None and key in self.parts:  # an epoch of a job of an unfinished loss
             progress = self.progress.setdefault((key, job.seed_index), {})
             progress[job.batch_sizes] = event.progress

@@ -37,7 +37,7 @@ def closed_form_gradients(loss: Loss, heads: HeadMatrix, batch: Batch, rows: tor
     """The gradients of a loss with `loss_and_grad` (its per-row parameters' on the batch's rows, in the order of
     `row_params`); its penalty's in closed form when it states one (`penalty_and_grad`), else by autograd of the
     penalty alone."""
-    values, grad_logits, *row_grads = loss.loss_and_grad(heads(batch.features), batch.observed,
+    values, grad_logits, *row_grads = loss.loss_and_grad(heads.batch_logits(batch.features), batch.observed,
                                                          labels=batch.labels, index=rows)
     params = tuple(row_grads[0][name] for name in type(loss).row_params) if row_grads else ()
     weight_grad = None

@@ -17,10 +17,11 @@ from spml_cache.protocol import initial_head
 class HeadMatrix:
     """K linear heads `D -> C` side by side in one matrix, each trained by Adam at its own learning rate.
 
-    Layout: `scaled_weight [D, K*C]` and `scaled_bias [K*C]`, head k in columns `k*C .. (k+1)*C - 1`, so one
-    `addmm` gives every head's logits on a batch and one `mm` every head's weight gradient. Both are views of one
-    `[D + 1, K*C]` buffer (the bias its last row), and so are their gradients and Adam's moments: the fused Adam
-    update reads one tensor of each.
+    Layout: `scaled_weight [D, K*C]` and `scaled_bias [K*C]`, head k in columns `k*C .. (k+1)*C - 1`. Both are
+    views of one `[D + 1, K*C]` buffer (the bias its last row), and so are their gradients and Adam's moments: the
+    fused Adam update reads one tensor of each. A training batch carries a ones column after its features
+    (`out_of_core.Batch`), so one `mm` with that buffer gives every head's logits, bias included, and one `mm`
+    every head's weight and bias gradient.
 
     Adam moves a parameter by lr times a quantity of the gradients alone, so head k's parameters are stored
     divided by its lr (`scaled_*`): Adam updates them at lr 1 for all heads in one fused call, from the
@@ -69,11 +70,35 @@ class HeadMatrix:
         self.grad_weight, self.grad_bias = self.grads[0][:-1], self.grads[0][-1]
         self.steps = 0
         self.step_tensor = torch.zeros((), device=device)  # where the fused kernel reads the step count
+        self.batch_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `batch_logits`' per batch size
+        self.gradient_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `_gradient_rows`' per batch size
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits `[K, B, C]` of every head on the same rows `[B, D]` (no autograd through the heads)."""
-        flat = torch.addmm(self.scaled_bias, features, self.scaled_weight).mul_(self.lr_columns)
-        return flat.view(len(features), self.num_heads, self.num_classes).transpose(0, 1)
+        """Logits `[K, B, C]` of every head on the same rows: `[B, D]`, or `[B, D + 1]` with a ones column last
+        (a training batch, `out_of_core.Batch`), whose product with the `[D + 1, K*C]` buffer adds the bias in the
+        same matrix product (no autograd through the heads)."""
+        if features.shape[1] == self.params[0].shape[0]:
+            flat = torch.mm(features, self.params[0])
+        else:
+            flat = torch.addmm(self.scaled_bias, features, self.scaled_weight)
+        flat.mul_(self.lr_columns)
+        # [B, K*C] read as [K, B, C] (head k's columns as its own matrix): one view
+        return flat.as_strided((self.num_heads, len(features), self.num_classes), (self.num_classes, flat.shape[1], 1))
+
+    def batch_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """`self(features)` for a training batch `[B, D + 1]` (a ones column last) into a buffer of its batch size,
+        made with its view as `[K, B, C]` by the batch size's first step: no allocation and no view a step (one op
+        fewer). The next step of that batch size writes over it: for a closed form, whose gradient is a new tensor
+        (autograd's logits are a leaf of their own: `self(features)`)."""
+        flat, logits = self.batch_buffers.get(len(features), (None, None))
+        if flat is None:
+            flat = torch.empty((len(features), self.params[0].shape[1]), device=features.device)
+            logits = flat.as_strided((self.num_heads, len(features), self.num_classes), (self.num_classes,
+                                                                                         flat.shape[1], 1))
+            self.batch_buffers[len(features)] = flat, logits
+        torch.mm(features, self.params[0], out=flat)
+        flat.mul_(self.lr_columns)
+        return logits
 
     def logits(self, features: torch.Tensor, chunk_rows: int = 16384) -> torch.Tensor:
         """Evaluation logits `[K, N, C]` for many rows, in row chunks to bound the memory of one matmul."""
@@ -101,21 +126,52 @@ class HeadMatrix:
         stopped = (~active).repeat_interleave(self.num_classes)
         return stopped.nonzero().squeeze(1).to(self.scaled_bias.device)
 
-    @torch.no_grad()
     def step(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
-             frozen: torch.Tensor | None = None) -> None:
-        """One Adam step of every head from the batch `features [B, D]` and the loss's gradient with respect
-        to the logits `[K, B, C]`; `weight_grad [K, D, C]`: a penalty's gradient on the weights, added.
-        `frozen` (`frozen_columns`; None: none): the columns of stopped heads, which keep their parameters and
-        moments."""
-        grad = grad_logits.transpose(0, 1).reshape(len(features), -1)  # [B, K*C], the layout of the logits
+             frozen: torch.Tensor | None = None, features_t: torch.Tensor | None = None) -> None:
+        """One Adam step of every head from the batch `features` (`[B, D]`, or `[B, D + 1]` with a ones column
+        last: then one product gives the weight's and the bias's gradient; `features_t`: its transpose, if the
+        caller keeps one) and the loss's gradient with respect to the logits `[K, B, C]`; `weight_grad [K, D, C]`:
+        a penalty's gradient on the weights, added. `frozen` (`frozen_columns`; None: none): the columns of
+        stopped heads, which keep their parameters and moments. `take_gradient` then `update`."""
+        self.take_gradient(features, grad_logits, weight_grad, features_t)
+        self.update(frozen)
+
+    @torch.no_grad()
+    def take_gradient(self, features: torch.Tensor, grad_logits: torch.Tensor, weight_grad: torch.Tensor | None = None,
+                      features_t: torch.Tensor | None = None) -> None:
+        """The heads' gradient (`step`'s arguments) into `grads`: tensor ops alone (`linear --compile` compiles
+        them with the loss's)."""
+        grad = self._gradient_rows(grad_logits)  # [B, K*C], the layout of the logits
         grad_weight = self.grad_weight
-        torch.mm(features.t(), grad, out=grad_weight)
-        torch.sum(grad, dim=0, out=self.grad_bias)
+        features_t = features.t() if features_t is None else features_t
+        if features.shape[1] == self.params[0].shape[0]:  # the ones column's row of the product is the bias's
+            torch.mm(features_t, grad, out=self.grads[0])
+        else:
+            torch.mm(features_t, grad, out=grad_weight)
+            torch.sum(grad, dim=0, out=self.grad_bias)
         if weight_grad is not None:
             grad_weight.view(-1, self.num_heads, self.num_classes).add_(weight_grad.permute(1, 0, 2))
         if self.decay_columns is not None:  # d/dw of wd/2 |w|^2 = wd * w = wd * lr * scaled weight
             grad_weight.addcmul_(self.scaled_weight, self.decay_columns)
+
+    def _gradient_rows(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        """`rows_of(grad_logits)`: a view when the gradient keeps the logits' layout; else one copy into a buffer
+        of its batch size made by its first step, with its `[K, B, C]` view (a copy, a transpose and a view
+        otherwise: two ops fewer; a copy is exact, so the same bits)."""
+        num_heads, rows, classes = grad_logits.shape
+        if grad_logits.stride() == (classes, num_heads * classes, 1):
+            return grad_logits.as_strided((rows, num_heads * classes), (num_heads * classes, 1))
+        flat, view = self.gradient_buffers.get(rows, (None, None))
+        if flat is None:
+            flat = grad_logits.new_empty((rows, num_heads * classes))
+            view = flat.as_strided(grad_logits.shape, (classes, num_heads * classes, 1))
+            self.gradient_buffers[rows] = flat, view
+        view.copy_(grad_logits)
+        return flat
+
+    @torch.no_grad()
+    def update(self, frozen: torch.Tensor | None = None) -> None:
+        """Adam's step of every head from `grads` (`step`'s `frozen`): torch's fused kernel, eager on every path."""
         if frozen is not None:
             state = self.params + self.exp_avgs + self.exp_avg_sqs
             kept = [t.index_select(t.dim() - 1, frozen) for t in state]
@@ -126,3 +182,12 @@ class HeadMatrix:
         if frozen is not None:
             for t, saved in zip(state, kept):
                 t.index_copy_(t.dim() - 1, frozen, saved)
+
+def rows_of(grad_logits: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient `[K, B, C]` as `[B, K*C]`, the heads' columns side by side: a view of it (one op)
+    when it keeps the logits' memory layout (`HeadMatrix.__call__`'s, as elementwise ops on the logits keep
+    it), else a copy."""
+    num_heads, rows, classes = grad_logits.shape
+    if grad_logits.stride() == (classes, num_heads * classes, 1):
+        return grad_logits.as_strided((rows, num_heads * classes), (num_heads * classes, 1))
+    return grad_logits.transpose(0, 1).reshape(rows, -1)

@@ -14,11 +14,12 @@ import signal
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 import torch
 
 from spml_cache import cache as cache_file
+from spml_cache.linear.compiled import CompileTime
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.engine import Job, SeedRun
 from spml_cache.linear.graphs import Lockstep, graphs_available
@@ -52,12 +53,15 @@ def resolve_workers(workers: int, device: torch.device, num_jobs: int, work: int
 @dataclass(frozen=True)
 class JobEvent:
     """What training a job reports: after each epoch its progress, `(epoch, best so far)`; when it is done, its
-    heads (`done`). In-process the metrics lines come with each epoch; from a worker process, with `done`."""
+    heads (`done`). In-process the metrics lines come with each epoch; from a worker process, with `done`.
+    `compiled`: after the first epoch whose steps compiled (`linear --compile`), the compiles' time so far."""
 
     job: Job
     progress: tuple[int, dict | None] | None = None
     lines: list[dict] = field(default_factory=list)
     done: Part | None = None
+    _: KW_ONLY
+    compiled: CompileTime | None = None
 
 
 def merged_progress(parts) -> tuple[int, dict | None]:
@@ -72,8 +76,8 @@ class JobPlan:
     """What a run's jobs train and on what: its units (`{result key: (loss, rule text)}`), each loss's
     hyperparameter combinations (`used`) and starting head (`starts`), each rule's training data (`data`) and
     `observation.Observed` (`observed`, for spawned workers), the device and workers, whether stacks may train
-    in lockstep as CUDA graphs (`graphs`), and `lrs_at_once` (a count when the memory budget splits the lrs into
-    groups trained in turn)."""
+    in lockstep as CUDA graphs (`graphs`), whether each stack's step is compiled where it pays (`compile_steps`,
+    compiled.py), and `lrs_at_once` (a count when the memory budget splits the lrs into groups trained in turn)."""
 
     settings: LinearSettings
     units: dict[str, tuple[str, str]]
@@ -85,6 +89,7 @@ class JobPlan:
     target: torch.device
     workers: int = 1
     graphs: bool = True
+    compile_steps: bool = False
     lrs_at_once: int | None = None
 
     def jobs(self, kept, ranks=None) -> tuple[list[Job], int]:
@@ -123,24 +128,41 @@ def train_jobs(plan: JobPlan, jobs: list[Job], workers: int):
     if workers == 1:
         for job in jobs:
             with loss_faults([job.loss]):
-                yield from _in_process(job, settings, used, data, starts)
+                yield from _in_process(job, plan, used, data, starts)
         return
     yield from _in_workers(plan, jobs, workers)
 
 
-def _in_process(job: Job, settings: LinearSettings, used, data, starts):
-    start = time.perf_counter()
+def _in_process(job: Job, plan: JobPlan, used, data, starts):
+    start, settings = time.perf_counter(), plan.settings
     run = SeedRun.for_job(job, settings, used[job.loss], data[job.rule], starts.get(job.loss))
+    compiles = CompileNotes(run, plan.compile_steps)
     for epoch in range(1, settings.epochs):
         lines = run.run_epoch(epoch)
-        yield JobEvent(job, (epoch, best_so_far(run.records)), lines)
+        yield JobEvent(job, (epoch, best_so_far(run.records)), lines, compiled=compiles.news())
     lines = run.run_epoch(settings.epochs)
     records = run.host_records()
     # The job's heads and optimiser state go before its part is kept and selected from, and before the next job's
     # are made (lr groups: the memory budget); the allocator hands their memory back.
     del run
     give_back_freed()
-    yield JobEvent(job, (settings.epochs, best_so_far(records)), lines, Part(records, time.perf_counter() - start))
+    yield JobEvent(job, (settings.epochs, best_so_far(records)), lines, Part(records, time.perf_counter() - start),
+                   compiled=compiles.news())
+
+
+class CompileNotes:
+    """`linear --compile` in one job: its stacks compiled where it pays (`SeedRun.compile_steps`); `news`, the
+    compiles' time once, after the first epoch that compiled (None before, after, and without --compile)."""
+
+    def __init__(self, run: SeedRun, compile_steps: bool) -> None:
+        self.spent = run.compile_steps() if compile_steps else None
+        self.told = False
+
+    def news(self) -> CompileTime | None:
+        if self.spent is None or self.told or not self.spent.graphs:
+            return None
+        self.told = True
+        return self.spent
 
 
 def _in_workers(plan: JobPlan, jobs: list[Job], workers: int):
@@ -160,8 +182,8 @@ def _in_workers(plan: JobPlan, jobs: list[Job], workers: int):
                                          plugins.loaded()))
     try:
         with interrupts_held_back():  # the first submit starts the workers
-            pending = {pool.submit(_run_job, job, settings, used[job.loss], starts.get(job.loss)): job
-                       for job in jobs}
+            pending = {pool.submit(_run_job, job, settings, used[job.loss], starts.get(job.loss),
+                                   plan.compile_steps): job for job in jobs}
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             check_stop()  # the workers ignore signals: this process stops them
@@ -233,13 +255,14 @@ def _start_worker(source, device: str, val_labels: str, progress, parent_pid: in
     _worker.update(data=source, progress=progress)
 
 
-def _run_job(job: Job, settings: LinearSettings, hparams: list[Combination],
-             start: StartHead | None) -> tuple[Part, list[dict]]:
+def _run_job(job: Job, settings: LinearSettings, hparams: list[Combination], start: StartHead | None,
+             compile_steps: bool = False) -> tuple[Part, list[dict]]:
     """One job in a worker process: the same training as in-process, progress through the queue."""
     begin = time.perf_counter()
     run = SeedRun.for_job(job, settings, hparams, _worker["data"][job.rule], start)
+    compiles = CompileNotes(run, compile_steps)
     lines = []
     for epoch in range(1, settings.epochs + 1):
         lines += run.run_epoch(epoch)
-        _worker["progress"].put(JobEvent(job, (epoch, best_so_far(run.records))))
+        _worker["progress"].put(JobEvent(job, (epoch, best_so_far(run.records)), compiled=compiles.news()))
     return Part(run.host_records(), time.perf_counter() - begin), lines

@@ -100,6 +100,10 @@ class LiveTable:
         self._show(f"{loss}: {state}, val mAP {self.rows[loss][1]}, test mAP {self.rows[loss][2]}"
                    f" ({self.rows[loss][3]})", force=True)
 
+    def note(self, line: str) -> None:
+        """A line of news (a compile's time), printed above the live table or among the plain lines."""
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
     def _show(self, line: str, force: bool = False) -> None:
         if self.live:
             if not self.live.is_started:

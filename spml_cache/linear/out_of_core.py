@@ -118,13 +118,24 @@ def chunked_permutations(num_rows: int, chunk_rows: int, seed: int, epochs: int)
     return torch.stack(orders)
 
 
-@dataclass
+@dataclass(eq=False)
 class Batch:
-    """One training batch's features `[B, D]`, observed labels `[B, C]` and (oracle losses) full labels."""
+    """One training batch: its features with a ones column last `[B, D + 1]` (the heads' bias: their logits and
+    gradient are then one product each, head_matrix.py), observed labels `[B, C]` and (oracle losses) full labels.
+    `rows` (the first D columns, where a batch's feature rows are written) and `features_t` (the transpose the
+    heads' gradient reads) are views made once with it: a batch size's buffers serve every step."""
 
     features: torch.Tensor
     observed: torch.Tensor
     labels: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        self.rows, self.features_t = self.features[:, :-1], self.features.t()
+
+    @staticmethod
+    def features_buffer(rows: int, dim: int, device: torch.device) -> torch.Tensor:
+        """`[rows, dim + 1]` of ones: the feature rows are written into its first `dim` columns."""
+        return torch.ones((rows, dim + 1), dtype=torch.float32, device=device)
 
 
 class ChunkReader:
@@ -138,7 +149,8 @@ class ChunkReader:
         self.buffers: dict[int, np.ndarray] = {}  # chunk -> the host buffer it was read into
         self.free: list[np.ndarray] = []  # host buffers, reused
 
-    def features(self, rows: torch.Tensor) -> torch.Tensor:
+    def features(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The feature rows `rows` (into `out`, when given)."""
         chunks = torch.div(rows, self.chunk_rows, rounding_mode="floor")
         needed = sorted(set(chunks.tolist()))
         for chunk in [c for c in self.loaded if c not in needed]:
@@ -152,8 +164,9 @@ class ChunkReader:
                 block = self.source.read(low, min(low + self.chunk_rows, len(self.source)), out=buffer)
                 self.loaded[chunk] = torch.from_numpy(block).to(self.device)
         if len(needed) == 1:
-            return self.loaded[needed[0]].index_select(0, rows - needed[0] * self.chunk_rows)
-        out = torch.empty((len(rows), self.source.shape[1]), dtype=torch.float32, device=self.device)
+            return torch.index_select(self.loaded[needed[0]], 0, rows - needed[0] * self.chunk_rows, out=out)
+        if out is None:
+            out = torch.empty((len(rows), self.source.shape[1]), dtype=torch.float32, device=self.device)
         for chunk in needed:
             here = (chunks == chunk).nonzero().squeeze(1)
             out[here] = self.loaded[chunk].index_select(0, rows[here] - chunk * self.chunk_rows)

@@ -176,6 +176,7 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
     """Plan, load and check what the run trains, before anything is written."""
     config, options, settings, cache_path = _given_settings(options, placement)
     target = ranks.device(resolve_device(placement.device)) if ranks else resolve_device(placement.device)
+    _refuse_compile_with_graphs(placement, target)
     budget = memory.budget(options.memory_budget, target)
     features, chunks, lrs_at_once = load_within(cache_path, budget, settings.heads_at_once(), target,
                                                 options.chunk_rows, settings.heads_per_lr())
@@ -202,15 +203,38 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
         _print_notes(placement.console, [unverified, observation.drawn_note(observed, features.path), *text_notes,
                                          *notes, chunks.streams and chunks.describe(),
                                          _clamped_note(options.chunk_rows, chunks),
-                                         lrs_at_once and _grouped_note(lrs_at_once)])
+                                         lrs_at_once and _grouped_note(lrs_at_once),
+                                         _compile_note(placement.compile_steps, settings, len(features.train))])
     whole = LinearData.from_features(features, target, settings.val_labels, chunks)
     data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
     jobs = JobPlan(settings=settings, units=units, used=used, starts=starts, features=features, data=data,
-                   observed=observed, target=target, workers=workers, graphs=placement.graphs, lrs_at_once=lrs_at_once)
+                   observed=observed, target=target, workers=workers, graphs=placement.graphs,
+                   compile_steps=placement.compile_steps, lrs_at_once=lrs_at_once)
     taken = settings.taken(used, options, cache=Path(features.path).resolve(), dataset=features.dataset,
                            from_run=options.from_run and Path(options.from_run).resolve(), memory_budget=budget,
                            chunk_rows=None if chunks.train_in_memory else chunks.chunk_rows)
     return _Planned(jobs=jobs, taken=taken, budget_binds=bool(chunks.streams or lrs_at_once), whole=whole)
+
+
+def _refuse_compile_with_graphs(placement: LinearPlacement, target) -> None:
+    """`--compile` on a GPU beside its CUDA graphs: a graph replays a step's kernels without Python already, and
+    torch.compile's guards and first-call compile cannot run inside a capture; one of the two."""
+    if placement.compile_steps and placement.graphs and target.type == "cuda":
+        raise SpmlError("--compile: on a GPU stage two replays each step as a CUDA graph, which a compiled step"
+                        " cannot be captured into; leave out --compile, or add --no-graphs to compile eager steps")
+
+
+def _compile_note(compile_steps: bool, settings: LinearSettings, num_train: int) -> str | None:
+    """`--compile` where no stack's step takes enough steps to pay a compile back: said, not refused."""
+    from spml_cache.linear.compiled import MIN_STEPS, pays
+
+    if not compile_steps:
+        return None
+    steps = settings.epochs * (num_train // min(settings.batch_sizes))
+    if pays(steps):
+        return None
+    return (f"--compile: no step compiled: the most full steps a stack takes is {steps:,} ({settings.epochs} epochs"
+            f" of batch {min(settings.batch_sizes)}), fewer than the {MIN_STEPS:,} that pay a compile back")
 
 
 def _several(settings: LinearSettings) -> bool:

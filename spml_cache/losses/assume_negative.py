@@ -15,7 +15,7 @@ from spml_cache.runtime.errors import SpmlError
 from spml_cache.losses.base import (
     Loss, as_tensor_like, bce, entropy, head_vector, mean_over_entries, neg_log_1mp, neg_log_p, register,
 )
-from spml_cache.losses.slopes import bce_terms, entropy_terms, logs_of, reduced, sigmoid_slope
+from spml_cache.losses.slopes import bce_terms, entropy_terms, logs_of, reduced
 from spml_cache.runtime.registry import Param
 
 
@@ -218,16 +218,21 @@ class PairwiseRanking(Loss):
         return mean_over_entries(self.pairs(torch.sigmoid(logits), observed)[0])
 
     @staticmethod
-    def pairs(p: torch.Tensor, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The terms `[..., B, C]`, and which pairs (i, j) count with a hinge above 0 `[..., B, C, C]`."""
+    def pairs(p: torch.Tensor, observed: torch.Tensor, q: torch.Tensor | None = None):
+        """The terms `[..., B, C]`, and which pairs (i, j) count with a hinge above 0 `[..., B, C, C]`; `q`:
+        `1 - p`, if the caller has it."""
         positive = observed == 1
         # hinge[..., n, i, j] = max(0, 1 - p_ni + p_nj); only pairs (observed positive i, assumed negative j) count
-        hinge = torch.relu(1.0 - p.unsqueeze(-1) + p.unsqueeze(-2))
+        q = 1.0 - p if q is None else q
+        hinge = torch.relu(q.unsqueeze(-1) + p.unsqueeze(-2))
         pairs = positive.unsqueeze(-1) & ~positive.unsqueeze(-2)
-        return (hinge * pairs).sum(dim=-1), pairs & (hinge > 0)
+        counted = hinge * pairs  # hinge >= 0 (or NaN): above 0 exactly where a pair counts with a hinge above 0
+        return counted.sum(dim=-1), counted > 0
 
     def loss_and_grad(self, logits, observed, *, labels=None, index=None):
         p = torch.sigmoid(logits)
-        terms, active = self.pairs(p, observed)
-        # d/dp: +1 for each active pair an entry is the negative j of, -1 for each it is the positive i of
-        return reduced(terms, (active.sum(dim=-2) - active.sum(dim=-1)) * sigmoid_slope(p))
+        q = 1.0 - p  # the hinge's and sigmoid_slope's (1 - p), made once
+        terms, active = self.pairs(p, observed, q)
+        # d/dp: +1 for each active pair an entry is the negative j of, -1 for each it is the positive i of;
+        # dp/dx = (1 - p) p (sigmoid_slope)
+        return reduced(terms, (active.sum(dim=-2) - active.sum(dim=-1)) * (q * p))

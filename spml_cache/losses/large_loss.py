@@ -19,21 +19,58 @@ from spml_cache.losses.slopes import logs_of, reduced
 from spml_cache.runtime.registry import Param
 
 
-def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions: torch.Tensor, depth: int):
+def largest_unobserved(losses: torch.Tensor, unobserved: torch.Tensor, positions: torch.Tensor, depth: int,
+                       buffers: "RankingBuffers | None" = None):
     """The unobserved entries whose loss is at least the m-th largest of their head, and that threshold.
 
     `losses` `[..., B, C]` (detached), `unobserved` bool, broadcastable to it; `positions` long `[..., 1]`, per
     head where the m-th largest candidate sits in descending order (`threshold_positions`); `depth`: how many of
     the largest a step ranks, at least every head's m of the whole run. Returns the mask `[..., B, C]` and the
     threshold `[..., 1, 1]`; when a head has fewer than `m` unobserved entries the threshold is -inf and all of
-    them are selected; a head whose `m` is 0 selects nothing (its threshold is NaN).
+    them are selected; a head whose `m` is 0 selects nothing (its threshold is NaN). `buffers`: where a step of
+    this shape writes its ranking (the same values and threshold, 4 ops fewer: `RankingBuffers`).
     """
-    candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
     # The `depth` largest read at a position, not topk(m): the shapes do not depend on m, so one captured step
     # serves every epoch and every head's m. The NaN past the end is the threshold of m = 0: no loss is >= NaN.
-    ordered = F.pad(candidates.topk(depth, dim=-1).values, (0, 1), value=float("nan"))
-    threshold = ordered.gather(-1, positions).unsqueeze(-1)
+    # compiled (linear --compile), the ops are fused anyway: dynamo breaks its graph at an `out=` into a view
+    if buffers is None or torch.compiler.is_compiling():
+        candidates = torch.where(unobserved, losses, float("-inf")).flatten(-2)
+        ordered = F.pad(candidates.topk(depth, dim=-1).values, (0, 1), value=float("nan"))
+        threshold = ordered.gather(-1, positions).unsqueeze(-1)
+    else:
+        torch.where(unobserved, losses, buffers.minus_inf, out=buffers.candidates)
+        torch.topk(buffers.flat_candidates, depth, dim=-1, out=(buffers.largest, buffers.indices))
+        threshold = buffers.ordered.gather(-1, buffers.positions)
     return unobserved & (losses >= threshold), threshold
+
+
+class RankingBuffers:
+    """What `largest_unobserved` writes one batch shape's ranking into, made by its first step with the views a
+    step reads: the candidates contiguous (read `[..., B*C]` by a view: the logits' layout is not contiguous per
+    head, a flatten of it copies), -inf as a tensor of their dtype, the `depth` largest written before a NaN
+    that stays (no pad), the ranked values and `positions` (a view of the loss's buffer, refilled in place) with
+    the dimension the threshold keeps (no unsqueeze)."""
+
+    def __init__(self, losses: torch.Tensor, positions: torch.Tensor, depth: int) -> None:
+        like = dict(dtype=losses.dtype, device=losses.device)
+        self.source, self.depth = positions, depth
+        self.candidates = torch.empty(losses.shape, **like)
+        self.flat_candidates = self.candidates.flatten(-2)  # a view: the buffer is contiguous
+        self.minus_inf = torch.full((), float("-inf"), **like)
+        ranked = torch.full((*losses.shape[:-2], depth + 1), float("nan"), **like)
+        self.largest = ranked[..., :depth]
+        self.indices = torch.empty(self.largest.shape, dtype=torch.long, device=losses.device)
+        self.ordered, self.positions = ranked.unsqueeze(-2), positions.unsqueeze(-1)
+
+    def serve(self, positions: torch.Tensor, depth: int) -> bool:
+        """Whether these buffers are the ones for `positions` (the same tensor) and `depth`."""
+        return self.source is positions and self.depth == depth
+
+
+def detached(x: torch.Tensor) -> torch.Tensor:
+    """`x` out of autograd's graph: `x.detach()` where it is in one (`forward`), else `x` (a closed form's step: no
+    op)."""
+    return x.detach() if x.requires_grad else x
 
 
 def threshold_positions(counts: list[int], num_entries: int, depth: int) -> torch.Tensor:
@@ -59,6 +96,8 @@ class _LargeLoss(Loss):
         self.epoch = 0  # before the first start_epoch: nothing is rejected
         self.num_epochs: int | None = None
         self.depths: dict[int, int] = {}  # per batch size (B*C) with a buffer of positions: how many a step ranks
+        self.rankings: dict[tuple, RankingBuffers] = {}  # per batch shape: where a step writes `selected`'s ranking
+        self.zeros: dict[tuple, torch.Tensor] = {}  # `zero`'s
 
     def start_epoch(self, epoch, num_epochs, train_logits=None):
         self.epoch, self.num_epochs = epoch, num_epochs
@@ -129,7 +168,20 @@ class _LargeLoss(Loss):
         that a step runs the same ops whatever the epoch."""
         positions, depth = self.positions_for(logits.shape[-2] * logits.shape[-1], logits.device)
         positions = positions if logits.dim() == 3 else positions[0]  # [K, 1], or [1] for one head's [B, C]
-        return largest_unobserved(nl_1mp.detach(), unobserved, positions, depth)
+        losses = detached(nl_1mp)
+        key = (losses.shape, losses.dtype, losses.device)
+        buffers = self.rankings.get(key)
+        if buffers is None or not buffers.serve(positions, depth):  # a batch shape's first step (or a new depth)
+            buffers = self.rankings[key] = RankingBuffers(losses, positions, depth)
+        return largest_unobserved(losses, unobserved, positions, depth, buffers)
+
+    def zero(self, like: torch.Tensor) -> torch.Tensor:
+        """0 as a 0-d tensor of `like`'s dtype and device, made once (a `where` with the number 0 makes it each
+        step)."""
+        key = (like.dtype, like.device)
+        if key not in self.zeros:
+            self.zeros[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+        return self.zeros[key]
 
     def forward(self, logits, observed, *, labels=None, index=None):
         positive, unobserved = self.targets(logits, observed, index)
@@ -157,10 +209,13 @@ class LargeLossReject(_LargeLoss):
     description = "large-loss rejection: the ceil(B*C*(t-1)*delta) largest unobserved losses are set to 0"
 
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
-        return torch.where(large, torch.zeros_like(terms), terms)
+        # not masked_fill, whose output is contiguous: the mean over another layout sums in another order
+        return torch.where(large, self.zero(terms), terms)
 
     def modify_slopes(self, slopes, large, d_nl_p):
-        return torch.where(large, 0.0, slopes)
+        # one op (torch.where(large, 0.0, slopes) makes its 0 a tensor first); the same values in another layout,
+        # which the heads' gradient copies exactly
+        return slopes.masked_fill(large, 0.0)
 
 
 @register
@@ -211,7 +266,7 @@ class LargeLossCorrectPermanent(_LargeLoss):
     def modify(self, terms, large, threshold, nl_p, nl_1mp, index):
         if self.fidelity is Fidelity.AUTHORS:  # ... and corrects nothing for good: LL-Ct, as its code runs
             return torch.where(large, nl_p, terms)
-        permanent = large & (nl_1mp.detach() > threshold)
+        permanent = large & (detached(nl_1mp) > threshold)
         with torch.no_grad():
             rows = rows_for_heads(self.corrected_observed, index, nl_1mp)
             rows = torch.where(permanent, torch.ones_like(rows), rows)

@@ -28,6 +28,7 @@ class Logs(NamedTuple):
     nl_1mp: torch.Tensor
     d_nl_p: torch.Tensor
     d_nl_1mp: torch.Tensor
+    minus_x: torch.Tensor | None = None  # `-x`, where the logs were made from it (without eps): reused, not redone
 
 
 def sigmoid_slope(p: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def logs_of(x: torch.Tensor, eps: float | None = None) -> Logs:
     p = torch.sigmoid(x)
     if eps is None:  # nl(p) = softplus(-x) = -logsigmoid(x): softplus keeps the logits' memory layout, which the
         minus_x = -x  # heads' gradient then reads without a copy (logsigmoid's output is always contiguous)
-        return Logs(p, F.softplus(minus_x), F.softplus(x), -torch.sigmoid(minus_x), p)
+        return Logs(p, F.softplus(minus_x), F.softplus(x), -torch.sigmoid(minus_x), p, minus_x)
     shifted_p, shifted_1mp, slope = p + eps, 1 - p + eps, sigmoid_slope(p)
     return Logs(p, -torch.log(shifted_p), -torch.log(shifted_1mp), -slope / shifted_p, slope / shifted_1mp)
 
@@ -62,7 +63,7 @@ def entropy_terms(x: torch.Tensor, logs: Logs, eps: float | None = None) -> tupl
     is 0 there); with `eps`, (1 - p) p [nl(p) - nl(1 - p)] plus each log's slope weighted by its probability."""
     p = logs.p
     if eps is None:
-        return bce(x, p), -x * sigmoid_slope(p)
+        return bce(x, p), (-x if logs.minus_x is None else logs.minus_x) * sigmoid_slope(p)
     value = p * logs.nl_p + (1 - p) * logs.nl_1mp
     return value, sigmoid_slope(p) * (logs.nl_p - logs.nl_1mp) + p * logs.d_nl_p + (1 - p) * logs.d_nl_1mp
 

@@ -154,5 +154,10 @@ class LinearPlacement(Placement):
     graphs: bool = option(True, "On a GPU, train the stacks one by one, eagerly, instead of all at once as replayed"
                           " CUDA graphs (for debugging; same results up to float rounding).", flag="--no-graphs",
                           switch=True)
+    compile_steps: bool = option(False, "Compile each stack's training step with torch.compile (inductor) where the"
+                                 " run takes enough steps to pay it back (a closed-form loss, 100,000 full steps of"
+                                 " a batch size: COCO-sized grids); prints the compile time. The same heads up to"
+                                 " float rounding. Not beside CUDA graphs: on a GPU add --no-graphs.",
+                                 flag="--compile", switch=True)
     cache_dir: Path | None = option(None, "Where --dataset's cache is looked for.", kind=Path, flag="")
     console: Console | None = field(default=None, compare=False)  # where notes and progress go (None: progress's)
