@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from spml_cache.report.tables import ZERO_SHOT, Cell, Table, footnotes, heading, shown_swept
+from spml_cache.report.tables import ZERO_SHOT, Cell, CellStyle, Table, cell_text, footnotes, heading
 
 SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
            "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "<": r"\textless{}",
@@ -25,18 +25,14 @@ def escape(text: str) -> str:
     return _SPECIAL.sub(lambda found: SPECIAL[found.group(0)], text)
 
 
+TYPESET = CellStyle(missing="--", spread=r" $\pm$ ", below_start=r" $\downarrow$", swept="{key} = {value:g}",
+                    between=", ", name=escape)
+
+
 def cell_tex(cell: Cell | None) -> str:
     """A cell as the terminal shows it, typeset: `85.00 $\\pm$ 0.82 [84.10, 85.90]`, bold where best."""
-    if cell is None:
-        return "--"
-    if cell.mean is None:
-        return "n/a"
-    text = f"{cell.mean:.2f}" + (rf" $\pm$ {cell.std:.2f}" if cell.std is not None else "")
-    text += f" [{cell.interval[0]:.2f}, {cell.interval[1]:.2f}]" if cell.interval else ""
-    text += r" $\downarrow$" if cell.below_start else ""
-    swept = shown_swept(cell)
-    text += " (" + ", ".join(f"{escape(key)} = {value:g}" for key, value in swept.items()) + ")" if swept else ""
-    return rf"\textbf{{{text}}}" if cell.best else text
+    text = cell_text(cell, TYPESET)
+    return rf"\textbf{{{text}}}" if cell is not None and cell.mean is not None and cell.best else text
 
 
 def to_latex(table: Table) -> str:

@@ -16,6 +16,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import (
@@ -160,16 +161,33 @@ def shown_swept(cell: Cell) -> dict:
     return {key: value for key, value in (cell.swept or {}).items() if not (key == "wd" and value == 0)}
 
 
-def cell_text(cell: Cell | None) -> str:
+@dataclass(frozen=True, kw_only=True)
+class CellStyle:
+    """How a cell's parts are written: as the terminal, Markdown and CSV show them, or typeset (latex.py)."""
+
+    missing: str = "-"  # no run for this loss and column
+    spread: str = " ± "  # before the seeds' standard deviation
+    below_start: str = " ↓"  # a fine-tuned result below its epoch 0
+    swept: str = "{key}={value:g}"  # one selected hyperparameter
+    between: str = " "  # between two of them
+    name: Callable[[str], str] = str  # a hyperparameter's name as written
+
+
+PLAIN = CellStyle()
+
+
+def cell_text(cell: Cell | None, style: CellStyle = PLAIN) -> str:
+    """`85.00 ± 0.82 [84.10, 85.90] ↓ (delta=0.002)`: the mean, the seeds' spread, the --ci interval, the mark of a
+    result below its start, the selected swept values; `-` without a run, `n/a` without a score."""
     if cell is None:
-        return "-"
+        return style.missing
     if cell.mean is None:
         return "n/a"
-    text = f"{cell.mean:.2f}" + (f" ± {cell.std:.2f}" if cell.std is not None else "")
+    text = f"{cell.mean:.2f}" + (f"{style.spread}{cell.std:.2f}" if cell.std is not None else "")
     text += f" [{cell.interval[0]:.2f}, {cell.interval[1]:.2f}]" if cell.interval else ""
-    text += " ↓" if cell.below_start else ""
-    swept = shown_swept(cell)
-    return text + (" (" + " ".join(f"{key}={value:g}" for key, value in swept.items()) + ")" if swept else "")
+    text += style.below_start if cell.below_start else ""
+    swept = [style.swept.format(key=style.name(key), value=value) for key, value in shown_swept(cell).items()]
+    return text + (" (" + style.between.join(swept) + ")" if swept else "")
 
 
 def text_grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
