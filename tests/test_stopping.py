@@ -16,6 +16,7 @@ from cli_support import REPO
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 
 from spml_cache import runs
+from spml_cache.runtime import disk
 from spml_cache.extract import extract
 from spml_cache.linear import run_linear
 from spml_cache.runtime import locks
@@ -336,16 +337,22 @@ def test_under_torchrun_the_line_is_also_the_error_file_torchrun_reports(tmp_pat
 
 def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_that_file(tmp_path):
     """SIGKILL during an atomic write (a run directory's files, report's figures and tables) leaves its hidden
-    `.NAME.tmp-PID`, which no later run read but none removed either: the next write of NAME removes those of
-    processes that no longer run, and leaves a running one's."""
+    `.NAME.tmp-HOST-PID`, which no later run read but none removed either: the next write of NAME removes those of
+    this machine's processes that no longer run (and those named before temporaries named their machine), and
+    leaves a running one's and another machine's (on a shared disk its process id says nothing here)."""
     ended = subprocess.Popen(["true"])
     ended.wait()
-    killed = tmp_path / f".figure.png.tmp-{ended.pid}"
-    killed.write_bytes(b"\x89PNG half")
-    running = tmp_path / f".figure.png.tmp-{os.getppid()}"  # pytest's parent: a process that runs
-    running.write_bytes(b"\x89PNG its own")
+    here = disk.machine_name()
+    killed = [tmp_path / f".figure.png.tmp-{here}-{ended.pid}", tmp_path / f".figure.png.tmp-{ended.pid}"]
+    for path in killed:
+        path.write_bytes(b"\x89PNG half")
+    running = tmp_path / f".figure.png.tmp-{here}-{os.getppid()}"  # pytest's parent: a process that runs
+    elsewhere = tmp_path / f".figure.png.tmp-{here}x-{ended.pid}"  # another machine's, under an id free here
+    for path in (running, elsewhere):
+        path.write_bytes(b"\x89PNG its own")
     runs.replace_atomically(tmp_path / "figure.png", lambda file: file.write(b"\x89PNG whole"))
-    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["figure.png", running.name])
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["figure.png", running.name, elsewhere.name])
+    assert runs.temporary_path(tmp_path / "figure.png").name == f".figure.png.tmp-{here}-{os.getpid()}"
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """What every writer needs from the disk: whether it has room for what is about to be written, and the hidden
-temporaries (`.<name>.tmp-<pid>`) a process writes before renaming them into place, which a process killed with
-SIGKILL (or a power cut) leaves behind: those of a process that no longer runs are nobody's, and the next writer
-of the same name removes them.
+temporaries (`.<name>.tmp-<host>-<pid>`) a process writes before renaming them into place, which a process killed
+with SIGKILL (or a power cut) leaves behind: those of a process that no longer runs are nobody's, and the next
+writer of the same name removes them.
 
-The process is recognised by its id alone, on this machine: a folder shared with other machines could hold a
-temporary of a process running there under an id that is free here. Writers of run directories hold the
-directory's lock (`locks.held`), so none of theirs is touched; an export's folder has no lock.
+A process id means something on its own machine only, and a folder on a shared disk (the nodes of a torchrun job,
+a cluster's home) can hold a temporary of a process running elsewhere under an id that is free here: so a
+temporary carries its machine's name, and only this machine's are judged. One without a machine's name (written
+before names carried it) is judged by its id here, as it was then.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
+from functools import cache
 from pathlib import Path
 
 from spml_cache.runtime.errors import SpmlError
@@ -36,11 +39,18 @@ def _existing(folder: Path) -> Path:
     return folder
 
 
+@cache
+def machine_name() -> str:
+    """This machine's name as a temporary carries it: its host name's letters and digits (so that the temporary's
+    name parses back)."""
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:64] or "host"
+
+
 def temporary_path(path: Path) -> Path:
-    """Where `path` is written before it is renamed into place: a hidden name that ends in `.tmp-<pid>`, so that no
-    reader's pattern (`*.pt`, `*.json`, ...) ever matches it, and two processes never share one."""
+    """Where `path` is written before it is renamed into place: a hidden name that ends in `.tmp-<host>-<pid>`, so
+    that no reader's pattern (`*.pt`, `*.json`, ...) ever matches it, and two processes never share one."""
     path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f".{path.name}.tmp-{machine_name()}-{os.getpid()}")
 
 
 def process_runs(pid: int) -> bool:
@@ -59,14 +69,15 @@ def process_runs(pid: int) -> bool:
 
 
 def stale_temporaries(folder: Path, name: str) -> list[Path]:
-    """The temporaries of `name` in `folder` (`.<name>.tmp-<pid>`, files or folders) whose process has ended."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(\d+)")
+    """The temporaries of `name` in `folder` (`.<name>.tmp-<host>-<pid>`, files or folders) written on this machine
+    by a process that has ended (another machine's are left to it)."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(?:([A-Za-z0-9]+)-)?(\d+)")
     try:
         entries = list(Path(folder).iterdir())
     except OSError:  # no folder yet, or one this process cannot list: nothing of its own is there
         return []
-    return sorted(entry for entry in entries
-                  if (match := pattern.fullmatch(entry.name)) and not process_runs(int(match.group(1))))
+    return sorted(entry for entry in entries if (match := pattern.fullmatch(entry.name))
+                  and match.group(1) in (None, machine_name()) and not process_runs(int(match.group(2))))
 
 
 def remove_stale_temporaries(folder: Path, name: str) -> list[Path]:
