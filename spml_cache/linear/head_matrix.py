@@ -183,6 +183,7 @@ class HeadMatrix:
             for t, saved in zip(state, kept):
                 t.index_copy_(t.dim() - 1, frozen, saved)
 
+
 def rows_of(grad_logits: torch.Tensor) -> torch.Tensor:
     """The logits' gradient `[K, B, C]` as `[B, K*C]`, the heads' columns side by side: a view of it (one op)
     when it keeps the logits' memory layout (`HeadMatrix.__call__`'s, as elementwise ops on the logits keep
