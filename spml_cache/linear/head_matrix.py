@@ -158,9 +158,9 @@ class HeadMatrix:
         """`rows_of(grad_logits)`: a view when the gradient keeps the logits' layout; else one copy into a buffer
         of its batch size made by its first step, with its `[K, B, C]` view (a copy, a transpose and a view
         otherwise: two ops fewer; a copy is exact, so the same bits)."""
+        if keeps_logits_layout(grad_logits):
+            return rows_of(grad_logits)
         num_heads, rows, classes = grad_logits.shape
-        if grad_logits.stride() == (classes, num_heads * classes, 1):
-            return grad_logits.as_strided((rows, num_heads * classes), (num_heads * classes, 1))
         flat, view = self.gradient_buffers.get(rows, (None, None))
         if flat is None:
             flat = grad_logits.new_empty((rows, num_heads * classes))
@@ -189,6 +189,12 @@ def rows_of(grad_logits: torch.Tensor) -> torch.Tensor:
     when it keeps the logits' memory layout (`HeadMatrix.__call__`'s, as elementwise ops on the logits keep
     it), else a copy."""
     num_heads, rows, classes = grad_logits.shape
-    if grad_logits.stride() == (classes, num_heads * classes, 1):
+    if keeps_logits_layout(grad_logits):
         return grad_logits.as_strided((rows, num_heads * classes), (num_heads * classes, 1))
     return grad_logits.transpose(0, 1).reshape(rows, -1)
+
+
+def keeps_logits_layout(grad_logits: torch.Tensor) -> bool:
+    """Whether `[K, B, C]` lies in memory as the logits do: `[B, K*C]` read as `[K, B, C]` (`HeadMatrix.__call__`)."""
+    num_heads, _, classes = grad_logits.shape
+    return grad_logits.stride() == (classes, num_heads * classes, 1)
