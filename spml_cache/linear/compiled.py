@@ -42,9 +42,14 @@ def backend_name() -> str:
     return os.environ.get(BACKEND_VARIABLE) or "inductor"
 
 
-def pays(full_steps: int) -> bool:
-    """Whether a stack taking `full_steps` full steps in the run pays its compile back (`MIN_STEPS`, inductor's)."""
-    return full_steps >= MIN_STEPS or backend_name() != "inductor"
+def full_steps(epochs: int, rows: int, batch_size: int) -> int:
+    """The full steps a stack of `batch_size` takes over `rows` training rows in `epochs` (what `pays` judges)."""
+    return epochs * (rows // batch_size)
+
+
+def pays(steps: int) -> bool:
+    """Whether a stack taking `steps` full steps in the run pays its compile back (`MIN_STEPS`, inductor's)."""
+    return steps >= MIN_STEPS or backend_name() != "inductor"
 
 
 @dataclass

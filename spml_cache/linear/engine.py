@@ -17,7 +17,7 @@ import torch
 
 from spml_cache import losses as loss_registry
 from spml_cache.linear.adam import StackedAdam
-from spml_cache.linear.compiled import CompileTime, CompiledStep, pays
+from spml_cache.linear.compiled import CompileTime, CompiledStep, full_steps, pays
 from spml_cache.linear.data import LinearData
 from spml_cache.linear.gradients import autograd_gradients, closed_form_gradients, rows_for_loss
 from spml_cache.linear.head_matrix import HeadMatrix
@@ -295,7 +295,7 @@ class SeedRun:
         grows as the steps run (None: no stack's step is compiled)."""
         spent = CompileTime(self.stacks[0].records[0].loss)
         chosen = [stack for stack in self.stacks
-                  if stack.closed_form and pays(self.epochs * (self.data.num_train // stack.batch_size))]
+                  if stack.closed_form and pays(full_steps(self.epochs, self.data.num_train, stack.batch_size))]
         for stack in chosen:
             stack.compiled = CompiledStep(stack, spent)
         return spent if chosen else None

@@ -226,11 +226,11 @@ def _refuse_compile_with_graphs(placement: LinearPlacement, target) -> None:
 
 def _compile_note(compile_steps: bool, settings: LinearSettings, num_train: int) -> str | None:
     """`--compile` where no stack's step takes enough steps to pay a compile back: said, not refused."""
-    from spml_cache.linear.compiled import MIN_STEPS, pays
+    from spml_cache.linear.compiled import MIN_STEPS, full_steps, pays
 
     if not compile_steps:
         return None
-    steps = settings.epochs * (num_train // min(settings.batch_sizes))
+    steps = full_steps(settings.epochs, num_train, min(settings.batch_sizes))
     if pays(steps):
         return None
     return (f"--compile: no step compiled: the most full steps a stack takes is {steps:,} ({settings.epochs} epochs"
