@@ -165,9 +165,9 @@ def _given_settings(options: LinearOptions, placement: LinearPlacement):
         config = runs.open_for_resume(resume, "linear", renewable=lambda name: name not in KeptParts(resume).losses())
         stored = stored_options(config, Path(resume) / "config.json")
         refuse_differences(resume, options.differences(stored))
-        options = stored.filled_from(options)
-    found = {"cache": find_cache(options.cache, options.dataset, placement.cache_dir)} if resume is None else {}
-    return config, LinearSettings.of(options.resolved(cache=found))
+        return config, LinearSettings.of(stored.filled_from(options))
+    settings = LinearSettings.of(options)  # first: a misspelt loss is said before a missing cache
+    return None, settings.planned(cache={"cache": find_cache(options.cache, options.dataset, placement.cache_dir)})
 
 
 def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | None) -> _Planned:

@@ -63,11 +63,6 @@ class LinearSettings:
         return list(range(self.options.seeds))
 
     @property
-    def overrides(self) -> Overrides:
-        """Per loss, the hyperparameters given (`--hp`), or as resolved once the run is planned."""
-        return self.options.hparams
-
-    @property
     def wd_axis(self) -> list[float] | None:
         """The weight decays when the grid has that axis (any but 0 alone), else None: the papers' grid, whose
         files name no weight decay."""
@@ -89,8 +84,9 @@ class LinearSettings:
         if not self.every_loss:
             features.require_text_side(needing)
         kept = [name for name in losses if name not in needing]
-        return self.planned(losses={"losses": kept}), [f"--loss all: {', '.join(needing)} left out ({features.path} has no text"
-                                            " side; a CLIP cache has one: extract --backbone clip:ViT-B-16/openai)"]
+        return self.planned(losses={"losses": kept}), [
+            f"--loss all: {', '.join(needing)} left out ({features.path} has no text side; a CLIP cache has one:"
+            " extract --backbone clip:ViT-B-16/openai)"]
 
     def heads_at_once(self) -> int:
         """The most heads one job trains and scores together: every lr, batch size and hyperparameter value."""
@@ -99,7 +95,8 @@ class LinearSettings:
     def heads_per_lr(self) -> int:
         """The heads of one lr and one batch size: one per weight decay and hyperparameter value (the smallest
         group trained)."""
-        return len(self.options.wds) * max(len(self.overrides.combinations(name)) for name in self.options.losses)
+        hparams = self.options.hparams  # per loss, as given (an `Overrides`), or as resolved once the run is planned
+        return len(self.options.wds) * max(len(hparams.combinations(name)) for name in self.options.losses)
 
     def units(self, observed: dict[str, Observed], train_labels) -> tuple[dict[str, tuple[str, str]], list[str]]:
         """What the run trains, `{result key: (loss, rule text)}` (rule by rule, losses in order), and notes.
@@ -147,7 +144,7 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
                     train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
                     expected_positives=features.attrs.get("expected_positives"), **text,
                 )
-                for combo in settings.overrides.combinations(name)
+                for combo in settings.options.hparams.combinations(name)
             ])
     return used
 

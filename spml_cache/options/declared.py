@@ -2,10 +2,12 @@
 one field of a frozen dataclass whose `Option` (a `runtime.registry.Param`: its name, type, default and constraint)
 adds its help text, its flag and whether it changes what a run computes.
 
-From the declarations come the command line (`cli/declared.py` builds each stage's typer command and its help),
-the checks (when the object is built: one line naming the flag and the fix), what a run directory's config.json
-keeps (`stored`, `from_stored`: the options that change results, whole) and what `--resume` refuses
-(`differences`: each option given beside it against the run's own, by one rule for every stage).
+From the declarations come the command line (`cli/declared.py` builds each command and its help: the stages',
+report's, the demo's), the checks (when the object is built: one line naming the flag and the fix, or the file and
+key a stored value was read from), how a run resolves each option (`resolved`: given, else the source its
+declaration names, else its default), what a run directory's config.json keeps (`stored`, `from_stored`: the
+options that change results, as resolved) and what `--resume` refuses (`differences`: each option given beside
+it against the run's own, by one rule for every stage).
 
 A stage's `Options` hold what changes its results; its `Placement` where and how this process runs it (device,
 folders, processes), which never changes them.
@@ -221,7 +223,7 @@ class Options:
         return self.declared()[name].default if given_value is None else given_value
 
     def stored(self) -> dict:
-        """What config.json keeps of these options (`options`): every one that changes results."""
+        """What config.json keeps of these options, each under its own name: every one that changes results."""
         return {name: option.stored_form(getattr(self, name)) for name, option in self.declared().items()
                 if option.results}
 
@@ -231,9 +233,9 @@ class Options:
         """The options a config.json keeps (an option it lacks: not given; keys that name no option: the run's
         other facts). `file` (and `keys`, `options.` in an older run's config) names a value its declaration
         refuses as that file's key, not as a flag that was never given: `RUN/config.json: epochs -1: ...`."""
-        if not isinstance(stored, Mapping):
-            raise SpmlError(f"{file}: {keys.rstrip('.')} is a JSON {type(stored).__name__}, not the options spml-cache"
-                            f" writes there{DAMAGED}")
+        if not isinstance(stored, Mapping):  # an older config's `options`, edited
+            raise SpmlError(f"{file}: {keys.rstrip('.') or 'the options'} is a JSON {type(stored).__name__}, not the"
+                            f" options spml-cache writes there{DAMAGED}")
         values = {}
         for name, option in cls.declared().items():
             value, said = stored.get(name), f"{file}: {keys}{name}" if file else option.cli_flag
