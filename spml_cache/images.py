@@ -34,10 +34,10 @@ class ImageDecodeError(SpmlError):
         self.index, self.reason = index, reason
 
 
-def check_decode(decode: str | None) -> None:
+def check_decode(decode: str | None, flag: str = "--decode") -> None:
     """`--decode`'s one check (None: not given)."""
     if decode is not None and decode not in DECODERS:
-        raise SpmlError(f"--decode {decode}: use gpu (nvjpeg, on a CUDA device) or cpu (libjpeg-turbo in the loader"
+        raise SpmlError(f"{flag} {decode}: use gpu (nvjpeg, on a CUDA device) or cpu (libjpeg-turbo in the loader"
                         " workers: the CPU's pixels)")
 
 
@@ -61,6 +61,12 @@ def recorded_decoder(attrs: dict) -> str | None:
         return str(attrs["decoder"])
     device = str(attrs.get("device", ""))
     return DECODERS["gpu"] if device.startswith("cuda") else DECODERS["cpu"] if device == "cpu" else None
+
+
+def recorded_decode(attrs: dict) -> str | None:
+    """The `--decode` choice that decodes as a cache's pixels were (`recorded_decoder`, read back through
+    `DECODERS`); None where that is unknown."""
+    return {decoder: choice for choice, decoder in DECODERS.items()}.get(recorded_decoder(attrs))
 
 
 def decoder_version(decode: str) -> str:

@@ -17,10 +17,9 @@ order, including draws whose result is thrown away.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +34,8 @@ if TYPE_CHECKING:
 SPLIT_SEED = 1200
 OBSERVE_SEED = 1200
 VAL_FRAC = 0.2
-# The papers' grid (docs/protocol.md, "Training and selection"): every lr x batch size, the best val epoch.
+# The papers' grid (docs/protocol.md, "Training and selection"): every lr x batch size, the best val epoch; each
+# stage's options declare them as their defaults and check what is given (options/linear.py: LRS, BATCH_SIZES, WDS).
 GRID_LRS = (1e-2, 1e-3, 1e-4, 1e-5)
 GRID_BATCH_SIZES = (8, 16)
 GRID_WDS = (0.0,)  # the probe's L2 weight decay: none in the papers' grid (linear --wd adds the axis)
@@ -244,32 +244,6 @@ def check_train_test(num_train: int, test_labels, test_mask, source: str) -> Non
         what = "positive label" if test_mask is None else "annotated positive label (every positive cell unknown)"
         raise SpmlError(f"{source}: its test split has no {what} in {rows} rows, so test mAP would be 0.00 whatever"
                         " the heads learn: label the test images' classes (a CSV's test rows need known positives)")
-
-
-def check_grid(lrs: Sequence[float], batch_sizes: Sequence[int]) -> tuple[list[float], list[int]]:
-    """A grid's learning rates and batch sizes: at least one of each, positive and finite, each once (in the
-    order given, which is the grid order selection breaks ties in)."""
-    checked = []
-    for flag, values, kind, example in (("--lr", lrs, float, "1e-3"), ("--batch-size", batch_sizes, int, "8")):
-        values = list(values)
-        if not values:
-            raise SpmlError(f"{flag} is empty: give at least one value, e.g. {flag} {example}")
-        if any(not (value > 0 and math.isfinite(value)) or kind is int and int(value) != value for value in values):
-            whole = "" if kind is float else " and whole"
-            raise SpmlError(f"{flag} {','.join(f'{v:g}' for v in values)}: every value must be positive{whole}")
-        checked.append(list(dict.fromkeys(kind(value) for value in values)))  # a duplicate would train twice
-    return checked[0], checked[1]
-
-
-def check_wds(wds: Sequence[float]) -> list[float]:
-    """The weight decays of a grid (`--wd`): at least one, each 0 or more and finite, each once, in the order given
-    (the grid order selection breaks ties in)."""
-    values = [float(value) for value in wds]
-    if not values:
-        raise SpmlError("--wd is empty: give at least one value, e.g. --wd 0,1e-4 (or leave it out for 0)")
-    if any(not (value >= 0 and math.isfinite(value)) for value in values):
-        raise SpmlError(f"--wd {','.join(f'{v:g}' for v in values)}: every weight decay must be 0 or more (0: none)")
-    return list(dict.fromkeys(values))
 
 
 def average_precision(scores, labels, mask=None):

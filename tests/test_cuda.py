@@ -79,7 +79,7 @@ def test_finetune_on_cuda_starts_from_the_linear_head(world, tmp_path):
                        lrs=[1e-4], batch_sizes=[8], device="cuda", out=tmp_path)
     entry = results["losses"]["an_ls"]
     assert entry["selected"] is not None and math.isfinite(entry["test_map"]) and math.isfinite(entry["val_map"])
-    assert runs.read_json(Path(results["run_dir"]) / "config.json")["options"]["decode"] == "gpu"  # the cache's
+    assert runs.read_json(Path(results["run_dir"]) / "config.json")["decode"] == "gpu"  # the cache's
     for key in ("val_map", "test_map"):
         assert entry["start"][key] == pytest.approx(linear.results["losses"]["an_ls"][key], abs=0.1), key
     table = report.build_table(report.collect_runs([tmp_path]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import h5py
@@ -22,7 +23,7 @@ from spml_cache import cache
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.extract import extract
 from spml_cache.extract.batches import BatchRun, _loader
-from spml_cache.finetune.settings import FinetuneOptions, FinetuneSettings, Resumed, _decode
+from spml_cache.finetune.settings import FinetuneOptions, Resumed, _decode
 from spml_cache.images import recorded_decoder, resolve_decode
 from spml_cache.runtime.errors import SpmlError
 
@@ -124,20 +125,22 @@ def test_finetune_decodes_as_its_cache_did_where_the_device_allows_and_says_so_w
         _decode("gpu", features("nvjpeg"), CPU, SimpleNamespace(run_dir="run"))
 
 
-SETTINGS = FinetuneSettings(init="best", loss="an", dataset="voc", cache="c.h5", from_run="r", weights="none",
-                            resolution=32, epochs=1, lrs=[1e-3], batch_sizes=[8], seeds=[0], head_lr_mult=1.0,
-                            skip_missing=False, hparams={}, fidelity="exact", decode="gpu")
+TAKEN = FinetuneOptions(init="best", loss="an", dataset="voc", cache=Path("/c.h5"), from_run=Path("/r"),
+                        weights="none", resolution=32, epochs=1, lrs=[1e-3], batch_sizes=[8], seeds=1,
+                        head_lr_mult=1.0, skip_missing=False, hparams={}, fidelity="exact", decode="gpu")
 
 
 def test_a_resumed_finetune_keeps_its_decoder_and_refuses_another(tmp_path):
-    taken = SETTINGS.options()
+    taken = TAKEN
     assert taken.stored()["decode"] == "gpu" and FinetuneOptions.from_stored(taken.stored()) == taken
     assert taken.decode == "gpu" and taken.differences(taken) == []
     assert FinetuneOptions(decode="cpu").differences(taken) == [("--decode", "cpu", "gpu")]
+    facts = {"stage": "finetune", "root": "data", "cache_id": "abc"}
+    (tmp_path / "config.json").write_text(json.dumps({**facts, **taken.stored(), "device": "cpu"}))
+    assert Resumed.read(tmp_path).options == taken  # kept, whatever the device
     for device, decoded in (("cuda:0", "gpu"), ("cpu", "cpu")):  # a run from before --decode: as its device did
         options = {key: value for key, value in taken.stored().items() if key != "decode"}
-        (tmp_path / "config.json").write_text(json.dumps({"stage": "finetune", "options": options, "device": device,
-                                                          "root": "data", "cache_id": "abc"}))
+        (tmp_path / "config.json").write_text(json.dumps({**facts, "options": options, "device": device}))
         assert Resumed.read(tmp_path).options == replace(taken, decode=decoded)
 
 

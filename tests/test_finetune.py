@@ -29,6 +29,7 @@ from spml_cache import cache, extract, finetune, linear, losses, metrics, runs
 from spml_cache.backbones.checkpoints import RandomWeightsWarning
 from spml_cache.demo import data as demo_data
 from spml_cache.finetune import images as data, parallel
+from spml_cache.finetune.model import initial_model
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.finetune.start import role_theta_handover
 from spml_cache.runtime.errors import Interrupted, SpmlError
@@ -470,14 +471,14 @@ def test_authors_fidelity_is_recorded_and_takes_coles_code_linear_init_epochs(wo
     results = finetune.finetune(init="best", from_run=world.linear, loss="role", fidelity="authors",
                                 **common(world, out=tmp_path, epochs=1))
     config = runs.read_json(Path(results["run_dir"]) / "config.json")
-    assert results["fidelity"] == config["fidelity"] == config["options"]["fidelity"] == "authors"
+    assert results["fidelity"] == config["fidelity"] == "authors"  # kept once, with the other options
     # Cole et al.'s train.py fine-tunes its "+LinearInit" rows 10 epochs (the paper's Sec. 6.1 says 5): authors
     # mode follows the code, as exact mode follows the protocol's 10
     for fidelity in ("authors", "exact"):
         options = FinetuneOptions(from_run=world.linear, loss="role", weights=str(world.weights), fidelity=fidelity)
         setup = resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0,
                         processes=parallel.Processes(torch.device("cpu")))
-        assert setup.settings.epochs == 10 and setup.settings.fidelity == fidelity
+        assert setup.settings.options.epochs == 10 and setup.settings.options.fidelity == fidelity
     with pytest.raises(SpmlError, match="--fidelity 'nearly'"):
         finetune.finetune(init="best", from_run=world.linear, loss="role", fidelity="nearly", **common(world))
 
@@ -519,15 +520,17 @@ def test_a_start_on_a_cache_without_checksum_notes_that_it_cannot_verify(world, 
 
 
 def test_a_random_trunk_says_batchnorm_training_moves_its_features(world, tmp_path):
-    def notes(weights):
+    def setup(weights):
         options = FinetuneOptions(from_run=world.linear, loss="role", weights=weights)
         return resolve(options, None, root=world.root, out=tmp_path, cache_dir=None, workers=0,
-                       processes=parallel.Processes(torch.device("cpu"))).notes
+                       processes=parallel.Processes(torch.device("cpu")))
 
+    random_trunk = setup("none")  # said as the settings are resolved; the trunk is built where the run starts
+    assert any("--weights none" in note and "BatchNorm statistics" in note for note in random_trunk.notes)
+    assert random_trunk.initial is None
     with pytest.warns(RandomWeightsWarning):
-        random_trunk = notes("none")
-    assert any("--weights none" in note and "BatchNorm statistics" in note for note in random_trunk)
-    assert not any("BatchNorm" in note for note in notes(str(world.weights)))
+        initial_model(random_trunk)
+    assert not any("BatchNorm" in note for note in setup(str(world.weights)).notes)
 
 
 def test_the_summary_line_marks_a_result_that_ended_below_its_start():

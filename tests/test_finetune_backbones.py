@@ -17,6 +17,7 @@ from rich.console import Console
 from spml_cache import cache, extract, finetune, linear
 from spml_cache.demo import data as demo_data
 from spml_cache.finetune import images as data, parallel
+from spml_cache.finetune.model import initial_model
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.runtime.errors import SpmlError
 
@@ -40,10 +41,10 @@ def test_the_timm_trunk_is_rebuilt_as_extracted(world):
     options = FinetuneOptions(init="best", cache=world.cache, loss="an", batch_sizes=[4])
     setup = resolve(options, None, root=world.root, out=world.runs, cache_dir=None,
                     processes=parallel.start_processes("cpu"), workers=0)
-    assert setup.settings.weights == "none" and setup.preprocess.interpolation == "bicubic"
+    assert setup.settings.options.weights == "none" and setup.preprocess.interpolation == "bicubic"
     features = setup.features.train
-    files = data.ImageFiles(setup.root, features.ids[:4], decode=True)
-    model = setup.initial.eval()
+    files = data.ImageFiles(setup.root, features.ids[:4], decode="cpu")
+    model = initial_model(setup).eval()
     with torch.no_grad():
         logits = model(data.model_input([files[row][1] for row in range(4)], setup.preprocess, torch.device("cpu")))
     head = setup.start

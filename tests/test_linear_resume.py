@@ -15,7 +15,7 @@ import torch
 from cli_support import REPO, run_cli
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 
-from spml_cache.linear import run_linear
+from spml_cache.linear import LinearOptions, run_linear
 from spml_cache.linear.parts import KeptParts
 from spml_cache.runtime.errors import Interrupted, SpmlError
 
@@ -200,7 +200,7 @@ def test_resume_takes_the_stored_budget_and_accepts_flags_that_agree(tmp_path, t
 
     whole = run_linear(cache=tiny_cache, out=tmp_path / "whole", console=quiet(), memory_budget="200KB", **GRID)
     run_dir = interrupted_run(tmp_path / "cut", tiny_cache, monkeypatch, 3, memory_budget="200KB", **GRID)
-    assert json.loads((run_dir / "config.json").read_text())["options"]["memory_budget"] == 200 * 2**10
+    assert json.loads((run_dir / "config.json").read_text())["memory_budget"] == 200 * 2**10
     budgets, load_within = [], linear_run.load_within
     monkeypatch.setattr(linear_run, "load_within", lambda path, budget, *rest: budgets.append(budget)
                         or load_within(path, budget, *rest))
@@ -210,19 +210,35 @@ def test_resume_takes_the_stored_budget_and_accepts_flags_that_agree(tmp_path, t
     assert without_seconds(resumed.results) == without_seconds(whole.results)
 
 
-def test_a_run_from_before_its_options_were_kept_whole_still_resumes(tmp_path, tiny_cache, monkeypatch):
-    """A config.json without `options` (its settings in the grid and stage extras, as runs kept them before): a
-    resume reads them back, refuses a flag that contradicts them, and gives the uninterrupted run's results."""
+GRID_KEYS = ("losses", "lrs", "batch_sizes", "epochs", "hparams", "val_labels", "fidelity", "cache", "dataset")
+
+
+def older_config(config: dict, shape: str) -> dict:
+    """A run's config.json as spml-cache wrote it before each setting was kept once: `options` (every option under
+    `options`, the grid beside it again with its seeds as a list) or, older, `grid` (the grid and the stage's
+    extras alone: no `options`, the memory plan under `out_of_core`, nothing for single alone or no weight decay)."""
+    options = {name: config.pop(name) for name in LinearOptions.declared() if name in config}
+    grid = {**{key: options[key] for key in GRID_KEYS}, "seeds": list(range(options["seeds"]))}
+    if shape == "options":
+        return {**config, **grid, "options": options}
+    return {**config, **grid, "memory_budget": options["memory_budget"],
+            "out_of_core": {"chunk_rows": options["chunk_rows"]}}
+
+
+@pytest.mark.parametrize("shape", ["options", "grid"])
+def test_a_run_from_before_each_setting_was_kept_once_still_resumes(tmp_path, tiny_cache, monkeypatch, shape):
+    """A config.json of either older shape: a resume reads its settings back, refuses a flag that contradicts
+    them, and gives the uninterrupted run's results."""
     whole = run_linear(cache=tiny_cache, out=tmp_path / "whole", console=quiet(), memory_budget="200KB", **GRID)
     run_dir = interrupted_run(tmp_path / "cut", tiny_cache, monkeypatch, 1, memory_budget="200KB", **GRID)
     config = json.loads((run_dir / "config.json").read_text())
-    options = config.pop("options")
-    assert options["chunk_rows"] == 40 and options["observe"] == ["single"] and options["wds"] == [0.0]
-    config.update(memory_budget=options["memory_budget"], out_of_core={"chunk_rows": options["chunk_rows"]})
-    (run_dir / "config.json").write_text(json.dumps(config))  # single alone, no weight decay axis: no keys for them
+    assert config["chunk_rows"] == 40 and config["observe"] == ["single"] and config["wds"] == [0.0]
+    assert "options" not in config and config["seeds"] == 2  # each setting once, under its own name
+    (run_dir / "config.json").write_text(json.dumps(older_config(config, shape)))
     for given, said in ((dict(epochs=3), "--epochs 3 contradicts the run's 2"),
                         (dict(chunk_rows=16), "--chunk-rows 16 contradicts the run's 40"),
-                        (dict(wds=[0, 1e-4]), "--wd 0,0.0001 contradicts the run's 0")):
+                        (dict(wds=[0, 1e-4]), "--wd 0,0.0001 contradicts the run's 0"),
+                        (dict(seeds=1), "--seeds 1 contradicts the run's 2")):
         with pytest.raises(SpmlError, match=said):
             run_linear(resume=run_dir, console=quiet(), **given)
     resumed = run_linear(resume=run_dir, console=quiet(), lrs=[1e-2, 1e-3], memory_budget="200KB")

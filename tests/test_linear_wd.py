@@ -38,7 +38,7 @@ def test_the_wd_axis_is_trained_selected_and_recorded(tmp_path, tiny_cache):
         assert read_linear_head(run.run_dir, name).settings["lr"] == best[0]
     assert {line["wd"] for line in lines_of(run.run_dir)} == set(WDS)
     config = json.loads((run.run_dir / "config.json").read_text())
-    assert config["options"]["wds"] == WDS and config["lrs"] == GRID["lrs"]
+    assert config["wds"] == WDS and config["lrs"] == GRID["lrs"]
     # a head is the head of a run with that weight decay alone: one stack, each head as if alone
     alone = run_linear(cache=tiny_cache, losses="an", wds=[0.0, 2.0], out=tmp_path / "alone", console=quiet(),
                        seeds=2, **GRID)
@@ -52,7 +52,7 @@ def test_the_papers_grid_names_no_weight_decay(tmp_path, tiny_cache):
     run = run_linear(cache=tiny_cache, losses="an", out=tmp_path, console=quiet(), **GRID)
     zero = run_linear(cache=tiny_cache, losses="an", wds=[0], out=tmp_path / "zero", console=quiet(), **GRID)
     for done in (run, zero):
-        assert json.loads((done.run_dir / "config.json").read_text())["options"]["wds"] == [0.0]
+        assert json.loads((done.run_dir / "config.json").read_text())["wds"] == [0.0]
         assert not any("wd" in c for c in done.results["losses"]["an"]["configs"])
         assert "wd" not in done.results["losses"]["an"]["selected"]
         assert not any("wd" in line for line in lines_of(done.run_dir))

@@ -97,6 +97,33 @@ def test_rules_without_a_sparse_draw_are_refused_in_one_line(text):
     assert "\n" not in str(error.value)
 
 
+def test_the_rules_a_refusal_points_to_come_from_the_registry(monkeypatch):
+    """A rule registered with a sparse draw and a positive for every image is listed by the refusals that point
+    to such rules, with no list to update by hand (issue 52, item 5)."""
+    before = "single, uniform:pos=K, keep-pos:F"
+    assert observation.keeping_a_positive() == before
+    assert observation.RULES.find("largest").refusal_on_sparse().endswith(
+        "use --observe single, uniform, entry, keep-pos or per-class (or given with a label mask)")
+
+    class Toy(observation.ObservationRule):
+        name, source, summary, keeps_a_positive = "toy", "a test", "one positive, drawn", "toy:K"
+
+        @staticmethod
+        def draw_dense(labels, areas, seed):
+            return observation_draws.Single.draw_dense(labels, areas, seed)
+
+        @staticmethod
+        def draw_sparse(labels, seed):
+            return observation_draws.Single.draw_sparse(labels, seed)
+
+    registry = observation.RULES
+    monkeypatch.setattr(registry, "_order", [*registry._order])
+    monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+    observation.register(Toy)
+    assert observation.keeping_a_positive() == f"{before}, toy:K"
+    assert "keep-pos, per-class or toy (or given" in observation.RULES.find("size").refusal_on_sparse()
+
+
 def test_row_blocks_draw_the_same_stream(monkeypatch):
     labels = full_labels()
     whole = [observation.parse_rule(text).draw(csr(labels)) for text in ("entry:0.1", "keep-pos:0.2")]

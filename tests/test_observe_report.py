@@ -12,7 +12,8 @@ import pytest
 from linear_support import quiet, write_synthetic_cache
 
 from spml_cache import cache, observation, runs
-from spml_cache.finetune.settings import FinetuneOptions, FinetuneSettings, Resumed, _starting_point
+from spml_cache.finetune.settings import FinetuneOptions, FinetuneSettings, Resumed
+from spml_cache.finetune.start import starting_point
 from spml_cache.linear import run_linear
 from spml_cache.observation import parse_rules
 from spml_cache.report.collect import collect_runs
@@ -56,24 +57,29 @@ def test_the_sweep_figure_plots_test_map_against_p(rules_run):
 def test_finetune_starts_from_the_head_and_the_rule_it_names(rules_run, tmp_path):
     tiny, run_dir, _ = rules_run
     options = FinetuneOptions(init="best", from_run=run_dir, loss="epr@entry:0.6")
-    features, start = _starting_point(options, tmp_path, None)
+    features, start = starting_point(options, tmp_path, None)
     assert (start.loss, start.rule) == ("epr", "entry:0.6")
     drawn = observation.for_cache(cache.load(tiny), parse_rules("entry:0.6"))["entry:0.6"]
     assert np.array_equal(features.train.observed, drawn.train) and np.array_equal(features.val.observed, drawn.val)
-    single, start = _starting_point(replace(options, loss="epr"), tmp_path, None)
+    single, start = starting_point(replace(options, loss="epr"), tmp_path, None)
     assert start.rule == "single" and np.array_equal(single.train.observed, cache.load(tiny).train.observed)
 
 
 def test_finetune_settings_keep_the_rule_and_an_older_runs_config_still_reads(tmp_path):
-    settings = FinetuneSettings(init="best", loss="an", dataset="voc", cache="c.h5", from_run="r", weights="none",
-                                resolution=32, epochs=1, lrs=[1e-3], batch_sizes=[8], seeds=[0], head_lr_mult=1.0,
-                                skip_missing=False, hparams={}, fidelity="exact", decode="cpu")
-    assert settings.options().loss == settings.key == "an"
-    under = replace(settings, rule="entry:0.2")
-    stored = under.options().stored()
-    assert FinetuneOptions.from_stored(stored) == under.options() and under.key == stored["loss"] == "an@entry:0.2"
-    assert under.options().differences(under.options()) == [] and Path(under.options().cache) == Path("c.h5")
+    options = FinetuneOptions(init="best", loss="an", dataset="voc", cache=Path("/c.h5"), from_run=Path("/r"),
+                              weights="none", resolution=32, epochs=1, lrs=[1e-3], batch_sizes=[8], seeds=1,
+                              head_lr_mult=1.0, skip_missing=False, hparams={}, fidelity="exact", decode="cpu")
+    settings = FinetuneSettings(options, {})
+    assert (settings.loss, settings.rule, settings.key) == ("an", "single", "an")
+    under = FinetuneSettings(replace(options, loss="an@entry:0.2"), {})
+    assert (under.loss, under.rule, under.key) == ("an", "entry:0.2", "an@entry:0.2")
+    stored = under.options.stored()
+    assert FinetuneOptions.from_stored(stored) == under.options and stored["loss"] == "an@entry:0.2"
+    assert under.options.differences(under.options) == [] and stored["cache"] == str(Path("/c.h5").resolve())
     assert json.loads(json.dumps(stored)) == stored  # config.json keeps it as it is
+    facts = {"stage": "finetune", "root": "data", "cache_id": "x"}
+    runs.write_json(tmp_path / "config.json", {**facts, **stored})  # each setting once, under its own name
+    assert Resumed.read(tmp_path).options == under.options
     older = {**stored, "loss": "an", "rule": "entry:0.2", "seeds": [0]}  # a run's config before options were declared
-    runs.write_json(tmp_path / "config.json", {"stage": "finetune", "options": older, "root": "data", "cache_id": "x"})
-    assert Resumed.read(tmp_path).options == under.options()
+    runs.write_json(tmp_path / "config.json", {**facts, "options": older})
+    assert Resumed.read(tmp_path).options == under.options

@@ -86,7 +86,7 @@ def tiny(tmp_path_factory):
 def test_single_alone_writes_the_files_it_always_wrote(tmp_path, tiny):
     run = run_linear(cache=tiny, losses=["an"], out=tmp_path, console=quiet(), **GRID).run_dir
     assert set(runs.load_results(run)) == {"stage", "dataset", "cache_id", "complete", "fidelity", "losses"}
-    assert runs.read_json(run / "config.json")["options"]["observe"] == ["single"]
+    assert runs.read_json(run / "config.json")["observe"] == ["single"]
     assert sorted(np.load(run / "labels.npz")) == ["test_labels", "train_labels", "train_observed", "val_labels"]
     assert all("rule" not in line for line in runs.read_metrics(run))
     assert sorted(p.name for p in (run / "scores").iterdir()) == ["an.npz"]
@@ -155,7 +155,7 @@ def test_a_loss_that_needs_a_positive_is_refused_when_named_and_left_out_of_all(
     settings_all = LinearSettings.of(LinearOptions(losses="all", lrs=[1e-2], batch_sizes=[8], epochs=1, seeds=1,
                                                    observe=parse_rules("single,entry:0.2")))
     features = cache.load(tiny)
-    units, notes = settings_all.units(observation.for_cache(features, settings_all.rules), features.train.labels)
+    units, notes = settings_all.units(observation.for_cache(features, settings_all.options.observe), features.train.labels)
     assert "pr" in units and "pr@entry:0.2" not in units and "an@entry:0.2" in units
     assert len(notes) == 1 and notes[0].startswith("--loss all: pr left out under entry:0.2 (")
 
@@ -170,7 +170,7 @@ def test_cli_linear_under_rules_from_a_cache_with_and_without_them(voc_cache, ti
     results = runs.load_results(run_dir)
     assert list(results["losses"]) == ["an@entry:0.5", "an@per-class:2"]
     assert results["rules"]["entry:0.5"]["source"] == "cache"
-    assert "an@entry:0.5" in done.stdout and runs.read_json(run_dir / "config.json")["options"]["observe"] == [
+    assert "an@entry:0.5" in done.stdout and runs.read_json(run_dir / "config.json")["observe"] == [
         "entry:0.5", "per-class:2"]
     refused = run_cli("linear", "--cache", str(tiny), "--loss", "an", "--observe", "largest", cwd=tmp_path)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1

@@ -18,10 +18,13 @@ from spml_cache.options import (
     ExtractOptions, ExtractPlacement, FinetuneOptions, FinetunePlacement, LinearOptions, LinearPlacement,
     refuse_differences,
 )
+from spml_cache.options.demo import DemoPlacement, DemoSizes
+from spml_cache.options.report import ReportOptions
 from spml_cache.runtime.errors import SpmlError
 
 STAGES = {"extract": (ExtractOptions, ExtractPlacement), "linear": (LinearOptions, LinearPlacement),
-          "finetune": (FinetuneOptions, FinetunePlacement)}
+          "finetune": (FinetuneOptions, FinetunePlacement), "report": (ReportOptions,),
+          "demo": (DemoSizes, DemoPlacement)}
 
 
 def help_panels(command: str) -> dict[str, str]:
@@ -43,10 +46,12 @@ def test_every_declared_flag_is_in_its_commands_help_with_its_help_in_its_panel(
     panels = help_panels(command)
     for kind in STAGES[command]:
         for option in kind.declared().values():
-            if option.flag == "":  # Python only
+            if option.flag == "" or option.hidden:  # Python only, or left out of --help (the demo's sizes)
+                assert option.flag == "" or option.cli_flag not in " ".join(panels.values()), (command, option.name)
                 continue
             panel = panels["Arguments" if option.argument else "Options" if option.results else PLACEMENT_PANEL]
             name = option.name if option.argument else option.cli_flag
+            panel = panels["Arguments"] if option.argument else panel
             assert name in panel, (command, name)
             assert " ".join(option.help.split())[:60] in panel, (command, name)
 
@@ -73,6 +78,20 @@ def test_a_default_is_written_once_and_shown_from_its_declaration():
     (lambda: FinetuneOptions(resolution=8), "--resolution 8: use at least 32"),
     (lambda: FinetuneOptions(epochs=2.5), "--epochs 2.5: use a whole number"),
     (lambda: LinearOptions(chunk_rows=True), "--chunk-rows True: give a whole number of rows, at least 1"),
+    (lambda: LinearOptions(lrs=[]), "--lr is empty: give at least one value, e.g. --lr 1e-3"),
+    (lambda: LinearOptions(lrs="0.1,-1"), "--lr 0.1,-1: every value must be positive"),
+    (lambda: LinearOptions(wds="nan"), "--wd nan: every weight decay must be 0 or more (0: none)"),
+    (lambda: FinetuneOptions(batch_sizes=[8, 0]), "--batch-size 8,0: every value must be positive and whole"),
+    (lambda: FinetuneOptions(lrs=["abc"]), "--lr 'abc': use a number"),
+    (lambda: DemoSizes(batch_sizes=()), "--batch-size is empty: give at least one value, e.g. --batch-size 8"),
+    (lambda: ExtractOptions(dataset="voc", decode="jpeg"), "--decode jpeg: use gpu (nvjpeg, on a CUDA device) or"
+                                                           " cpu (libjpeg-turbo in the loader workers: the CPU's pixels)"),
+    (lambda: FinetuneOptions(decode="jpeg"), "--decode jpeg: use gpu (nvjpeg, on a CUDA device) or cpu (libjpeg-turbo"
+                                             " in the loader workers: the CPU's pixels)"),
+    (lambda: ReportOptions(pivot="dataset"), "--pivot dataset: use backbone (rows losses, a column per backbone and"
+                                             " feature kind)"),
+    (lambda: ReportOptions(resamples=50), "--resamples 50: a 95% interval needs at least 100 resamples (1,000 by"
+                                          " default)"),
 ])  # fmt: skip
 def test_a_bad_value_is_one_line_naming_its_flag_and_the_fix(build, line):
     with pytest.raises(SpmlError) as refused:
@@ -119,3 +138,71 @@ def test_resume_compares_by_one_rule_in_every_stage():
         " --chunk-rows 8 contradicts the run's none (a resumed run keeps its own settings): leave out --epochs,"
         " --memory-budget and --chunk-rows, or start a new run with them")
     refuse_differences("runs/x", [])  # nothing given that contradicts: nothing said
+
+
+def test_a_grid_value_given_twice_is_taken_once_in_the_order_given():
+    assert LinearOptions(lrs="0.1,0.01,0.1").lrs == [0.1, 0.01]
+    assert FinetuneOptions(batch_sizes=[16, 8, 16]).batch_sizes == [16, 8]
+
+
+def test_an_option_resolves_as_its_declaration_says():
+    """Given, else the source its declaration falls back on, else its default; a derived option takes its source's
+    value even when given; a source naming an option that does not fall back on it is a mistake, not ignored."""
+    recipe = {"epochs": 8, "lrs": [1e-5], "batch_sizes": [8], "head_lr_mult": 10.0}
+    taken = FinetuneOptions(epochs=3, hparams={"ls_coef": 0.1}).resolved(
+        recipe=recipe, cache={"resolution": 64, "dataset": "voc"}, losses={"hparams": {"ls_coef": 0.1, "k": 2}})
+    assert (taken.epochs, taken.lrs, taken.batch_sizes, taken.head_lr_mult) == (3, [1e-5], [8], 10.0)
+    assert (taken.resolution, taken.dataset, taken.hparams, taken.seeds, taken.init) == (
+        64, "voc", {"ls_coef": 0.1, "k": 2}, 1, "best")
+    assert taken.weights is None and taken.decode is None  # their sources were not given
+    with pytest.raises(ValueError, match="no option falls back on recipe for \\['resolution'\\]"):
+        FinetuneOptions().resolved(recipe={"resolution": 64})
+    planned = LinearOptions(chunk_rows=8).resolved(plan={"chunk_rows": 40, "memory_budget": 2**20})
+    assert (planned.chunk_rows, planned.memory_budget, planned.lrs) == (8, 2**20, [1e-2, 1e-3, 1e-4, 1e-5])
+
+
+def test_the_report_command_builds_the_options_the_python_api_would(tmp_path, monkeypatch, capsys):
+    from cli_support import run_main
+
+    import spml_cache.report
+
+    seen = []
+    monkeypatch.setattr(spml_cache.report, "report_command", lambda options, console: seen.append(options))
+    code, err = run_main("report", "runs/voc", "runs/coco", "--format", "md", "--ci", "--resamples", "200",
+                         "--metric", "CF1@3", "--compare", "an,role", cwd=tmp_path, monkeypatch=monkeypatch,
+                         capsys=capsys)
+    assert code == 0, err
+    assert seen == [ReportOptions([Path("runs/voc"), Path("runs/coco")], fmt="md", ci=True, resamples=200,
+                                  metric="cf1@3", compare="an,role")]
+    assert seen[0].pair == ("an", "role") and seen[0].runs_root == Path("runs") and not seen[0].paper
+    code, err = run_main("report", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and seen[-1] == ReportOptions(), err  # every flag left out: the declared defaults
+
+
+def test_an_option_added_to_finetune_is_its_declaration_and_its_use():
+    """docs/internals.md, "Adding an option": a declared field alone gives the flag and its help, the check, the
+    resolution (here from the loss's recipe), config.json's key and the --resume comparison."""
+    import typer
+    from dataclasses import dataclass
+
+    from spml_cache.cli.declared import stage_command
+    from spml_cache.options import at_least, given
+
+    @dataclass(frozen=True, kw_only=True)
+    class WithWarmup(FinetuneOptions):
+        warmup: int | None = given(0, "Epochs of linear warm-up.", check=at_least(0), fallback="recipe")
+
+    with pytest.raises(SpmlError, match=r"^--warmup -1: use at least 0$"):
+        WithWarmup(warmup=-1)
+    assert WithWarmup().resolved(recipe={"warmup": 2}).warmup == 2 and WithWarmup(warmup=1).resolved(
+        recipe={"warmup": 2}).warmup == 1 and WithWarmup().resolved().warmup == 0
+    taken = WithWarmup(warmup=3).resolved()
+    assert taken.stored()["warmup"] == 3 and WithWarmup.from_stored(json.loads(json.dumps(taken.stored()))) == taken
+    assert WithWarmup(warmup=4).differences(taken) == [("--warmup", "4", "3")]
+    app, seen = typer.Typer(), []
+    stage_command(app, "finetune", WithWarmup)(lambda options: seen.append(options))
+    stage_command(app, "other", WithWarmup)(lambda options: None)  # a group: the command is named
+    done = CliRunner().invoke(app, ["finetune", "--warmup", "5"])
+    assert done.exit_code == 0, done.output
+    assert seen == [WithWarmup(warmup=5)]
+    assert "Epochs of linear warm-up." in CliRunner().invoke(app, ["finetune", "--help"], env={"COLUMNS": "400"}).output

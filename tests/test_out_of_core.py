@@ -176,7 +176,7 @@ def test_three_identical_out_of_core_runs_give_identical_results(tmp_path, small
         results.append({name: [(c["lr"], c["batch_size"], c["val_map"], c["test_map"]) for c in entry["configs"]]
                         for name, entry in run_.results["losses"].items()})
         config = json.loads((run_.run_dir / "config.json").read_text())
-        plans.append((config["options"]["memory_budget"], config["options"]["chunk_rows"]))
+        plans.append((config["memory_budget"], config["chunk_rows"]))
     assert results[0] == results[1] == results[2]
     assert plans[0] == plans[1] == plans[2] and plans[0][0] == budget and 1 < plans[0][1] < 160, plans
 
@@ -186,7 +186,7 @@ def test_chunk_rows_trains_that_chunk_order_whatever_the_budget(tmp_path, small_
     machine with more memory), recorded in config.json, the results those of the plan that chose N itself."""
     asked = run(small_cache, tmp_path / "asked", chunk_rows=32)
     config = json.loads(next((tmp_path / "asked" / "voc").iterdir()).joinpath("config.json").read_text())
-    assert config["options"]["chunk_rows"] == 32
+    assert config["chunk_rows"] == 32
     planned = run(small_cache, tmp_path / "planned", monkeypatch, (False, True, 32, 0))
     for name in ("an", "bce"):
         assert asked[name]["configs"] == planned[name]["configs"], name
@@ -206,7 +206,8 @@ def test_a_bad_chunk_rows_is_one_line(tmp_path, small_cache, monkeypatch, capsys
 def test_chunk_rows_beyond_the_training_rows_is_one_chunk_of_them_all(tmp_path, small_cache, monkeypatch, capsys):
     """It allocated a buffer of the size given (`MemoryError: Unable to allocate 745. TiB`) and left an incomplete
     run. More rows than the training rows is one chunk of them all, whose order is the in-memory order
-    (`chunked_permutations`): said in one note, recorded as the training rows, and the same results as in memory."""
+    (`chunked_permutations`): said in one note, recorded as given (a resume reads it back and plans the same one
+    chunk), and the same results as in memory."""
     from cli_support import run_main
 
     code, err = run_main("linear", "--cache", str(small_cache), "--loss", "an,bce", "--lr", "1e-2,1e-3",
@@ -216,7 +217,7 @@ def test_chunk_rows_beyond_the_training_rows_is_one_chunk_of_them_all(tmp_path, 
     assert "--chunk-rows 99,999,999,999,999 is more than the 160 training rows: one chunk of them all, in the order" \
            " an in-memory run takes" in " ".join(err.split()), err
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
-    assert json.loads((run_dir / "config.json").read_text())["options"]["chunk_rows"] == 160
+    assert json.loads((run_dir / "config.json").read_text())["chunk_rows"] == 99999999999999
     streamed = json.loads((run_dir / "results.json").read_text())["losses"]
     whole = run(small_cache, tmp_path / "whole")
     for name in ("an", "bce"):

@@ -1,5 +1,6 @@
 """runs.py reads run directories as well as writing them: the one best-head rule, `open_for_resume`, `newest_run`,
-the `Grid` of config.json; and run directories written by older code (tests/fixtures/) still resume and report."""
+the options config.json keeps; and run directories written by older code (tests/fixtures/) still resume and
+report."""
 
 import json
 import re
@@ -12,6 +13,7 @@ from linear_support import quiet
 
 from spml_cache import report, runs
 from spml_cache.linear import run_linear
+from spml_cache.linear.settings import stored_options
 from spml_cache.runtime.errors import SpmlError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "runs_a4ce30b"
@@ -93,9 +95,10 @@ def without_seconds(results: dict) -> dict:
 
 def test_an_old_interrupted_run_resumes_to_what_a_whole_run_gives(old_runs, tmp_path):
     config = json.loads((old_runs / "runs" / "voc" / CUT / "config.json").read_text())
-    grid = runs.Grid.from_config(config)
-    assert (grid.losses, grid.lrs, grid.batch_sizes, grid.epochs, grid.seeds) == (["an", "role"], [0.01], [4, 8], 2, [0])
-    assert grid.fidelity == "exact" and grid.val_labels == "clean"
+    assert "options" not in config  # the oldest shape: the grid and the stage extras alone
+    grid = stored_options(config, Path("config.json"))
+    assert (grid.losses, grid.lrs, grid.batch_sizes, grid.epochs, grid.seeds) == (["an", "role"], [0.01], [4, 8], 2, 1)
+    assert grid.fidelity == "exact" and grid.val_labels == "clean" and grid.wds == [0.0]
     resumed = run_linear(resume=old_runs / "runs" / "voc" / CUT, console=quiet())
     whole = run_linear(cache=config["cache"], losses=grid.losses, lrs=grid.lrs, batch_sizes=grid.batch_sizes,
                        epochs=grid.epochs, out=tmp_path / "whole", console=quiet())

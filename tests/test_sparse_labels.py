@@ -167,8 +167,9 @@ def test_an_extraction_with_sparse_labels_drops_bad_rows_and_stays_sparse(tmp_pa
 
 
 def test_fine_tuning_starts_from_a_sparse_cache(tmp_path, caches):
-    from spml_cache.finetune.settings import FinetuneOptions, _starting_point
+    from spml_cache.finetune.settings import FinetuneOptions
+    from spml_cache.finetune.start import starting_point
 
     options = FinetuneOptions(init="imagenet", cache=caches[1], loss="an")
-    features, start = _starting_point(options, tmp_path, None)  # tests/test_finetune_sparse.py fine-tunes one
+    features, start = starting_point(options, tmp_path, None)  # tests/test_finetune_sparse.py fine-tunes one
     assert start is None and isinstance(features.train.observed, SparseLabels)

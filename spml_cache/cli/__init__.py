@@ -46,6 +46,8 @@ from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.options import (
     ExtractOptions, ExtractPlacement, FinetuneOptions, FinetunePlacement, LinearOptions, LinearPlacement,
 )
+from spml_cache.options.demo import DemoPlacement, DemoSizes
+from spml_cache.options.report import ReportOptions
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
 from spml_cache.runtime.install import mismatched_torchvision
 
@@ -135,7 +137,7 @@ def linear_command(options: LinearOptions, placement: LinearPlacement) -> None:
     console.print(f"run directory: {escape(str(run.run_dir))}")
 
 
-app.command("demo")(demo_command)
+stage_command(app, "demo", DemoSizes, DemoPlacement)(demo_command)
 
 
 # --- finetune (finetune helper) ---
@@ -163,7 +165,7 @@ def finetune_command(options: FinetuneOptions, placement: FinetunePlacement) -> 
 
 
 # --- report (report helper) ---
-app.command("report")(report_command)
+stage_command(app, "report", ReportOptions)(report_command)
 help_as_prose(app)  # last: every command's docstring wraps at the terminal's width
 
 

@@ -15,8 +15,9 @@ from spml_cache.cli.text import (
     CONSOLE as console,
     PUBLISHED_HELP,
     default_data_root,
-    parse_list,
 )
+from spml_cache.options.demo import DemoPlacement, DemoSizes
+from spml_cache.options.report import ReportOptions
 
 
 def datasets_command(
@@ -129,17 +130,7 @@ def losses_command(
     console.print(losses.describe_table(rows))
 
 
-def demo_command(
-    out: Path = typer.Option(Path("demo"), "--out", help="Folder for the demo's data, cache, runs and plots."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    num_train: Optional[int] = typer.Option(None, "--train", hidden=True),
-    num_test: Optional[int] = typer.Option(None, "--test", hidden=True),
-    size: Optional[int] = typer.Option(None, "--size", hidden=True),
-    resolution: Optional[int] = typer.Option(None, "--resolution", hidden=True),
-    epochs: Optional[int] = typer.Option(None, "--epochs", hidden=True),
-    lr: Optional[str] = typer.Option(None, "--lr", hidden=True),
-    batch_size: Optional[str] = typer.Option(None, "--batch-size", hidden=True),
-) -> None:
+def demo_command(sizes: DemoSizes, placement: DemoPlacement) -> None:
     """The whole pipeline on a generated VOC-style dataset, in one to two minutes on two CPU cores.
 
     Generates images, extracts ResNet-50 features, trains every loss, fine-tunes the best head for one epoch,
@@ -147,32 +138,12 @@ def demo_command(
 
     Example: spml-cache demo --out demo
     """
-    from spml_cache.demo.run import DemoSizes, run_demo
+    from spml_cache.demo.run import run_demo
 
-    # The hidden size flags (for tests) override the demo's measured defaults only when given.
-    sizes = {"num_train": num_train, "num_test": num_test, "size": size, "resolution": resolution, "epochs": epochs,
-             "lrs": None if lr is None else parse_list(lr, "--lr", float),
-             "batch_sizes": None if batch_size is None else parse_list(batch_size, "--batch-size", int)}
-    run_demo(out, DemoSizes(**{k: v for k, v in sizes.items() if v is not None}), device=device, console=console)
+    run_demo(placement.out, sizes, device=placement.device, console=console)
 
 
-def report_command(
-    run_dirs: Optional[List[Path]] = typer.Argument(
-        None, help="Run directories or folders of them (default: every run under --runs)."
-    ),
-    runs: Path = typer.Option(Path("runs"), "--runs", help="Where to look for runs when none are named."),
-    paper: bool = typer.Option(False, "--paper", help="Add the papers' published numbers and our difference."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="csv, md, json or tex (a LaTeX tabular with booktabs rules) instead of the terminal table."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix: .csv, .md, .json, .tex)."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Also write the figures into DIR (needs matplotlib)."),
-    figure_format: Optional[str] = typer.Option(None, "--figure-format", help="The figures' format: png (the default), pdf or svg (vector; pdf's fonts embedded as TrueType)."),
-    dpi: Optional[int] = typer.Option(None, "--dpi", help="The figures' resolution in dots per inch, 50 to 600 (default: 300; pdf and svg are vector whatever it says)."),
-    compare: Optional[str] = typer.Option(None, "--compare", help="Two losses a,b, e.g. an,role: their paired difference a - b per dataset and stage (bootstrap interval, p-value), and the per-class AP figure's pair (default there: the best two)."),
-    pivot: Optional[str] = typer.Option(None, "--pivot", help="backbone: one dataset's linear runs as losses x backbones (with their feature kind); --plots then draws that table."),
-    metric: Optional[str] = typer.Option(None, "--metric", help="The table's metric: map (the default), cp, cr, cf1, op, or, of1 (labels scoring 0.5 or more), or one of those with @K (cf1@3: of each image's K highest, those at 0.5 or more). csv, md and json carry every one."),
-    ci: bool = typer.Option(False, "--ci", help="Add each cell's 95% bootstrap interval over the test images (the same resamples for every loss of a dataset)."),
-    resamples: Optional[int] = typer.Option(None, "--resamples", help="Bootstrap resamples of the test images for --ci and --compare (default: 1,000)."),
-) -> None:
+def report_command(options: ReportOptions) -> None:
     """Table-1 style table of test mAP (mean ± std over seeds) per loss, dataset and stage, and figures.
 
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
@@ -184,8 +155,4 @@ def report_command(
     """
     from spml_cache import report
 
-    report.report_command(report.ReportOptions(
-        run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots, compare=compare, pivot=pivot,
-        ci=ci, figure_format=figure_format, dpi=dpi,
-        **{key: value for key, value in (("metric", metric), ("resamples", resamples)) if value is not None},
-    ), console)
+    report.report_command(options, console)

@@ -25,18 +25,12 @@ from spml_cache.cache import default_path
 from spml_cache.demo.data import make_demo_data
 from spml_cache.extract import extract
 from spml_cache.finetune import finetune
-from spml_cache.linear import LinearOptions, LinearSettings, run_linear
-from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, LINEAR_EPOCHS
+from spml_cache.linear import run_linear
+from spml_cache.options.demo import DemoSizes
 from spml_cache.runs import best_loss
 from spml_cache.runtime.devices import resolve_device
 from spml_cache.runtime.errors import SpmlError
 
-# Sized by measurement (docs/benchmarks.md): a few minutes on 2 CPU cores. With a random trunk the linear
-# probes score the same at 64 px as at 128 px, and extraction is 2.7x faster.
-DEMO_TRAIN = 400  # VOC `train` images: our train + val (80 / 20)
-DEMO_TEST = 200
-DEMO_SIZE = 128  # pixels of the drawn images
-DEMO_RESOLUTION = 64  # the trunk's input size
 TRUNK_SEED = 0  # a random trunk is drawn from torch's global generator: seed it, so the demo repeats
 # Stage three, shown rather than converged: one epoch at the small lr LinearInit fine-tunes with.
 FINETUNE = {"epochs": 1, "lrs": [1e-5], "batch_sizes": [8]}
@@ -66,27 +60,13 @@ def _check_data_folder(data_root: Path) -> None:
             raise SpmlError(f"{data_root / 'VOCdevkit'} is not demo data; pass another --out folder")
 
 
-@dataclass(frozen=True, kw_only=True)
-class DemoSizes:
-    """How big the demo is: its images (count, side), the cache's resolution and stage two's grid. The defaults are
-    measured to finish in a couple of minutes on two CPU cores; the tests make it smaller."""
-
-    num_train: int = DEMO_TRAIN
-    num_test: int = DEMO_TEST
-    size: int = DEMO_SIZE
-    resolution: int = DEMO_RESOLUTION
-    epochs: int = LINEAR_EPOCHS
-    lrs: tuple = tuple(GRID_LRS)
-    batch_sizes: tuple = tuple(GRID_BATCH_SIZES)
-
-
 def run_demo(out: Path | str = "demo", sizes: DemoSizes = DemoSizes(), *, device: str = "auto",
              console: Console | None = None) -> DemoResult:
-    """Generate the data, extract features, train every loss, print the tables, write the plots."""
+    """Generate the data, extract features, train every loss, print the tables, write the plots (`sizes`: checked
+    by their declarations as they were built, before any work)."""
     console = console or Console()
     num_train, num_test, size, resolution = sizes.num_train, sizes.num_test, sizes.size, sizes.resolution
-    epochs, lrs, batch_sizes = sizes.epochs, list(sizes.lrs), list(sizes.batch_sizes)
-    LinearSettings.of(LinearOptions(lrs=lrs, batch_sizes=batch_sizes, epochs=epochs))  # refuse bad flags first
+    epochs, lrs, batch_sizes = sizes.epochs, sizes.lrs, sizes.batch_sizes
     resolve_device(device)
     out = Path(out)
     data_root = out / "data"

@@ -158,7 +158,7 @@ class BatchRun:
 
 
 def _loader(batches, paths, run: BatchRun, feed_thread: bool):
-    """The loader of the run's batches, and `decode(payload, bad)` -> (the resized uint8 batch on the device or
+    """The loader of the run's batches, and `to_images(payload, bad)` -> (the resized uint8 batch on the device or
     None, error) for what it yields. Its workers decode and resize on the CPU, unless nvjpeg decodes on the GPU
     or, in the CPU tests of the feed thread, the thread decodes; then they ship the files' bytes."""
     device, preprocess, skip_bad = run.device, run.preprocess, run.skip_bad
@@ -190,7 +190,7 @@ def run_batches(partial, paths, trunk, run: BatchRun) -> int:
     feed_thread = on_gpu if run.feed_thread is None else run.feed_thread
     largest = max((len(rows) for _, rows in batches), default=1)  # the one shape: batch_size unless fewer rows
     pad_to = largest if pad_batches else 0
-    loader, decode = _loader(batches, paths, run, feed_thread)
+    loader, to_images = _loader(batches, paths, run, feed_thread)
     dtype = PRECISIONS[run.precision]
     rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, backbone=run.backbone,
                                 normalise=preprocess.normalise)
@@ -199,7 +199,7 @@ def run_batches(partial, paths, trunk, run: BatchRun) -> int:
         advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
         try:
             if feed_thread:
-                feed = Feed(loader, decode, device=device, dtype=dtype, rows=largest,
+                feed = Feed(loader, to_images, device=device, dtype=dtype, rows=largest,
                             resolution=preprocess.resolution, pad=pad_batches,
                             normalise=preprocess.normalise)  # fmt: skip
                 try:
@@ -215,7 +215,7 @@ def run_batches(partial, paths, trunk, run: BatchRun) -> int:
                 for split, rows, payload, bad, error in loader:
                     batch = (split, rows)
                     if on_gpu and error is None:
-                        payload, error = decode(payload, bad)
+                        payload, error = to_images(payload, bad)
                     if error is not None:
                         raise _bad_image(paths, partial, split, rows, error)
                     features = pooled_rows(trunk, payload, bad, device, dtype, pad_to, preprocess=preprocess,

@@ -92,11 +92,11 @@ class Feed:
     """Iterate to get `FedBatch`es in the loader's order; call `release(batch)` once the trunk is queued on its
     inputs, and `close()` when done (see the module docstring)."""
 
-    def __init__(self, loader, decode, *, device: torch.device, dtype: torch.dtype, rows: int, resolution: int,
+    def __init__(self, loader, to_images, *, device: torch.device, dtype: torch.dtype, rows: int, resolution: int,
                  pad: bool, normalise=normalise) -> None:  # fmt: skip
-        """`decode(blobs, bad)` -> (resized uint8 batch of the good images or None, error), on `device`;
+        """`to_images(blobs, bad)` -> (resized uint8 batch of the good images or None, error), on `device`;
         `normalise(batch, dtype)`: the backbone's (ImageNet mean and std unless given)."""
-        self.decode, self.device, self.dtype, self.pad = decode, device, dtype, pad
+        self.to_images, self.device, self.dtype, self.pad = to_images, device, dtype, pad
         self.normalise = normalise
         on_gpu = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if on_gpu else None
@@ -190,7 +190,7 @@ class Feed:
                 return
             images = None
             if error is None:  # `decode_jpegs` drains this thread's stream (the feed stream) before nvjpeg writes
-                images, error = self.decode(blobs, bad)
+                images, error = self.to_images(blobs, bad)
             batch = FedBatch(split, rows, bad, images, 0 if images is None else len(images), None, error)
             if images is not None:
                 batch.slot = self._fill(images)

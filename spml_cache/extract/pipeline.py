@@ -48,7 +48,7 @@ from spml_cache.extract.plan import (
 )
 from spml_cache.cache.csr import resolve_format
 from spml_cache.extract.rules import RuleStore
-from spml_cache.images import DECODERS, decoder_version, resolve_decode
+from spml_cache.images import decoder_version, resolve_decode
 from spml_cache.runtime.devices import default_workers, resolve_device
 from spml_cache.runtime.disk import require_room
 from spml_cache.options.declared import from_keywords
@@ -217,7 +217,7 @@ def _plan(options: ExtractOptions, placement: ExtractPlacement) -> _Plan:
     path = output_path(placement.out, images.dataset, described.resolution, described.slug)
     report = ExtractReport(path=path, status="dry run", counts={name: len(split) for name, split in rows.items()},
                            missing=list(images.skipped), device=str(device), precision=precision,
-                           decoder=DECODERS[decode], notes=list(images.notes),
+                           decoder=settings["decoder"], notes=list(images.notes),
                            size_bytes=estimated_size(rows, len(images.classes), described.row_width, label_format))
     return _Plan(options=options, placement=placement, shard=shard, device=device, precision=precision, decode=decode,
                  images=images, rows=rows, own=shard.rows(rows) if shard else rows, described=described,

@@ -6,7 +6,8 @@ calls); `finetune(init=..., loss=..., root=...)` is the same by keywords, for th
 """
 
 from spml_cache.finetune.run import FinetuneRun, finetune, run_finetune
-from spml_cache.finetune.settings import FinetuneSettings, FineTuneModel
+from spml_cache.finetune.model import FineTuneModel
+from spml_cache.finetune.settings import FinetuneSettings
 from spml_cache.finetune.step import Training, make_optimizer, train_step
 from spml_cache.options import FinetuneOptions, FinetunePlacement
 

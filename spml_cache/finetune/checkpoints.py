@@ -21,9 +21,8 @@ def create_run_dir(out: Path, setup: Setup) -> Path:
         settings, features = setup.settings, setup.features
         run_dir[0] = runs.start_run(
             out, stage="finetune", label=settings.key, features=features, device=setup.processes.device,
-            grid=settings.grid(),
-            processes=setup.processes.world, options=settings.options().stored(), root=str(setup.root),
-            init=init_summary(setup),
+            options=settings.options.stored(), losses=[settings.loss], processes=setup.processes.world,
+            root=str(setup.root),
             skipped_images={s: len(getattr(features, s)) - len(setup.rows[s]) for s in cache.SPLITS},
         )
     if setup.processes.world > 1:
@@ -33,10 +32,10 @@ def create_run_dir(out: Path, setup: Setup) -> Path:
 
 def init_summary(setup: Setup) -> dict:
     if setup.start is None:
-        return {"mode": "imagenet", "weights": setup.settings.weights}
+        return {"mode": "imagenet", "weights": setup.settings.options.weights}
     start = setup.start
     return {"mode": "best", "run": str(start.run), "loss": start.loss, **start.settings, "val_map": start.val_map,
-            "weights": setup.settings.weights}
+            "weights": setup.settings.options.weights}
 
 
 def checkpoint(run_dir: Path, record: HeadRecord, best: bool = False) -> Path:

@@ -54,21 +54,22 @@ def usable_rows(dataset: str, root: Path, ids: dict[str, list[str]], skip_missin
 
 
 class ImageFiles(Dataset):
-    """Item `row` is (row, the file's bytes), or (row, the decoded uint8 image) when `decode` is set.
+    """Item `row` is (row, the file's bytes) or, with `decode` cpu (libjpeg-turbo in the reader processes), (row,
+    the decoded uint8 image); with gpu, nvjpeg decodes the bytes on the device.
 
-    Workers only read (and, for a CPU run, decode); resizing, flipping and normalising happen on the device.
+    Workers only read (and, for cpu, decode); resizing, flipping and normalising happen on the device.
     """
 
-    def __init__(self, root: Path, ids: list[str], decode: bool) -> None:
+    def __init__(self, root: Path, ids: list[str], decode: str) -> None:
         self.paths = [root / i for i in ids]
-        self.decode = decode
+        self.in_workers = decode == "cpu"
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, row: int):
         blob = torch.from_numpy(np.fromfile(self.paths[row], dtype=np.uint8))
-        if self.decode:
+        if self.in_workers:
             return row, decode_jpegs([blob], "cpu")[0]
         return row, blob
 

@@ -18,7 +18,7 @@ import math
 import shlex
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 from spml_cache import losses, runs
 from spml_cache.finetune import checkpoints, images as data, parallel
 from spml_cache.finetune.labels import TrainLabels, loss_observed
-from spml_cache.finetune.settings import FineTuneModel, Resumed, Setup, resolve
+from spml_cache.finetune.model import FineTuneModel, initial_model
+from spml_cache.finetune.settings import Resumed, Setup, resolve
 from spml_cache.finetune.start import role_theta_handover
 from spml_cache.finetune.step import Training, make_optimizer, train_step
 from spml_cache.labels import average_precision, take
@@ -69,6 +70,7 @@ def run_finetune(options: FinetuneOptions, placement: FinetunePlacement = Finetu
         workers = default_workers(processes.device) if placement.workers is None else placement.workers
         setup = resolve(options, resumed, root=placement.root, out=placement.out, cache_dir=placement.cache_dir,
                         processes=processes, workers=workers)
+        setup = replace(setup, initial=initial_model(setup))  # the trunk and head every config starts from
         for note in setup.notes + ([f"resuming {placement.resume}"] if resumed is not None else []):
             say(note)
         run_dir = placement.resume if resumed is not None else checkpoints.create_run_dir(placement.out, setup)
@@ -106,8 +108,8 @@ def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         if not resumed and processes.main and not any(run_dir.glob("checkpoints/*.pt")):
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable in it yet
         raise SpmlError(
-            f"CUDA out of memory on {processes.device} (resolution {setup.settings.resolution}, --batch-size"
-            f" {setup.settings.batch_sizes}): pass a smaller --batch-size, or share each batch over more GPUs"
+            f"CUDA out of memory on {processes.device} (resolution {setup.settings.options.resolution}, --batch-size"
+            f" {setup.settings.options.batch_sizes}): pass a smaller --batch-size, or share each batch over more GPUs"
             " with torchrun --nproc-per-node N"
         ) from None
 
@@ -117,7 +119,7 @@ def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
     # no text side to pass: a loss that reads one needs a CLIP cache, whose tower is not fine-tuned (start.py)
     built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
                          train_observed=loss_observed(settings.loss, features.train.observed), seed=seed,
-                         fidelity=settings.fidelity, **settings.hparams)
+                         fidelity=settings.options.fidelity, **settings.hparams)
     return built.to(device)
 
 
@@ -131,8 +133,8 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         if resumed:
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rebuilt from the checkpoints' histories
-    for lr in settings.lrs:  # grid order as stage two's: lr, then batch size
-        for batch_size in settings.batch_sizes:
+    for lr in settings.options.lrs:  # grid order as stage two's: lr, then batch size
+        for batch_size in settings.options.batch_sizes:
             for seed in settings.seeds:
                 record = HeadRecord(loss=settings.loss, lr=lr, batch_size=batch_size, seed=seed, rule=settings.rule)
                 records.append(_train_config(setup, run_dir, record, starts, say))
@@ -170,7 +172,7 @@ def _run_grid(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
         entry = {"loss": settings.loss, "rule": settings.rule, **entry}
     results = runs.finish_run(run_dir, stage="finetune", features=features, losses={settings.key: entry},
                               checkpoints={settings.key: saved} if saved else {}, init=checkpoints.init_summary(setup),
-                              fidelity=settings.fidelity)
+                              fidelity=settings.options.fidelity)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return results
 
@@ -204,20 +206,21 @@ def _train_config(setup: Setup, run_dir: Path, record: HeadRecord, starts: dict,
         _score_start(setup, run_dir, record, training, starts, say)
     batches = data.EpochBatches(setup.rows["train"], len(features.train), record.batch_size, record.seed,
                                 processes.rank, processes.world)
-    decoded = setup.settings.decode == "cpu"  # in the reader processes; else nvjpeg on the GPU
-    train_loader = data.loader(data.ImageFiles(setup.root, features.train.ids, decode=decoded), batches, setup.workers)
+    files = data.ImageFiles(setup.root, features.train.ids, decode=settings.options.decode)
+    train_loader = data.loader(files, batches, setup.workers)
     train_labels = TrainLabels(features.train.observed, features.train.labels, device)
     model, loss_fn = training.model, training.loss_fn
-    for epoch in range(len(record.train_loss) + 1, settings.epochs + 1):
+    epochs = settings.options.epochs
+    for epoch in range(len(record.train_loss) + 1, epochs + 1):
         train_logits = None
         if loss_fn.needs_train_logits:
             train_logits = torch.zeros(1, len(features.train), len(features.classes), device=device)
             train_logits[0, torch.as_tensor(setup.rows["train"], device=device)] = _score(model, setup, "train")
-        loss_fn.start_epoch(epoch, settings.epochs, train_logits)
+        loss_fn.start_epoch(epoch, epochs, train_logits)
         batches.set_epoch(epoch)
-        train_loss = _train_epoch(training, train_loader, batches, train_labels, _label(record, epoch, settings.epochs))
+        train_loss = _train_epoch(training, train_loader, batches, train_labels, _label(record, epoch, epochs))
         _evaluate(setup, run_dir, record, epoch, train_loss, training, say)
-        done = epoch == settings.epochs or record.diverged_epoch is not None or record.stopped_epoch is not None
+        done = epoch == epochs or record.diverged_epoch is not None or record.stopped_epoch is not None
         if processes.main:
             _save_config_epoch(run_dir, record, epoch, done, training)
         if done:
@@ -238,7 +241,7 @@ def _config_training(setup: Setup, record: HeadRecord, checkpoint: dict | None) 
     loss_fn = _build_loss(setup, record.seed, device)
     if setup.start is not None and "theta" in setup.start.loss_state:
         loss_fn.theta.data.copy_(role_theta_handover(setup.start.loss_state["theta"]))
-    optimizer = make_optimizer(model, loss_fn, record.lr, setup.settings.head_lr_mult)
+    optimizer = make_optimizer(model, loss_fn, record.lr, setup.settings.options.head_lr_mult)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -260,7 +263,8 @@ def _score_start(setup: Setup, run_dir: Path, record: HeadRecord, training: Trai
     if key not in starts:
         starts[key] = {f"{split}_map": _scored_split(training.model, setup, split, kept)[1]
                        for split in ("val", "test")}
-    label, scores = f"{_label(record, 0, setup.settings.epochs)} (the starting model, before any step)", starts[key]
+    label = f"{_label(record, 0, setup.settings.options.epochs)} (the starting model, before any step)"
+    scores = starts[key]
     if not all(math.isfinite(value) for value in scores.values()):  # never a NaN in the run's files
         say(f"{label}: its scores are not finite (val mAP {scores['val_map']}, test mAP {scores['test_map']})")
         return
@@ -274,7 +278,7 @@ def _evaluate(setup: Setup, run_dir: Path, record: HeadRecord, epoch: int, train
               say) -> None:
     """Score val and test after an epoch into `record` (and keep the model of a new best epoch), or mark the
     config diverged; stop it early where the fidelity's rule says so."""
-    model, loss_fn, label = training.model, training.loss_fn, _label(record, epoch, setup.settings.epochs)
+    model, loss_fn, label = training.model, training.loss_fn, _label(record, epoch, setup.settings.options.epochs)
     if not math.isfinite(train_loss):
         record.diverged_epoch = epoch
         say(f"{label}: the loss is {train_loss}: diverged, stopped")
@@ -336,7 +340,7 @@ def _score(model: FineTuneModel, setup: Setup, split: str, batch_size: int | Non
     `batch_size`, all but the last `N_used mod batch_size` rows (what the authors' evaluation loaders score)."""
     processes, device = setup.processes, setup.processes.device
     shards = data.ShardBatches(_rows(setup, split, batch_size), processes.rank, processes.world)
-    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=setup.settings.decode == "cpu")
+    files = data.ImageFiles(setup.root, getattr(setup.features, split).ids, decode=setup.settings.options.decode)
     model.eval()
     outputs = [torch.zeros(0, model.head.out_features, device=device)]
     for _, images in data.loader(files, shards, setup.workers):

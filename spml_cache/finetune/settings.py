@@ -1,9 +1,12 @@
-"""Stage three's settings: what the user gave (`FinetuneOptions`), the loss's recipe, the defaults, and the linear
-head to start from; everything checked before the run directory exists.
+"""Stage three's settings: what the user gave (`FinetuneOptions`) resolved into what a run trains with, each option
+as given, else the interrupted run's own (`--resume`), else the linear head's, the loss's recipe, the cache's or
+the trunk's (each option's declaration names which), else its default; everything checked before the run
+directory exists.
 
-`FinetuneSettings` is what defines a run's results: its options as taken (`FinetuneSettings.options`) are stored
-in its config.json (`options`) and compared when a run is resumed. `Setup` adds what the run needs besides (the
-cache, the image rows, the starting model).
+`FinetuneSettings` is what defines a run's results: its options, resolved, which its config.json keeps whole and
+a resumed run compares; and the loss's hyperparameters resolved from them. `Setup` adds what the run reads (the
+cache, the image rows, the head it starts from, the trunk's description); the model is built where the run starts
+(`model.initial_model`).
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from spml_cache import backbones, cache, losses, observation, runs
+from spml_cache import backbones, cache, losses, runs
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.finetune import start as linear_init
 from spml_cache.finetune.images import usable_rows
 from spml_cache.finetune.labels import loss_observed
 from spml_cache.finetune.parallel import Processes, check_batch_split
-from spml_cache.images import DECODERS, recorded_decoder, resolve_decode
+from spml_cache.images import recorded_decode, resolve_decode
 from spml_cache.labels import take
-from spml_cache.observation import DEFAULT_RULE, result_key, split_key
+from spml_cache.observation import result_key, split_key
 from spml_cache.options import FinetuneOptions, refuse_differences
-from spml_cache.protocol import Fidelity, check_grid, check_val_split
-from spml_cache.runtime.errors import SpmlError, closest
+from spml_cache.protocol import check_val_split
+from spml_cache.runtime.errors import SpmlError
 # The papers' per-loss fine-tuning recipes, for what the user leaves unset.
 #  gr: Chen et al. (IJCAI 2024) Table 6 (batch, lr, epochs per dataset); its authors' code trains the head at 10x.
 #  ll_*: Kim et al.'s code (the LL losses compared by Chen et al.) trains the head at 10x the lr.
@@ -41,81 +44,53 @@ RECIPES: dict[str, dict[str, dict]] = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class FinetuneSettings:
-    """Every resolved option of a fine-tuning run (`options`: what `config.json` keeps of them)."""
+    """What a fine-tuning run trains with: its options resolved (each a value; config.json keeps them whole) and the
+    loss's hyperparameters resolved from them (every key the loss takes, None where the loss derives it)."""
 
-    init: str  # best (LinearInit) or imagenet (a fresh head)
-    loss: str
-    dataset: str
-    cache: str  # the cache file, resolved
-    from_run: str | None  # the linear run the head comes from (init best)
-    weights: str  # the trunk's initialisation
-    resolution: int
-    epochs: int
-    lrs: list[float]
-    batch_sizes: list[int]
-    seeds: list[int]
-    head_lr_mult: float
-    skip_missing: bool
-    hparams: dict  # the loss's hyperparameters, resolved
-    fidelity: Fidelity
-    rule: str = DEFAULT_RULE  # the observation rule of the training labels: the linear head's (`--loss loss@rule`)
-    # gpu (nvjpeg) or cpu (libjpeg-turbo in the reader processes); None only in a run from before it was kept,
-    # which decoded on its device (`Resumed.read` fills it in)
-    decode: str | None = None
+    options: FinetuneOptions
+    hparams: dict
 
     @property
     def key(self) -> str:
-        """The run's result key: the loss, or `loss@rule` (observation.result_key)."""
-        return result_key(self.loss, self.rule)
+        """The run's result key: the loss, or `loss@rule` (observation.result_key), as `--loss` names it."""
+        return self.options.loss
 
-    def options(self) -> FinetuneOptions:
-        """The options that resolve to these settings again: what config.json keeps (`options`) and a resumed run
-        reads back."""
-        return FinetuneOptions(
-            init=self.init, from_run=self.from_run and Path(self.from_run), cache=Path(self.cache),
-            dataset=self.dataset, loss=self.key, weights=self.weights, resolution=self.resolution, epochs=self.epochs,
-            lrs=self.lrs, batch_sizes=self.batch_sizes, seeds=len(self.seeds), head_lr_mult=self.head_lr_mult,
-            skip_missing=self.skip_missing, hparams={key: value for key, value in self.hparams.items()
-                                                     if value is not None}, fidelity=self.fidelity,
-            decode=self.decode)
+    @property
+    def loss(self) -> str:
+        return split_key(self.options.loss)[0]
 
-    def grid(self) -> runs.Grid:
-        return runs.Grid(losses=[self.loss], lrs=self.lrs, batch_sizes=self.batch_sizes, epochs=self.epochs,
-                         seeds=self.seeds, hparams={self.loss: self.hparams}, val_labels="clean",
-                         fidelity=self.fidelity)
+    @property
+    def rule(self) -> str:
+        """The observation rule of the training labels: the linear head's (`--loss loss@rule`)."""
+        return split_key(self.options.loss)[1]
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.options.seeds))
 
 
-class FineTuneModel(nn.Module):
-    """The backbone's trunk (to its pooled vector, 2048-d for ResNet-50) and the linear head: logits `[B, C]`."""
-
-    def __init__(self, trunk: nn.Module, head: nn.Linear) -> None:
-        super().__init__()
-        self.trunk, self.head = trunk, head
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.trunk(images))
-
-
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Setup:
-    """Everything resolved and validated before anything is written."""
+    """Everything resolved and validated before anything is written; `initial`, the model every config starts
+    from a copy of, is built where the run starts (`model.initial_model`)."""
 
     settings: FinetuneSettings
     features: cache.FeatureSet
     root: Path  # the folder the cache's ids are relative to
     rows: dict[str, np.ndarray]  # the cache rows used per split (all, or those whose image exists)
     start: runs.LinearHead | None
-    initial: FineTuneModel  # on the CPU; every config starts from a copy
+    trunk: backbones.Description  # the cache's backbone with the run's weights and resolution
     processes: Processes
     workers: int
     notes: list[str]
-    preprocess: Preprocess | None = None  # the backbone's own; None: the papers' R x R squash at the resolution
+    initial: nn.Module | None = None  # on the CPU, once built
 
-    def __post_init__(self) -> None:
-        if self.preprocess is None:
-            self.preprocess = Preprocess(self.settings.resolution)
+    @property
+    def preprocess(self) -> Preprocess:
+        """The backbone's own preprocessing (the papers' R x R squash for ResNet-50) at the run's resolution."""
+        return self.trunk.preprocess
 
 
 @dataclass(frozen=True)
@@ -129,91 +104,61 @@ class Resumed:
 
     @classmethod
     def read(cls, run_dir: Path) -> "Resumed":
+        """The run's options: each under its own name in config.json, or under `options` in a run's from before
+        (older still: its rule apart from its loss, its seeds as a list, no decoder). A value its declaration refuses
+        is the file's (edited or damaged), named by its key."""
         config = runs.open_for_resume(run_dir, "finetune")
-        stored = dict(config["options"])
-        if "rule" in stored:  # a run from before the rule went with the loss (`loss@rule`)
-            stored["loss"] = result_key(stored["loss"], stored.pop("rule"))
-        if stored.get("decode") is None:  # a run from before --decode: nvjpeg on a GPU, the CPU's decoder elsewhere
-            stored["decode"] = "gpu" if str(config.get("device")).startswith("cuda") else "cpu"
-        return cls(Path(run_dir), FinetuneOptions.from_stored(stored), Path(config["root"]), config["cache_id"])
+        file, nested = Path(run_dir) / "config.json", "options" in config
+        stored = config["options"] if nested else config
+        if nested and isinstance(stored, dict):
+            stored = dict(stored)
+            if "rule" in stored:  # a run from before the rule went with the loss (`loss@rule`)
+                stored["loss"] = result_key(stored["loss"], stored.pop("rule"))
+            if stored.get("decode") is None:  # a run from before --decode: nvjpeg on a GPU, the CPU's elsewhere
+                stored["decode"] = "gpu" if str(config.get("device")).startswith("cuda") else "cpu"
+        options = FinetuneOptions.from_stored(stored, file, "options." if nested else "")
+        return cls(Path(run_dir), options, Path(config["root"]), config["cache_id"])
 
 
 def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | None, out: Path,
             cache_dir: Path | None, processes: Processes, workers: int) -> Setup:
-    """The settings (the options given, else the loss's recipe, the cache or the default), the cache, the
-    starting head and model, checked before anything is written. With `resumed`, the options given must equal
-    that run's settings."""
+    """The settings (the options given, else the linear head's, the loss's recipe, the cache's or the trunk's, else
+    the default), the cache, the starting head and the trunk's description, checked before anything is written.
+    With `resumed`, the options given must equal that run's settings."""
     if resumed is not None:
         refuse_differences(resumed.run_dir, options.differences(resumed.options))
         options, root = resumed.options.filled_from(options), root if root is not None else resumed.root
-    features, start = _starting_point(options, out, cache_dir)
+    features, start = linear_init.starting_point(options, out, cache_dir)
     # what goes on, or starts from a linear head, must read the very same arrays
     unverified = cache.verify(features) if resumed is not None or start is not None else None
     if resumed is not None and cache.cache_id(features.attrs) != resumed.cache_id:
         raise SpmlError(f"--resume {resumed.run_dir}: {features.path} was rebuilt since that run began;"
                         " start a new run")
     decode, mismatch = _decode(options.decode, features, processes.device, resumed)
-    settings = _settings(options, features, start, processes, decode)
+    settings, trunk = _settings(options, features, start, decode)
+    check_batch_split(settings.options.batch_sizes, processes)
     notes = [describe_start(start, settings)] + ([unverified] if unverified else []) + ([mismatch] if mismatch else [])
     if root is None:
         raise SpmlError("no image root: pass --root DIR (where the cache was extracted from) or set SPML_DATA")
     ids = {split: getattr(features, split).ids for split in cache.SPLITS}
-    image_root, rows, skipped = usable_rows(features.dataset, Path(root), ids, settings.skip_missing)
+    image_root, rows, skipped = usable_rows(features.dataset, Path(root), ids, settings.options.skip_missing)
     notes += [skipped] if skipped else []
     check_val_split(take(features.val.labels, rows["val"]), str(features.path))
-    described = linear_init.trunk_backbone(features.attrs, settings.weights, settings.resolution)
-    trunk = backbones.build(described)
-    provenance = described.provenance
-    if start is not None and provenance != features.attrs.get("weights"):
+    return Setup(settings=settings, features=features, root=image_root, rows=rows, start=start, trunk=trunk,
+                 processes=processes, workers=workers, notes=notes + _trunk_notes(start, trunk, features))
+
+
+def _trunk_notes(start: runs.LinearHead | None, trunk: backbones.Description, features: cache.FeatureSet) -> list[str]:
+    """What the trunk's weights mean for the run: a start that is not the linear stage's model, a random trunk."""
+    notes = []
+    if start is not None and trunk.provenance != features.attrs.get("weights"):
         notes.append(f"note: {features.path} was extracted with weights {features.attrs.get('weights')} but the trunk"
-                     f" starts from {provenance}, so the start is not the linear stage's model (see --weights)")
-    head = nn.Linear(described.feature_dim, len(features.classes))
-    if start is not None:
-        head.weight.data.copy_(start.weight)
-        head.bias.data.copy_(start.bias)
-    if settings.weights == "none":
+                     f" starts from {trunk.provenance}, so the start is not the linear stage's model (see --weights)")
+    if trunk.weights == "none":
         notes.append("note: the trunk is random (--weights none): training moves its BatchNorm statistics, and with"
                      " them the random features the head was fitted to, so mAP can fall below epoch 0's whatever the"
                      " loss does")
-    model = FineTuneModel(trunk, head)
-    return Setup(settings=settings, features=features, root=image_root, rows=rows, start=start, initial=model,
-                 processes=processes, workers=workers, notes=notes, preprocess=described.preprocess)
-
-
-def _misspelt(name: str) -> bool:
-    """A name that is no built-in loss but close to one (a plugin's name is known only once a run recorded it)."""
-    return name not in losses.names() and closest(name, losses.names()) is not None
-
-
-def _starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
-    """The cache fine-tuning reads and, for LinearInit, the linear head it starts from (checked to fit)."""
-    best = options.value("init") == "best"
-    if options.loss is not None and not best:
-        losses.get(split_key(options.loss)[0])  # a misspelt name fails here, with a suggestion
-    if not best and options.from_run is not None:
-        raise SpmlError("--from RUN names a linear run to start from: it goes with --init best, not --init imagenet")
-    features = cache.load(options.cache) if options.cache is not None else None
-    start = None
-    if best:
-        dataset = features.dataset if features is not None else options.dataset
-        try:
-            start = linear_init.choose_head(options.from_run, options.loss, dataset,
-                                            cache.cache_id(features.attrs) if features is not None else None, out)
-        except SpmlError:
-            if options.loss is not None and _misspelt(split_key(options.loss)[0]):
-                losses.get(split_key(options.loss)[0])  # said as a misspelling, with its suggestion, not as "no run"
-            raise
-    elif options.loss is None:
-        raise SpmlError("--loss NAME is needed with --init imagenet (spml-cache losses lists the names)")
-    if features is None:
-        features = cache.load((start and start.cache) or cache.find_cache(None, options.dataset, cache_dir))
-    if options.dataset is not None and options.dataset != features.dataset:
-        raise SpmlError(f"--dataset {options.dataset} but {features.path} holds {features.dataset}:"
-                        " drop one of them")
-    if start is not None:
-        linear_init.check_head(start, features)
-    rule = start.rule if start is not None else split_key(options.loss)[1]
-    return observation.with_rule(features, observation.parse_rule(rule, flag="--loss")), start
+    return notes
 
 
 def _decode(given: str | None, features: cache.FeatureSet, device: torch.device,
@@ -226,8 +171,7 @@ def _decode(given: str | None, features: cache.FeatureSet, device: torch.device,
                         f" this process runs on {device}: resume it on a GPU")
     if given is not None:
         return resolve_decode(given, device), None
-    decoder = recorded_decoder(features.attrs)
-    recorded = {name: choice for choice, name in DECODERS.items()}.get(decoder)
+    recorded = recorded_decode(features.attrs)
     if recorded == "gpu" and device.type != "cuda":
         return "cpu", (f"warning: {features.path} was decoded with nvjpeg, which needs a GPU: decoding with"
                        f" libjpeg-turbo on {device}, so epoch 0 is not exactly the linear head (docs/fidelity.md)")
@@ -235,22 +179,12 @@ def _decode(given: str | None, features: cache.FeatureSet, device: torch.device,
 
 
 def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.LinearHead | None,
-              processes: Processes, decode: str) -> FinetuneSettings:
-    """Each setting: given, else the loss's recipe (for the cache's dataset), else the default; `decode` resolved
-    by `_decode`."""
+              decode: str) -> tuple[FinetuneSettings, backbones.Description]:
+    """The options resolved (`Options.resolved`, from the sources their declarations name: the head it starts
+    from, the loss's recipe for the cache's dataset, the cache, the trunk that made it) and the loss's
+    hyperparameters: the linear head's values, then --hp, resolved as the linear stage does; and the trunk."""
     loss, rule = (start.loss, start.rule) if start is not None else split_key(options.loss)
     recipe = {**RECIPES.get(loss, {}).get("*", {}), **RECIPES.get(loss, {}).get(features.dataset, {})}
-
-    def chosen(name: str, default=None):
-        """Given (checked by its declaration), else the recipe's, else `default` or the declared default."""
-        given = getattr(options, name)
-        return given if given is not None else recipe.get(name, options.value(name) if default is None else default)
-
-    lrs, batch_sizes = check_grid(chosen("lrs"), chosen("batch_sizes"))
-    check_batch_split(batch_sizes, processes)
-    epochs, resolution = chosen("epochs"), chosen("resolution", int(features.attrs["resolution"]))
-    head_lr_mult = chosen("head_lr_mult")
-    # the linear head's values, then --hp; resolved as the linear stage does
     given = losses.Overrides.given([loss], options.hparams or {})[loss]
     reads_text = losses.get(loss).needs_similarity
     features.require_text_side([loss] if reads_text else [])
@@ -261,26 +195,21 @@ def _settings(options: FinetuneOptions, features: cache.FeatureSet, start: runs.
         expected_positives=features.attrs.get("expected_positives"),
         **(features.train_similarities() if reads_text else {}),
     )
-    return FinetuneSettings(
-        init="best" if start is not None else "imagenet", loss=loss, dataset=features.dataset,
-        cache=str(Path(features.path).resolve()), from_run=start and str(start.run.resolve()),
-        weights=_weights(features.attrs, chosen("weights", linear_init.default_weights(features.attrs)), resolution),
-        resolution=resolution, epochs=epochs,
-        lrs=lrs, batch_sizes=batch_sizes, seeds=list(range(options.value("seeds"))), head_lr_mult=head_lr_mult,
-        skip_missing=options.value("skip_missing"), hparams=hparams, fidelity=options.value("fidelity"), rule=rule,
-        decode=decode,
-    )
-
-
-def _weights(cache_attrs: dict, weights: str | None, resolution: int) -> str:
-    """The trunk's weights as the backbone names them (None: its default); refuses a backbone not fine-tuned here."""
-    return linear_init.trunk_backbone(cache_attrs, weights, resolution).weights
+    options = options.resolved(
+        start={"loss": result_key(loss, rule), "from_run": start and start.run}, recipe=recipe,
+        cache={"cache": features.path, "dataset": features.dataset, "resolution": int(features.attrs["resolution"]),
+               "decode": decode},
+        losses={"hparams": {key: value for key, value in hparams.items() if value is not None}})
+    trunk = linear_init.trunk_backbone(features.attrs, options.weights, options.resolution)
+    return FinetuneSettings(options.resolved(trunk={"weights": trunk.weights}), hparams), trunk
 
 
 def describe_start(head: runs.LinearHead | None, settings: FinetuneSettings) -> str:
     """The first line a fine-tuning run prints: where it starts from."""
     if head is None:
-        return f"ImageNet init: a fresh {settings.loss} head on the {settings.weights} trunk ({settings.cache})"
+        options = settings.options
+        return (f"ImageNet init: a fresh {settings.loss} head on the {options.weights} trunk"
+                f" ({Path(options.cache).resolve()})")
     described = ", ".join(f"{key.replace('_', ' ')} {value:g}" for key, value in head.settings.items()
                           if value is not None)
     val = f", val mAP {head.val_map:.2f}" if head.val_map is not None else ""

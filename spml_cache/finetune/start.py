@@ -1,5 +1,6 @@
-"""Stage three's starting point (LinearInit, Cole et al. 2021): which linear run's head it starts from, the checks
-that head must pass against the cache fine-tuning reads, and ROLE's label matrix carried over with it.
+"""Stage three's starting point (LinearInit, Cole et al. 2021): the cache it reads and which linear run's head it
+starts from (`starting_point`), the checks that head must pass against the cache, the trunk that made the cache
+(`trunk_backbone`), and ROLE's label matrix carried over with it.
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from pathlib import Path
 
 import torch
 
-from spml_cache import backbones, cache, runs
+from spml_cache import backbones, cache, losses, observation, runs
 from spml_cache.backbones.resnet50 import WEIGHT_NAMES
 from spml_cache.losses import plugins as loss_plugins
+from spml_cache.observation import split_key
+from spml_cache.options import FinetuneOptions
 from spml_cache.runtime import plugins
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, closest
 from spml_cache.runtime.plugins import Origin
 
 THETA_CLIP = 1e-5
@@ -35,8 +38,9 @@ def default_weights(cache_attrs: dict) -> str | None:
 
 def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> backbones.Description:
     """The backbone that made the cache (its `backbone` attr; a plugin loaded again from its recorded origin,
-    `backbone_origin`), with `weights`, at side `resolution`: what fine-tuning trains end to end. A family that
-    stage three does not train (CLIP's image towers) is refused in one line."""
+    `backbone_origin`), with `weights` (None: those that made the cache where they have a name, else the
+    backbone's default), at side `resolution`: what fine-tuning trains end to end. A family that stage three does
+    not train (CLIP's image towers) is refused in one line."""
     name = str(cache_attrs.get("backbone", backbones.DEFAULT))
     stored = cache_attrs.get("backbone_origin")
     recorded = Origin.read(stored) if stored else None
@@ -54,13 +58,50 @@ def trunk_backbone(cache_attrs: dict, weights: str | None, resolution: int) -> b
         raise SpmlError(f"finetune: the cache holds {features} features, which a head fine-tuned end to end does not"
                         f" read (it reads the pooled vector): fine-tune from a cache of {name} extracted with"
                         " --features pooled (the default)")
-    described = backbones.describe(loads, weights, resolution)
+    described = backbones.describe(loads, default_weights(cache_attrs) if weights is None else weights, resolution)
     if recorded is not None:
         change = recorded.change(Origin.read(described.origin)) if described.origin else "it is no plugin now"
         if change is not None:
             raise SpmlError(f"finetune: the backbone {name} is not the code that made the cache ({change}); restore"
                             " that code, or extract the cache again with this one")
     return described
+
+
+def starting_point(options: FinetuneOptions, out: Path, cache_dir: Path | None):
+    """`(features, head)`: the cache fine-tuning reads (under the observation rule of the head, or of `--loss
+    loss@rule`) and, for LinearInit, the linear head it starts from (checked to fit), None for a fresh head."""
+    best = options.value("init") == "best"
+    if options.loss is not None and not best:
+        losses.get(split_key(options.loss)[0])  # a misspelt name fails here, with a suggestion
+    if not best and options.from_run is not None:
+        raise SpmlError("--from RUN names a linear run to start from: it goes with --init best, not --init imagenet")
+    features = cache.load(options.cache) if options.cache is not None else None
+    start = None
+    if best:
+        dataset = features.dataset if features is not None else options.dataset
+        try:
+            start = choose_head(options.from_run, options.loss, dataset,
+                                cache.cache_id(features.attrs) if features is not None else None, out)
+        except SpmlError:
+            if options.loss is not None and _misspelt(split_key(options.loss)[0]):
+                losses.get(split_key(options.loss)[0])  # said as a misspelling, with its suggestion, not as "no run"
+            raise
+    elif options.loss is None:
+        raise SpmlError("--loss NAME is needed with --init imagenet (spml-cache losses lists the names)")
+    if features is None:
+        features = cache.load((start and start.cache) or cache.find_cache(None, options.dataset, cache_dir))
+    if options.dataset is not None and options.dataset != features.dataset:
+        raise SpmlError(f"--dataset {options.dataset} but {features.path} holds {features.dataset}:"
+                        " drop one of them")
+    if start is not None:
+        check_head(start, features)
+    rule = start.rule if start is not None else split_key(options.loss)[1]
+    return observation.with_rule(features, observation.parse_rule(rule, flag="--loss")), start
+
+
+def _misspelt(name: str) -> bool:
+    """A name that is no built-in loss but close to one (a plugin's name is known only once a run recorded it)."""
+    return name not in losses.names() and closest(name, losses.names()) is not None
 
 
 def choose_head(from_run: Path | None, loss: str | None, dataset: str | None, cache_id: str | None,

@@ -12,7 +12,7 @@ from torch import nn
 from spml_cache import losses
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.finetune import images, parallel
-from spml_cache.finetune.settings import FineTuneModel
+from spml_cache.finetune.model import FineTuneModel
 
 
 @dataclass(frozen=True, kw_only=True)

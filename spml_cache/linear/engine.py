@@ -255,8 +255,9 @@ class SeedRun:
                 start: StartHead | None) -> "SeedRun":
         """A job of a run with `settings`: its loss's hyperparameter combinations, its rule's data and starting
         head given."""
-        grid = SeedGrid(list(job.lrs) or settings.lrs, list(job.batch_sizes), settings.epochs, settings.wd_axis)
-        run = cls(job.loss, hparams, job.seed, grid, data, start, settings.fidelity)
+        options = settings.options
+        grid = SeedGrid(list(job.lrs) or options.lrs, list(job.batch_sizes), options.epochs, settings.wd_axis)
+        run = cls(job.loss, hparams, job.seed, grid, data, start, options.fidelity)
         for record in run.records:
             record.rule = job.rule
         return run

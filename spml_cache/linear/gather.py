@@ -27,7 +27,7 @@ class Gathering:
     def __init__(self, run_dir: Path, plan: JobPlan, kept: dict[tuple, Part], live: LiveTable) -> None:
         self.run_dir, self.plan, self.live, self.keeping = run_dir, plan, live, KeptParts(run_dir)
         settings = plan.settings
-        self.expected = len(settings.seeds) * len(settings.batch_sizes)
+        self.expected = len(settings.seeds) * len(settings.options.batch_sizes)
         # a combination's place in its loss's grid: selection breaks ties in grid order
         self.positions = {name: {combo.swept: index for index, combo in enumerate(combos)}
                           for name, combos in plan.used.items()}
@@ -63,8 +63,8 @@ class Gathering:
         if job.lrs:  # one lr group of the part (its best states to disk now): kept once every lr is trained
             part = self.keeping.spill(key, part)
             part = self.groups[slot] = self.groups[slot].merged(part) if slot in self.groups else part
-            settings = self.plan.settings
-            if len(part.records) < len(settings.lrs) * len(settings.wds) * len(self.plan.used[job.loss]):
+            grid = self.plan.settings.options
+            if len(part.records) < len(grid.lrs) * len(grid.wds) * len(self.plan.used[job.loss]):
                 return
             del self.groups[slot]
         self.parts[key][slot] = part
@@ -72,9 +72,9 @@ class Gathering:
 
     def _grid_order(self, record: HeadRecord) -> tuple:
         """Seed, lr, wd, batch size, swept values: selection breaks ties in this order."""
-        settings = self.plan.settings
-        wd = 0 if record.wd is None else settings.wds.index(record.wd)
-        return (record.seed, settings.lrs.index(record.lr), wd, settings.batch_sizes.index(record.batch_size),
+        grid = self.plan.settings.options
+        wd = 0 if record.wd is None else grid.wds.index(record.wd)
+        return (record.seed, grid.lrs.index(record.lr), wd, grid.batch_sizes.index(record.batch_size),
                 self.positions[record.loss][record.swept])
 
     def _finish(self, key: str, reused: bool = False) -> None:

@@ -97,9 +97,9 @@ class JobPlan:
         a job per (loss, rule, seed) with all its batch sizes, or one per batch size when processes share them
         (`ranks`: torchrun's), or one per batch size and group of `lrs_at_once` lrs when the grid's heads do not
         fit the memory budget at once."""
-        settings = self.settings
+        settings, grid = self.settings, self.settings.options
         whole = [Job(loss=name, seed_index=index, seed=seed, rule=rule,
-                     batch_sizes=tuple(size for size in settings.batch_sizes if (key, seed, size) not in kept))
+                     batch_sizes=tuple(size for size in grid.batch_sizes if (key, seed, size) not in kept))
                  for key, (name, rule) in self.units.items() for index, seed in enumerate(settings.seeds)]
         whole = [job for job in whole if job.batch_sizes]
         split = [replace(job, batch_sizes=(size,)) for job in whole for size in job.batch_sizes]
@@ -107,9 +107,9 @@ class JobPlan:
             split = ranks.share(split)
         if self.lrs_at_once:
             at_once = self.lrs_at_once
-            groups = [tuple(settings.lrs[i : i + at_once]) for i in range(0, len(settings.lrs), at_once)]
+            groups = [tuple(grid.lrs[i : i + at_once]) for i in range(0, len(grid.lrs), at_once)]
             return [replace(job, lrs=group) for job in split for group in groups], 1
-        work = len(self.features.train) * settings.epochs * len(whole)
+        work = len(self.features.train) * grid.epochs * len(whole)
         workers = resolve_workers(self.workers, self.target, len(split), work)
         return (split if workers > 1 or ranks else whole), workers
 
@@ -134,19 +134,19 @@ def train_jobs(plan: JobPlan, jobs: list[Job], workers: int):
 
 
 def _in_process(job: Job, plan: JobPlan, used, data, starts):
-    start, settings = time.perf_counter(), plan.settings
+    start, settings, epochs = time.perf_counter(), plan.settings, plan.settings.options.epochs
     run = SeedRun.for_job(job, settings, used[job.loss], data[job.rule], starts.get(job.loss))
     compiles = CompileNotes(run, plan.compile_steps)
-    for epoch in range(1, settings.epochs):
+    for epoch in range(1, epochs):
         lines = run.run_epoch(epoch)
         yield JobEvent(job, (epoch, best_so_far(run.records)), lines, compiled=compiles.news())
-    lines = run.run_epoch(settings.epochs)
+    lines = run.run_epoch(epochs)
     records = run.host_records()
     # The job's heads and optimiser state go before its part is kept and selected from, and before the next job's
     # are made (lr groups: the memory budget); the allocator hands their memory back.
     del run
     give_back_freed()
-    yield JobEvent(job, (settings.epochs, best_so_far(records)), lines, Part(records, time.perf_counter() - start),
+    yield JobEvent(job, (epochs, best_so_far(records)), lines, Part(records, time.perf_counter() - start),
                    compiled=compiles.news())
 
 
@@ -178,8 +178,8 @@ def _in_workers(plan: JobPlan, jobs: list[Job], workers: int):
     sys.stdout.flush()  # a forked worker flushes what it inherited when it exits
     sys.stderr.flush()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(source, str(device), settings.val_labels, progress, os.getpid(),
-                                         plugins.loaded()))
+                               initargs=(source, str(device), settings.options.val_labels, progress,
+                                         os.getpid(), plugins.loaded()))
     try:
         with interrupts_held_back():  # the first submit starts the workers
             pending = {pool.submit(_run_job, job, settings, used[job.loss], starts.get(job.loss),
@@ -206,9 +206,9 @@ def _in_lockstep(jobs, used, settings, data, starts):
     begin = time.perf_counter()
     runs = {job: SeedRun.for_job(job, settings, used[job.loss], data[job.rule], starts.get(job.loss)) for job in jobs}
     together = Lockstep(list(runs.values()))
-    for epoch in range(1, settings.epochs + 1):
+    for epoch in range(1, settings.options.epochs + 1):
         together.train_epoch(epoch)
-        last = epoch == settings.epochs
+        last = epoch == settings.options.epochs
         for job, run in runs.items():
             lines = run.score(epoch)
             done = Part(run.host_records(), (time.perf_counter() - begin) / len(runs)) if last else None
@@ -262,7 +262,7 @@ def _run_job(job: Job, settings: LinearSettings, hparams: list[Combination], sta
     run = SeedRun.for_job(job, settings, hparams, _worker["data"][job.rule], start)
     compiles = CompileNotes(run, compile_steps)
     lines = []
-    for epoch in range(1, settings.epochs + 1):
+    for epoch in range(1, settings.options.epochs + 1):
         lines += run.run_epoch(epoch)
         _worker["progress"].put(JobEvent(job, (epoch, best_so_far(run.records)), compiled=compiles.news()))
     return Part(run.host_records(), time.perf_counter() - begin), lines

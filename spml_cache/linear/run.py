@@ -10,7 +10,7 @@ those of an uninterrupted run.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from spml_cache.runtime.devices import resolve_device
 from spml_cache.runtime.errors import (
     DiskFull, Interrupted, SpmlError, check_stop, finished, stop_exit_code, stops_deferred,
 )
-from spml_cache.linear.settings import LinearSettings, resolved_hparams, start_heads, stored_options
+from spml_cache.linear.settings import LinearSettings, kept_hparams, resolved_hparams, start_heads, stored_options
 from spml_cache.metrics import mean_average_precision
 from spml_cache.options import LinearOptions, LinearPlacement, from_keywords, refuse_differences
 from spml_cache.protocol import check_train_test, check_val_split
@@ -75,7 +75,7 @@ def _run_linear(options: LinearOptions, placement: LinearPlacement) -> LinearRun
             return _train_other_rank(ranks, planned.jobs)
         resume = placement.resume
         run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out or "runs", planned)
-        budget = planned.taken.memory_budget
+        budget = planned.jobs.settings.options.memory_budget
         binding = [memory.FLAG, memory.flag_text(budget)] if planned.budget_binds else []  # it shaped the run
         going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
         with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
@@ -119,11 +119,10 @@ def _refuse_other_out(resume, out) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class _Planned:
-    """A run as planned, before its directory exists: its jobs, its options as it takes them (what config.json
-    keeps; `budget_binds`: the memory budget shaped the run), and the data as loaded."""
+    """A run as planned, before its directory exists: its jobs (their settings: the run's options as it takes
+    them, what config.json keeps; `budget_binds`: the memory budget shaped the run), and the data as loaded."""
 
     jobs: JobPlan
-    taken: LinearOptions
     budget_binds: bool
     whole: LinearData
 
@@ -131,7 +130,7 @@ class _Planned:
 def _part_count(plan: JobPlan) -> tuple[int, str]:
     """How many parts the run has, and what one is (a loss's, or a loss's under a rule, seed and batch size)."""
     settings = plan.settings
-    parts = len(plan.units) * len(settings.seeds) * len(settings.batch_sizes)
+    parts = len(plan.units) * len(settings.seeds) * len(settings.options.batch_sizes)
     return parts, "(loss, rule, seed, batch size)" if _several(settings) else "(loss, seed, batch size)"
 
 
@@ -156,32 +155,32 @@ def _loss_failed(run_dir: Path, plan: JobPlan, failed: LossFailed, going_on: str
 
 
 def _given_settings(options: LinearOptions, placement: LinearPlacement):
-    """`(config or None, options, settings, cache path)`: a resumed run's own options (any option given beside
-    `--resume` that contradicts them refused), else those given (the protocol's defaults where not given)."""
+    """`(config or None, settings)`: a resumed run's own options (any option given beside `--resume` that
+    contradicts them refused), else those given, resolved as far as they go before the cache is read (the grid,
+    the losses, the cache found for `--dataset`)."""
     resume, config = placement.resume, None
     if resume is not None:
         # a plugin that changed since the run began goes on only while none of its parts is kept (fixed after it
         # failed)
         config = runs.open_for_resume(resume, "linear", renewable=lambda name: name not in KeptParts(resume).losses())
-        stored = stored_options(config)
-        if options.chunk_rows and config.get("num_train"):  # more than the training rows is all of them, as planned
-            options = replace(options, chunk_rows=min(options.chunk_rows, config["num_train"]))
+        stored = stored_options(config, Path(resume) / "config.json")
         refuse_differences(resume, options.differences(stored))
-        stored = stored.filled_from(options)
-        return config, stored, LinearSettings.of(stored), Path(stored.cache)
-    return None, options, LinearSettings.of(options), find_cache(options.cache, options.dataset, placement.cache_dir)
+        return config, LinearSettings.of(stored.filled_from(options))
+    settings = LinearSettings.of(options)  # first: a misspelt loss is said before a missing cache
+    return None, settings.planned(cache={"cache": find_cache(options.cache, options.dataset, placement.cache_dir)})
 
 
 def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | None) -> _Planned:
     """Plan, load and check what the run trains, before anything is written."""
-    config, options, settings, cache_path = _given_settings(options, placement)
+    config, settings = _given_settings(options, placement)
+    options = settings.options
     target = ranks.device(resolve_device(placement.device)) if ranks else resolve_device(placement.device)
     _refuse_compile_with_graphs(placement, target)
     budget = memory.budget(options.memory_budget, target)
-    features, chunks, lrs_at_once = load_within(cache_path, budget, settings.heads_at_once(), target,
+    features, chunks, lrs_at_once = load_within(options.cache, budget, settings.heads_at_once(), target,
                                                 options.chunk_rows, settings.heads_per_lr())
     check_stop()
-    lrs_at_once = lrs_at_once and min(lrs_at_once, len(settings.lrs))
+    lrs_at_once = lrs_at_once and min(lrs_at_once, len(options.lrs))
     if chunks.streams or lrs_at_once:  # the budget binds: transient buffers must not stay with the allocator
         memory.keep_within()
     workers = placement.workers
@@ -191,11 +190,11 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
     check_val_split(features.val.labels, str(features.path))
     unverified = _verified(features, config is not None or options.from_run is not None, chunks.streams)
     settings, text_notes = settings.for_cache(features)
-    observed = observation.for_cache(features, settings.rules)
+    observed = observation.for_cache(features, options.observe)
     observation.refuse_unobserved(observed, features.path)
     units, notes = settings.units(observed, features.train.labels)
     used = resolved_hparams(settings, features)
-    starts = start_heads(options.from_run, settings.losses, features)
+    starts = start_heads(options.from_run, settings.options.losses, features)
     if config is not None and config["cache_id"] != cache_id(features.attrs):
         raise SpmlError(f"--resume {placement.resume}: {features.path} was rebuilt since that run began; start a new"
                         " run")
@@ -205,15 +204,16 @@ def _plan(options: LinearOptions, placement: LinearPlacement, ranks: Ranks | Non
                                          _clamped_note(options.chunk_rows, chunks),
                                          lrs_at_once and _grouped_note(lrs_at_once),
                                          _compile_note(placement.compile_steps, settings, len(features.train))])
-    whole = LinearData.from_features(features, target, settings.val_labels, chunks)
-    data = {rule: whole.under_rule(found.train, found.val, settings.val_labels) for rule, found in observed.items()}
+    whole = LinearData.from_features(features, target, options.val_labels, chunks)
+    data = {rule: whole.under_rule(found.train, found.val, options.val_labels) for rule, found in observed.items()}
+    settings = settings.planned(  # what config.json keeps: the run's every option as it takes it
+        cache={"dataset": features.dataset},
+        plan={"memory_budget": budget, "chunk_rows": None if chunks.train_in_memory else chunks.chunk_rows},
+        losses={"hparams": kept_hparams(used)})
     jobs = JobPlan(settings=settings, units=units, used=used, starts=starts, features=features, data=data,
                    observed=observed, target=target, workers=workers, graphs=placement.graphs,
                    compile_steps=placement.compile_steps, lrs_at_once=lrs_at_once)
-    taken = settings.taken(used, options, cache=Path(features.path).resolve(), dataset=features.dataset,
-                           from_run=options.from_run and Path(options.from_run).resolve(), memory_budget=budget,
-                           chunk_rows=None if chunks.train_in_memory else chunks.chunk_rows)
-    return _Planned(jobs=jobs, taken=taken, budget_binds=bool(chunks.streams or lrs_at_once), whole=whole)
+    return _Planned(jobs=jobs, budget_binds=bool(chunks.streams or lrs_at_once), whole=whole)
 
 
 def _refuse_compile_with_graphs(placement: LinearPlacement, target) -> None:
@@ -230,16 +230,17 @@ def _compile_note(compile_steps: bool, settings: LinearSettings, num_train: int)
 
     if not compile_steps:
         return None
-    steps = full_steps(settings.epochs, num_train, min(settings.batch_sizes))
+    epochs, smallest = settings.options.epochs, min(settings.options.batch_sizes)
+    steps = full_steps(epochs, num_train, smallest)
     if pays(steps):
         return None
-    return (f"--compile: no step compiled: the most full steps a stack takes is {steps:,} ({settings.epochs} epochs"
-            f" of batch {min(settings.batch_sizes)}), fewer than the {MIN_STEPS:,} that pay a compile back")
+    return (f"--compile: no step compiled: the most full steps a stack takes is {steps:,} ({epochs} epochs"
+            f" of batch {smallest}), fewer than the {MIN_STEPS:,} that pay a compile back")
 
 
 def _several(settings: LinearSettings) -> bool:
     """Whether the run trains under other observation rules than `single` alone."""
-    return [rule.text for rule in settings.rules] != [observation.DEFAULT_RULE]
+    return [rule.text for rule in settings.options.observe] != [observation.DEFAULT_RULE]
 
 
 def _clamped_note(chunk_rows: int | None, chunks) -> str | None:
@@ -261,20 +262,17 @@ def _print_notes(console, notes: list) -> None:
 
 
 def _start_run_dir(out, planned: _Planned) -> Path:
-    """A new run's directory and config.json: its grid (what report reads), and its options as it takes them,
-    whole (the memory budget and chunk plan included: what `--resume` reads back and compares)."""
+    """A new run's directory and config.json: its options as it takes them, each once (the memory budget and chunk
+    plan included: what report reads, and what `--resume` reads back and compares)."""
     plan, whole = planned.jobs, planned.whole
-    settings, used, starts, features = plan.settings, plan.used, plan.starts, plan.features
-    plugins = [name for name in settings.losses if name not in loss_registry.names()]
-    label = "+".join(["all", *plugins] if settings.every_loss else settings.losses)
-    grid = runs.Grid(losses=settings.losses, lrs=settings.lrs, batch_sizes=settings.batch_sizes,
-                     epochs=settings.epochs, seeds=settings.seeds,
-                     hparams={name: loss_registry.merged(combos) for name, combos in used.items()},
-                     val_labels=settings.val_labels, fidelity=settings.fidelity)
+    settings, starts, features = plan.settings, plan.starts, plan.features
+    losses = settings.options.losses
+    plugins = [name for name in losses if name not in loss_registry.names()]
+    label = "+".join(["all", *plugins] if settings.every_loss else losses)
     return runs.start_run(
-        out, stage="linear", label=label, features=features, device=plan.target, grid=grid,
-        options=planned.taken.stored(), workers=plan.workers, num_train=whole.num_train, num_val=whole.num_val,
-        num_test=len(features.test), feature_dim=whole.train_features.shape[1],
+        out, stage="linear", label=label, features=features, device=plan.target,
+        options=settings.options.stored(), losses=losses, workers=plan.workers, num_train=whole.num_train,
+        num_val=whole.num_val, num_test=len(features.test), feature_dim=whole.train_features.shape[1],
         **{"from": {name: s.source for name, s in starts.items()} or None},
     )
 
@@ -321,7 +319,7 @@ def _streaming(settings: LinearSettings, workers: int) -> int:
     and one process trains (the chunks are read in order)."""
     from spml_cache import losses as registry
 
-    scoring = [name for name in settings.losses if registry.get(name).needs_train_logits]
+    scoring = [name for name in settings.options.losses if registry.get(name).needs_train_logits]
     if scoring:
         raise SpmlError(f"{', '.join(scoring)} score every training row each epoch, which needs the train features in"
                         " memory: raise --memory-budget, or leave them out of --loss")
@@ -342,7 +340,8 @@ def _train_and_select(run_dir, plan: JobPlan, kept: dict[tuple, Part], console, 
     rank 0, and the other processes' parts arrive at the end."""
     settings, units = plan.settings, plan.units
     jobs, workers = plan.jobs(kept, ranks)
-    with LiveTable(list(units), len(settings.seeds), settings.epochs, console or progress_console) as live:
+    epochs = settings.options.epochs
+    with LiveTable(list(units), len(settings.seeds), epochs, console or progress_console) as live:
         gathering = Gathering(run_dir, plan, kept, live)
         for event in chain(train_jobs(plan, jobs, workers), _from_other_ranks(ranks)):
             gathering.take(event)
@@ -350,7 +349,7 @@ def _train_and_select(run_dir, plan: JobPlan, kept: dict[tuple, Part], console, 
     return runs.finish_run(
         run_dir, stage="linear", features=plan.features, losses={key: entries[key] for key in units},
         checkpoints={key: checkpoints[key] for key in units if key in checkpoints},
-        fidelity=settings.fidelity, **({"rules": rules} if rules else {}),
+        fidelity=settings.options.fidelity, **({"rules": rules} if rules else {}),
         **_partial_test_labels(plan.data), **({"reference": reference} if reference else {}),
     )
 

@@ -6,7 +6,7 @@ an interrupted run was started with.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,92 +17,86 @@ from spml_cache.labels import observed_for_loss
 from spml_cache.losses import Overrides
 from spml_cache.losses.contract import loss_faults
 from spml_cache.losses.overrides import Combination
-from spml_cache.observation import Observed, Rule
+from spml_cache.observation import Observed
 from spml_cache.options import LinearOptions
 from spml_cache.options.linear import resolve_losses
-from spml_cache.protocol import GRID_WDS, Fidelity, check_grid, check_wds
+from spml_cache.protocol import GRID_WDS, Fidelity
 from spml_cache.runtime.errors import SpmlError
 
 
 MAX_HEADS = 10_000  # beyond this a sweep is more likely a typo than a plan
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class LinearSettings:
-    """The checked grid of one `linear` run."""
+    """What one `linear` run trains: its options, resolved (each a value: as given, else the run's own on
+    `--resume`, else what the losses, the cache or the memory plan resolve it to, else its default; config.json
+    keeps them whole), and what they decide."""
 
-    losses: list[str]
-    lrs: list[float]
-    batch_sizes: list[int]
-    epochs: int
-    seeds: list[int]
-    overrides: Overrides  # per loss: the hyperparameters given (`hparams` in config.json holds the resolved values)
-    val_labels: str
-    fidelity: Fidelity
-    rules: list[Rule]  # the observation rules every loss trains under (`--observe`; `single` alone by default)
-    wds: list[float] = field(default_factory=lambda: list(GRID_WDS))  # the probe's weight decays (`--wd`)
+    options: LinearOptions
 
     @classmethod
     def of(cls, options: LinearOptions) -> "LinearSettings":
-        """The grid `options` give (the protocol's defaults where not given), checked: the losses named ("all": every
+        """The grid `options` give (each checked by its declaration), resolved: the losses named ("all": every
         built-in), the hyperparameters given (`--hp`, each loss's paper search space with `hp_grid`, or a resumed
-        run's `Overrides`) and the number of heads they make."""
+        run's `Overrides`); refused when they make too many heads."""
         names = resolve_losses(options.value("losses"))
-        lrs, batch_sizes = check_grid(options.value("lrs"), options.value("batch_sizes"))
-        wds = check_wds(options.value("wds"))
-        hparams, seeds = options.value("hparams"), options.value("seeds")
+        hparams = options.value("hparams")
         overrides = hparams if isinstance(hparams, Overrides) else Overrides.given(names, hparams)
         overrides = overrides.with_paper_grids() if options.hp_grid == "paper" else overrides
-        rules = list(options.observe) if options.observe else observation.parse_rules(None)
-        heads = len(lrs) * len(batch_sizes) * seeds * sum(len(overrides.combinations(name)) for name in names)
-        heads *= len(rules) * len(wds)
+        settings = cls(options.resolved(losses={"losses": names, "hparams": overrides}))
+        grid = settings.options
+        heads = len(grid.lrs) * len(grid.batch_sizes) * grid.seeds * len(grid.observe) * len(grid.wds) * sum(
+            len(overrides.combinations(name)) for name in names)
         if heads > MAX_HEADS:
             raise SpmlError(f"the grid has {heads:,} heads (losses x lrs x weight decays x batch sizes x seeds x hyperparameter values"
                             f" x rules), more than {MAX_HEADS:,}: sweep fewer values at a time")
-        return cls(losses=names, lrs=lrs, batch_sizes=batch_sizes, epochs=options.value("epochs"),
-                   seeds=list(range(seeds)), overrides=overrides, val_labels=options.value("val_labels"),
-                   fidelity=options.value("fidelity"), rules=rules, wds=wds)
+        return settings
 
-    def taken(self, used: dict[str, list[Combination]], given: LinearOptions, **planned) -> LinearOptions:
-        """The options a run of these settings takes (config.json's `options`, what `--resume` reads back): those
-        given, with their defaults; the losses, grid and rules as trained, the hyperparameters resolved (`used`);
-        and `planned`: the cache, the memory plan, the run the heads start from."""
-        return replace(given.with_defaults(), losses=self.losses, lrs=self.lrs, wds=self.wds,
-                       batch_sizes=self.batch_sizes, observe=self.rules,
-                       hparams=Overrides.stored({name: loss_registry.merged(combos) for name, combos in used.items()}),
-                       **planned)
+    def planned(self, **found) -> "LinearSettings":
+        """These settings with what the run's plan found (`found`: the source each option falls back on, as
+        `Options.resolved` takes them): the cache, the memory plan, the hyperparameters resolved."""
+        return replace(self, options=self.options.resolved(**found))
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.options.seeds))
 
     @property
     def wd_axis(self) -> list[float] | None:
         """The weight decays when the grid has that axis (any but 0 alone), else None: the papers' grid, whose
         files name no weight decay."""
-        return None if self.wds == list(GRID_WDS) else list(self.wds)
+        wds = list(self.options.wds)
+        return None if wds == list(GRID_WDS) else wds
 
     @property
     def every_loss(self) -> bool:
         """`--loss all` (on a cache without a text side: every loss that does not read one), plugins beside."""
-        return set(loss_registry.names(similarity=False)) <= set(self.losses)
+        return set(loss_registry.names(similarity=False)) <= set(self.options.losses)
 
     def for_cache(self, features: FeatureSet) -> tuple["LinearSettings", list[str]]:
         """These settings on `features`, and notes: on a cache without a text side, the losses that read one are
         refused when named, left out of `--loss all` (with a note)."""
-        needing = [name for name in self.losses if loss_registry.get(name).needs_similarity]
+        losses = self.options.losses
+        needing = [name for name in losses if loss_registry.get(name).needs_similarity]
         if features.has_text_side or not needing:
             return self, []
         if not self.every_loss:
             features.require_text_side(needing)
-        kept = [name for name in self.losses if name not in needing]
-        return replace(self, losses=kept), [f"--loss all: {', '.join(needing)} left out ({features.path} has no text"
-                                            " side; a CLIP cache has one: extract --backbone clip:ViT-B-16/openai)"]
+        kept = [name for name in losses if name not in needing]
+        return self.planned(losses={"losses": kept}), [
+            f"--loss all: {', '.join(needing)} left out ({features.path} has no text side; a CLIP cache has one:"
+            " extract --backbone clip:ViT-B-16/openai)"]
 
     def heads_at_once(self) -> int:
         """The most heads one job trains and scores together: every lr, batch size and hyperparameter value."""
-        return len(self.lrs) * len(self.batch_sizes) * self.heads_per_lr()
+        return len(self.options.lrs) * len(self.options.batch_sizes) * self.heads_per_lr()
 
     def heads_per_lr(self) -> int:
         """The heads of one lr and one batch size: one per weight decay and hyperparameter value (the smallest
         group trained)."""
-        return len(self.wds) * max(len(self.overrides.combinations(name)) for name in self.losses)
+        hparams = self.options.hparams  # per loss, as given (an `Overrides`), or as resolved once the run is planned
+        return len(self.options.wds) * max(len(hparams.combinations(name)) for name in self.options.losses)
 
     def units(self, observed: dict[str, Observed], train_labels) -> tuple[dict[str, tuple[str, str]], list[str]]:
         """What the run trains, `{result key: (loss, rule text)}` (rule by rule, losses in order), and notes.
@@ -110,16 +104,16 @@ class LinearSettings:
         A loss that learns only from observed positives (`needs_positive`) cannot train under a rule that leaves
         images with a positive but none observed: refused when named, left out of `--loss all` (with a note)."""
         units, notes = {}, []
-        for rule in self.rules:
+        for rule in self.options.observe:
             lacking = int(observation.without_positive(observed[rule.text].train, train_labels).sum())
-            for name in self.losses:
+            for name in self.options.losses:
                 if lacking and loss_registry.get(name).needs_positive:
                     why = (f"{lacking:,} of {len(train_labels):,} training images have a positive but none observed,"
                            f" and {name} learns only from observed positives")
                     if not self.every_loss:
                         raise SpmlError(f"{observation.FLAG} {rule} with --loss {name}: {why}: use a rule that keeps"
-                                        " one per image (single, keep-pos:F, uniform:pos=K), or leave"
-                                        f" {name} out of --loss")
+                                        f" one per image ({observation.keeping_a_positive()}), or leave {name} out"
+                                        " of --loss")
                     notes.append(f"--loss all: {name} left out under {rule} ({why})")
                     continue
                 units[observation.result_key(name, rule)] = (name, rule.text)
@@ -139,10 +133,10 @@ class StartHead:
 def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str, list[Combination]]:
     """Per loss, every combination of hyperparameters its heads train with (one without a sweep), each checked
     by building the loss once."""
-    text = features.train_similarities() if any(
-        loss_registry.get(name).needs_similarity for name in settings.losses) else {}
+    names = settings.options.losses
+    text = features.train_similarities() if any(loss_registry.get(name).needs_similarity for name in names) else {}
     used = {}
-    for name in settings.losses:
+    for name in names:
         with loss_faults([name]):  # its construction raised: one line naming it
             used[name] = Combination.of([
                 loss_registry.resolve_hparams(
@@ -150,9 +144,15 @@ def resolved_hparams(settings: LinearSettings, features: FeatureSet) -> dict[str
                     train_observed=observed_for_loss(features.train.observed, loss_registry.reads_whole_observed(name)),
                     expected_positives=features.attrs.get("expected_positives"), **text,
                 )
-                for combo in settings.overrides.combinations(name)
+                for combo in settings.options.hparams.combinations(name)
             ])
     return used
+
+
+def kept_hparams(used: dict[str, list[Combination]]) -> Overrides:
+    """The hyperparameters each loss trains with (`resolved_hparams`) as the run keeps them (config.json's
+    `hparams`: a swept key's values as its list), which resolve to the same combinations again on `--resume`."""
+    return Overrides.stored({name: loss_registry.merged(combos) for name, combos in used.items()})
 
 
 def start_heads(from_run: Path | str | None, names: list[str], features: FeatureSet) -> dict[str, StartHead]:
@@ -192,17 +192,14 @@ def start_heads(from_run: Path | str | None, names: list[str], features: Feature
     return starts
 
 
-def stored_options(config: dict) -> LinearOptions:
-    """`--resume RUN`: the options an interrupted run took, as its config.json keeps them (`options`, whole), or
-    as a run from before that read them from its grid and its stage extras."""
+def stored_options(config: dict, file: Path) -> LinearOptions:
+    """`--resume RUN`: the options an interrupted run took, as its config.json (`file`) keeps them: each under its
+    own name; in a run's from before, under `options`, or (older still) in its grid and its stage extras. A value
+    its declaration refuses is the file's (edited or damaged), named by its key."""
     if "options" in config:
-        return LinearOptions.from_stored(config["options"])
-    grid = runs.Grid.from_config(config)
+        return LinearOptions.from_stored(config["options"], file, "options.")
     starts = [start["run"] for start in (config.get("from") or {}).values() if start]
-    return LinearOptions(
-        cache=config["cache"], dataset=config["dataset"], losses=grid.losses, lrs=grid.lrs,
-        batch_sizes=grid.batch_sizes, wds=config.get("wds") or list(GRID_WDS), epochs=grid.epochs,
-        seeds=len(grid.seeds), hparams=Overrides.stored(grid.hparams), val_labels=grid.val_labels,
-        fidelity=grid.fidelity, observe=config.get("observe") or [observation.DEFAULT_RULE],
-        from_run=starts[0] if starts else None, memory_budget=config.get("memory_budget"),
-        chunk_rows=(config.get("out_of_core") or {}).get("chunk_rows"))
+    before = {"wds": list(GRID_WDS), "observe": [observation.DEFAULT_RULE], "fidelity": Fidelity.EXACT.value,
+              "from_run": starts[0] if starts else None,  # what a run from before these were kept took
+              "chunk_rows": (config.get("out_of_core") or {}).get("chunk_rows")}
+    return LinearOptions.from_stored({**before, **config}, file)

@@ -25,6 +25,7 @@ from spml_cache.observation.rules import (
     ObservationRule,
     Param,
     Rule,
+    keeping_a_positive,
     parse_rule,
     parse_rules,
     register,
@@ -32,6 +33,6 @@ from spml_cache.observation.rules import (
 
 __all__ = [
     "DEFAULT_RULE", "FLAG", "MAX_SEED", "RULES", "SEED", "Areas", "ObservationRule", "Observed", "Param", "Rule", "draw_splits",
-    "drawn_note", "for_cache", "official_positions", "parse_rule", "refuse_unobserved", "parse_rules", "register", "result_key",
+    "drawn_note", "for_cache", "keeping_a_positive", "official_positions", "parse_rule", "refuse_unobserved", "parse_rules", "register", "result_key",
     "split_key", "with_rule", "without_positive",
 ]

@@ -48,6 +48,7 @@ class Single(ObservationRule):
     name = "single"
     source = "Cole et al., CVPR 2021 (generate_observed_labels.py, num_pos=1, num_neg=0)"
     summary = "one positive per image, drawn uniformly; no negatives (the SPML setting, the default)"
+    keeps_a_positive = "single"
 
     @staticmethod
     def draw_dense(labels, areas, seed):
@@ -66,6 +67,7 @@ class Uniform(ObservationRule):
     params = (Param("pos", int, lambda v: v >= -1, COUNT, default=1, all_is=-1),
               Param("neg", int, lambda v: v >= -1, COUNT, default=0, all_is=-1))
     example = "uniform:pos=K,neg=M"
+    keeps_a_positive = "uniform:pos=K"  # K at least 1
 
     @staticmethod
     def observes_nothing(pos, neg) -> bool:
@@ -120,6 +122,7 @@ class KeepPositives(ObservationRule):
     summary = "each positive kept with probability F, at least one per image that has one; no negatives"
     params = (_fraction("f", "F"),)
     example = "keep-pos:F"
+    keeps_a_positive = "keep-pos:F"
 
     @staticmethod
     def draw_dense(labels, areas, seed, f):

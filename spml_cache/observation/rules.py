@@ -49,6 +49,9 @@ class ObservationRule:
     needs_areas: ClassVar[bool] = False
     per_split: ClassVar[bool] = False  # drawn over each split's rows on its own (train with the seed, val seed + 1)
     example: ClassVar[str] = ""  # how the rule is written, e.g. "entry:P" (its name when empty)
+    # how the rule is written when it observes a positive of every image that has one ("keep-pos:F"); empty: it may
+    # observe none (a loss that learns only from observed positives is refused under it)
+    keeps_a_positive: ClassVar[str] = ""
     why_not_sparse: ClassVar[str] = ""  # what a sparse cache is told when the rule has no sparse draw
 
     @classmethod
@@ -72,8 +75,9 @@ class ObservationRule:
 
     @classmethod
     def refusal_on_sparse(cls) -> str:
+        drawn = [rule.name for rule in RULES.values() if rule.has_sparse_draw()]
         return (f"this cache stores its labels sparse (many classes), and {cls.name} {cls.why_not_sparse}: use"
-                f" {FLAG} single, uniform, entry, keep-pos or per-class (or given with a label mask)")
+                f" {FLAG} {', '.join(drawn[:-1])} or {drawn[-1]} (or given with a label mask)")
 
 
 # Every rule, listed (in refusals, --help, docs/protocol.md's table) as it is written, in registration order.
@@ -85,6 +89,12 @@ def register(cls: type[ObservationRule]) -> type[ObservationRule]:
     rules are listed in)."""
     cls.example = cls.example or cls.name
     return RULES.register(cls)
+
+
+def keeping_a_positive() -> str:
+    """The rules that observe a positive of every image that has one, as written (`single, uniform:pos=K,
+    keep-pos:F`): what a loss that learns only from observed positives is pointed to."""
+    return ", ".join(rule.keeps_a_positive for rule in RULES.values() if rule.keeps_a_positive)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 one field of a frozen dataclass whose `Option` (a `runtime.registry.Param`: its name, type, default and constraint)
 adds its help text, its flag and whether it changes what a run computes.
 
-From the declarations come the command line (`cli/declared.py` builds each stage's typer command and its help),
-the checks (when the object is built: one line naming the flag and the fix), what a run directory's config.json
-keeps (`stored`, `from_stored`: the options that change results, whole) and what `--resume` refuses
-(`differences`: each option given beside it against the run's own, by one rule for every stage).
+From the declarations come the command line (`cli/declared.py` builds each command and its help: the stages',
+report's, the demo's), the checks (when the object is built: one line naming the flag and the fix, or the file and
+key a stored value was read from), how a run resolves each option (`resolved`: given, else the source its
+declaration names, else its default), what a run directory's config.json keeps (`stored`, `from_stored`: the
+options that change results, as resolved) and what `--resume` refuses (`differences`: each option given beside
+it against the run's own, by one rule for every stage).
 
 A stage's `Options` hold what changes its results; its `Placement` where and how this process runs it (device,
 folders, processes), which never changes them.
@@ -28,10 +30,12 @@ Declared = TypeVar("Declared", bound="Options")
 
 @dataclass(frozen=True)
 class Check:
-    """A constraint: `valid(value)`, and `must`, what a bad value is told (the fix)."""
+    """A constraint: `valid(value)`, and `must`, what a bad value is told (the fix); `said(value, name)`, where a
+    bad value's line is not `NAME VALUE: FIX` (a list's: `--lr is empty: ...`)."""
 
     valid: Callable[[Any], bool]
     must: str
+    said: Callable[[Any, str], str] | None = None
 
 
 def at_least(low: float, why: str = "", fix: str | None = None) -> Check:
@@ -51,6 +55,18 @@ def one_of(*choices: str, fix: str | None = None) -> Check:
     return Check(lambda value: value in choices, fix or f"use {either(list(choices))}")
 
 
+def listed(valid_one: Callable[[Any], bool], must: str, example: str) -> Check:
+    """A list of at least one value, each `valid_one` (a grid's lrs, batch sizes, weight decays); `example`, what
+    an empty one is told to give."""
+
+    def said(values, name: str) -> str:
+        if not values:
+            return f"{name} is empty: give at least one value, e.g. {name} {example}"
+        return f"{name} {','.join(f'{value:g}' for value in values)}: {must}"
+
+    return Check(lambda values: len(values) > 0 and all(valid_one(value) for value in values), must, said)
+
+
 ANY = Check(lambda value: True, "")
 
 
@@ -61,7 +77,12 @@ class Option(Param):
 
     `read(value, flag)` turns what was given (the command line's text, or a Python value) into the option's value
     (default: by `kind`, a comma list of it when `many`); `compare(given, stored options)` yields the (given, stored)
-    texts of a contradiction (default: the values differ); `dump`/`load`: the value in config.json and back."""
+    texts of a contradiction (default: the values differ); `dump`/`load`: the value in config.json and back.
+
+    How a run resolves it (`Options.resolved`): as given, else what the source named `fallback` holds of it (a
+    mapping its stage resolves with: the loss's "recipe", the "cache", the "start" head, the memory "plan", what
+    the "losses" resolved), else `default`; a `derived` option takes its source's value whenever there is one (the
+    stage made it from the given value: `--loss all` as the losses it names, `--hp` as the values resolved)."""
 
     help: str
     results: bool = True  # changes what a run computes: stored in config.json, compared by --resume
@@ -71,34 +92,42 @@ class Option(Param):
     repeat: bool = False  # a repeatable flag (`--hp a=1 --hp b=2`), read as a list of texts
     switch: bool = False  # a flag without a value: given, the option is the opposite of its default
     read: Callable[[Any, str], Any] | None = None
+    said: Callable[[Any, str], str] | None = None  # a bad value's line, where it is not `FLAG VALUE: FIX` (`Check`)
     compare: Callable[[Any, Any], Iterable[tuple[str, str]]] | None = None
     dump: Callable[[Any], Any] | None = None
     load: Callable[[Any], Any] | None = None
+    fallback: str = ""
+    derived: bool = False
+    hidden: bool = False  # a flag --help leaves out (the demo's sizes, for the tests)
 
     @property
     def cli_flag(self) -> str:
         return self.flag if self.flag is not None else "--" + self.name.replace("_", "-")
 
-    def checked(self, value):
-        """`value` as the option holds it, or one line naming the flag and the fix."""
-        value = self.read(value, self.cli_flag) if self.read is not None else self._as_kind(value)
+    def checked(self, value, name: str | None = None):
+        """`value` as the option holds it, or one line naming the flag (or `name`: where a stored value was read)
+        and the fix. A list keeps each value once, in the order given (a duplicate lr would train twice)."""
+        name = name or self.cli_flag
+        value = self.read(value, name) if self.read is not None else self._as_kind(value, name)
+        if self.many and isinstance(value, list):
+            value = list(dict.fromkeys(value))
         if value is not None and not self.valid(value):
-            raise SpmlError(f"{self.cli_flag} {_bad(value)}: {self.must}")
+            raise SpmlError(self.said(value, name) if self.said else f"{name} {_bad(value)}: {self.must}")
         return value
 
-    def _as_kind(self, value):
+    def _as_kind(self, value, name: str):
         if self.many:
-            return parse_list(value, self.cli_flag, self.kind) if isinstance(value, str) else [
-                self._one(one) for one in value]
-        return self._one(value)
+            return parse_list(value, name, self.kind) if isinstance(value, str) else [
+                self._one(one, name) for one in value]
+        return self._one(value, name)
 
-    def _one(self, value):
+    def _one(self, value, name: str):
         if self.kind in (int, float):  # a number (a whole one for int), never a bool
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or (self.kind is int and value != int(value)):
                 whole = "a whole number" if self.kind is int else "a number"  # unless the fix says it already
                 fix = self.must if "number" in self.must else f"use {whole}"
-                raise SpmlError(f"{self.cli_flag} {_bad(value)}: {fix}")
+                raise SpmlError(f"{name} {_bad(value)}: {fix}")
         return value if self.kind in (str, bool) else self.kind(value)
 
     def contradictions(self, given, stored: "Options") -> list[tuple[str, str]]:
@@ -111,6 +140,7 @@ class Option(Param):
         return [] if same else [(text(given), text(theirs))]
 
     def stored_form(self, value):
+        """`value` as config.json keeps it: plain JSON; a path absolute (a resumed run finds it from any folder)."""
         if value is None:
             return None
         if self.dump is not None:
@@ -119,8 +149,9 @@ class Option(Param):
             return dict(value)
         return [self._plain(one) for one in value] if isinstance(value, (list, tuple)) else self._plain(value)
 
-    @staticmethod
-    def _plain(value):
+    def _plain(self, value):
+        if self.kind is Path:
+            return str(Path(value).resolve())
         return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
@@ -152,10 +183,12 @@ def given(default: Any, help: str, *, kind: type | None = None, check: Check = A
 def _declare(default, help: str, kind: type | None, check: Check, declared: dict) -> Option:
     default = None if default is MISSING else default
     kind = kind or (type(default) if default is not None and not isinstance(default, (list, tuple, dict)) else str)
-    return Option(name="", kind=kind, valid=check.valid, must=check.must, default=default, help=help, **declared)
+    return Option(name="", kind=kind, valid=check.valid, must=check.must, said=check.said, default=default,
+                  help=help, **declared)
 
 
 _DECLARED: dict[type, dict[str, Option]] = {}
+DAMAGED = " (the run's record was edited or damaged: start a new run)"  # said of a value a config.json holds
 
 
 class Options:
@@ -190,21 +223,49 @@ class Options:
         return self.declared()[name].default if given_value is None else given_value
 
     def stored(self) -> dict:
-        """What config.json keeps of these options (`options`): every one that changes results."""
+        """What config.json keeps of these options, each under its own name: every one that changes results."""
         return {name: option.stored_form(getattr(self, name)) for name, option in self.declared().items()
                 if option.results}
 
     @classmethod
-    def from_stored(cls: type[Declared], stored: Mapping) -> Declared:
-        """The options a config.json's `options` keeps (an option it lacks: not given)."""
-        declared = cls.declared()
-        return cls(**{name: value if value is None or declared[name].load is None else declared[name].load(value)
-                      for name, value in stored.items() if name in declared})
+    def from_stored(cls: type[Declared], stored: Mapping, file: Path | str | None = None,
+                    keys: str = "") -> Declared:
+        """The options a config.json keeps (an option it lacks: not given; keys that name no option: the run's
+        other facts). `file` (and `keys`, `options.` in an older run's config) names a value its declaration
+        refuses as that file's key, not as a flag that was never given: `RUN/config.json: epochs -1: ...`."""
+        if not isinstance(stored, Mapping):  # an older config's `options`, edited
+            raise SpmlError(f"{file}: {keys.rstrip('.') or 'the options'} is a JSON {type(stored).__name__}, not the"
+                            f" options spml-cache writes there{DAMAGED}")
+        values = {}
+        for name, option in cls.declared().items():
+            value, said = stored.get(name), f"{file}: {keys}{name}" if file else option.cli_flag
+            if value is None:
+                continue
+            try:
+                values[name] = option.checked(value if option.load is None else option.load(value), said)
+            except SpmlError as refused:
+                raise SpmlError(f"{refused}{DAMAGED}" if file else str(refused)) from None
+            except (TypeError, ValueError, AttributeError):  # not a form spml-cache writes there
+                raise SpmlError(f"{said} {value!r}: not what spml-cache writes there"
+                                + (DAMAGED if file else "")) from None
+        return cls(**values)
 
-    def with_defaults(self: Declared) -> Declared:
-        """Every option not given as its declared default: what a new run takes."""
-        return replace(self, **{name: option.default for name, option in self.declared().items()
-                                if getattr(self, name) is None and option.default is not None})
+    def resolved(self: Declared, **sources: Mapping) -> Declared:
+        """Every option as a run takes it, each a value: as given; else what the source its declaration names
+        (`fallback`) holds of it (`sources[fallback][name]`, None: nothing); else its declared default. A `derived`
+        option takes its source's value whenever there is one."""
+        declared = self.declared()
+        for source, found in sources.items():  # a source's every value is for an option that falls back on it
+            strays = [name for name in found if name not in declared or declared[name].fallback != source]
+            if strays:
+                raise ValueError(f"{type(self).__name__}: no option falls back on {source} for {strays}")
+        values = {}
+        for name, option in declared.items():
+            value, found = getattr(self, name), sources.get(option.fallback, {}).get(name)
+            if found is not None and (value is None or option.derived):
+                value = found
+            values[name] = option.default if value is None else value
+        return replace(self, **values)
 
     def filled_from(self: Declared, given: "Options") -> Declared:
         """These options (a run's own), each one they lack (None: a run from before it was kept) taken from `given`."""

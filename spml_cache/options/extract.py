@@ -7,18 +7,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spml_cache import backbones
-from spml_cache.options.declared import Options, Placement, at_least, between, one_of, option
+from spml_cache.options.declared import Options, Placement, at_least, between, given, one_of, option
 from spml_cache.options.text import DATASETS_HELP, RULES_HELP, read_rules
 
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # what the trunk may run in (torch's)
 
 
-def _decoder(value: str, flag: str) -> str:
-    """`--decode`, checked by the images' own rule (gpu or cpu)."""
+def read_decode(value: str, flag: str) -> str:
+    """`--decode`'s one reader, checked by the images' own rule (gpu or cpu)."""
     from spml_cache.images import check_decode
 
-    check_decode(value)
+    check_decode(value, flag)
     return value
+
+
+def decode_option(default: str, **declared):
+    """`--decode`, declared once for the stages that decode JPEGs (extract, finetune): gpu or cpu, each the decoder
+    `images.DECODERS` names; not given, what `default` says (and `declared`: how the stage resolves it)."""
+    return given(None, "gpu (nvjpeg, on a CUDA device) or cpu (libjpeg-turbo in the loader processes: the CPU's pixels,"
+                 f" as the papers' PIL within a level; docs/fidelity.md); default: {default}.", read=read_decode,
+                 **declared)
 
 
 def _label_format(value: str, flag: str) -> str:
@@ -59,9 +67,7 @@ class ExtractOptions(Options):
                                                                 " vector) or last4 (the last four blocks or stages, concatenated)"))
     precision: str = option("auto", "auto (fp16 on a GPU, fp32 on the CPU), fp32, fp16 or bf16.",
                             check=one_of("auto", *PRECISION_DTYPES))
-    decode: str | None = option(None, "gpu (nvjpeg; the default on a GPU) or cpu (libjpeg-turbo in the loader workers:"
-                                " the CPU's pixels, as the papers' PIL within a level; docs/fidelity.md).",
-                                read=_decoder)
+    decode: str | None = decode_option("gpu on a GPU, cpu elsewhere")
     limit: int | None = option(None, "Only the first N images of each split (protocol drawn on the full dataset).",
                                kind=int, check=at_least(1, fix="use at least 1 image per split (or leave it out for"
                                                                 " all)"))

@@ -11,6 +11,8 @@ from typing import Callable
 
 from spml_cache.observation import result_key, split_key
 from spml_cache.options.declared import Options, Placement, above, at_least, given, one_of, option, text
+from spml_cache.options.extract import decode_option
+from spml_cache.options.linear import BATCH_SIZES, LRS, seed_count
 from spml_cache.options.text import parse_hparams, parse_list
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, GRID_LRS, Fidelity
 from spml_cache.runtime.errors import SpmlError
@@ -28,8 +30,12 @@ def _read_loss(value: str, flag: str) -> str:
 
 
 def _read_lrs(value, flag: str) -> list[float]:
+    """`--lr`: a comma list, or `grid` (stage two's grid); a Python list of numbers."""
     if isinstance(value, str):
         return list(GRID_LRS) if value.strip() == "grid" else parse_list(value, flag, float)
+    for one in value:
+        if isinstance(one, bool) or not isinstance(one, (int, float)):
+            raise SpmlError(f"{flag} {one!r}: use a number")
     return [float(one) for one in value]
 
 
@@ -41,14 +47,6 @@ def _read_hparams(value, flag: str) -> dict:
             raise SpmlError(f"--hp {key}={','.join(f'{v:g}' for v in one)}: fine-tuning takes one value; sweep on the"
                             " linear probe (spml-cache linear --hp ...), then fine-tune from its best head")
     return hparams
-
-
-def _decoder(value: str, flag: str) -> str:
-    """`--decode`, checked by the images' own rule (gpu or cpu)."""
-    from spml_cache.images import check_decode
-
-    check_decode(value)
-    return value
 
 
 def _hparams_differ(given_hparams: dict, stored: "FinetuneOptions"):
@@ -69,38 +67,41 @@ class FinetuneOptions(Options):
                              " fresh head.", check=one_of(*INITS, fix="use best (LinearInit) or imagenet (a fresh"
                                                                       " head)"))
     from_run: Path | None = given(None, "Linear run to take the head from (default: the newest one for the dataset and"
-                                  " loss under --out).", flag="--from", kind=Path)
+                                  " loss under --out).", flag="--from", kind=Path, fallback="start")
     cache: Path | None = given(None, "Feature cache whose rows (ids, splits, observed labels) to fine-tune on"
-                               " (default: the linear run's).", kind=Path)
-    dataset: str | None = given(None, "Dataset name, to find its newest linear run and default cache.")
+                               " (default: the linear run's).", kind=Path, fallback="cache")
+    dataset: str | None = given(None, "Dataset name, to find its newest linear run and default cache.",
+                                fallback="cache")
     loss: str | None = given(None, "Loss to fine-tune with (spml-cache losses lists them); its head is the one taken;"
                              " loss@rule (an@entry:0.1) takes its head under that observation rule, and trains on"
-                             " that rule's labels.", read=_read_loss)
+                             " that rule's labels.", read=_read_loss, fallback="start")
     weights: str | None = given(None, "Trunk init, for the cache's backbone: a weights tag (IMAGENET1K_V1, ...), none"
                                 " or a .pth (default: what made the cache); must match the cache for an exact"
-                                " LinearInit.")
+                                " LinearInit.", fallback="trunk")
     epochs: int | None = given(FINETUNE_EPOCHS, "Epochs (default 10, or the loss's recipe: GR 8 on VOC/COCO).",
-                               check=at_least(1))
+                               check=at_least(1), fallback="recipe")
     lrs: list[float] | None = given(DEFAULT_LRS, "Comma-separated learning rates, or 'grid' for 1e-2,1e-3,1e-4,1e-5"
-                                    " (default 1e-5,1e-4).", flag="--lr", kind=float, many=True, read=_read_lrs)
+                                    " (default 1e-5,1e-4).", flag="--lr", kind=float, many=True, read=_read_lrs,
+                                    check=LRS, fallback="recipe")
     batch_sizes: list[int] | None = given(GRID_BATCH_SIZES, "Comma-separated global batch sizes (default 8,16); shared"
-                                          " by torchrun's processes.", flag="--batch-size", kind=int, many=True)
+                                          " by torchrun's processes.", flag="--batch-size", kind=int, many=True,
+                                          check=BATCH_SIZES, fallback="recipe")
     resolution: int | None = given(None, "Images are resized to R x R (default: the cache's resolution).", kind=int,
-                                   check=at_least(32))
+                                   check=at_least(32), fallback="cache")
     seeds: int | None = given(1, "Number of seeds (0..N-1) of batch order and flips (default 1).",
-                              check=at_least(1, "seeds 0..N-1 are run"),
-                              load=lambda seeds: len(seeds) if isinstance(seeds, list) else seeds)  # older: the list
+                              check=at_least(1, "seeds 0..N-1 are run"), load=seed_count)
     hparams: dict | None = given({}, "Loss hyperparameter override key=value (repeatable); default: the linear head's"
-                                 " values.", flag="--hp", repeat=True, read=_read_hparams, compare=_hparams_differ)
+                                 " values.", flag="--hp", repeat=True, read=_read_hparams, compare=_hparams_differ,
+                                 fallback="losses", derived=True)  # as given, then as resolved (None left out)
     head_lr_mult: float | None = given(1.0, "The head's learning rate multiplier (default 1; 10 for GR and LL, as their"
-                                       " authors' code).", check=above(0, fix="must be positive"))
+                                       " authors' code).", check=above(0, fix="must be positive"), fallback="recipe")
     skip_missing: bool | None = given(False, "Leave out rows whose image is missing under --root instead of stopping.",
                                       switch=True)
     fidelity: Fidelity | None = given(
         Fidelity.EXACT, "exact (default): the papers' math, computed stably; authors: their code's numerics,"
         " evaluation and early stopping (docs/fidelity.md).", read=Fidelity.check)
-    decode: str | None = given(None, "gpu (nvjpeg) or cpu (libjpeg-turbo in the reader processes); default: the cache's"
-                               " decoder, so that epoch 0 is the linear head.", read=_decoder)
+    decode: str | None = decode_option("the cache's decoder where this device runs it, so that epoch 0 is the linear"
+                                       " head", fallback="cache")
 
 
 @dataclass(frozen=True, kw_only=True)

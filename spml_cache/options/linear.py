@@ -4,6 +4,7 @@ setting, which a given option must not contradict) and where it runs (`LinearPla
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -11,11 +12,24 @@ from typing import Mapping, Sequence
 from rich.console import Console
 
 from spml_cache import observation
-from spml_cache.options.declared import Options, Placement, at_least, given, one_of, option, text
+from spml_cache.options.declared import Options, Placement, at_least, given, listed, one_of, option, text
 from spml_cache.options.text import RULES_HELP, parse_hparams, parse_names, read_rules
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, GRID_WDS, LINEAR_EPOCHS, Fidelity
 from spml_cache.runtime import memory
 from spml_cache.runtime.errors import SpmlError
+
+
+# The grid's checks, for each stage that trains a grid (linear, finetune, the demo): at least one value, each
+# positive (a weight decay: 0 or more) and finite; a value given twice is taken once, in the order given.
+LRS = listed(lambda lr: lr > 0 and math.isfinite(lr), "every value must be positive", "1e-3")
+BATCH_SIZES = listed(lambda size: size > 0, "every value must be positive and whole", "8")
+WDS = listed(lambda wd: wd >= 0 and math.isfinite(wd), "every weight decay must be 0 or more (0: none)",
+             "0,1e-4 (or leave it out for 0)")
+
+
+def seed_count(stored) -> int:
+    """`--seeds N` as config.json keeps it; an older run's config: its list of seeds 0..N-1."""
+    return len(stored) if isinstance(stored, list) else stored
 
 
 def resolve_losses(names: str | Sequence[str]) -> list[str]:
@@ -97,24 +111,25 @@ class LinearOptions(Options):
     losses: str | Sequence[str] | None = given(
         "all", "A loss, a comma list (an,role), or all; see `spml-cache losses`.", flag="--loss",
         read=lambda value, flag: parse_names(value) if isinstance(value, str) else list(value),
-        compare=_losses_differ)
-    cache: Path | None = given(None, "The feature cache (.h5) to train on.", kind=Path)
-    dataset: str | None = given(None, "Train on the one cache of this dataset in $SPML_CACHE or ./cache.")
+        compare=_losses_differ, fallback="losses", derived=True)  # the names, `all` as those it stands for
+    cache: Path | None = given(None, "The feature cache (.h5) to train on.", kind=Path, fallback="cache")
+    dataset: str | None = given(None, "Train on the one cache of this dataset in $SPML_CACHE or ./cache.",
+                                fallback="cache")
     lrs: Sequence[float] | None = given(GRID_LRS, "Learning rates, a comma list (default: the papers' grid).",
-                                        flag="--lr", kind=float, many=True)
+                                        flag="--lr", kind=float, many=True, check=LRS)
     wds: Sequence[float] | None = given(
         GRID_WDS, "The probe's L2 weight decays, a comma list (e.g. 0,1e-4,1e-3): one head per (lr, wd) in the same"
-        " stacks, selected on val (default: 0, the papers' grid).", flag="--wd", kind=float, many=True)
+        " stacks, selected on val (default: 0, the papers' grid).", flag="--wd", kind=float, many=True, check=WDS)
     batch_sizes: Sequence[int] | None = given(GRID_BATCH_SIZES, "Batch sizes, a comma list (default: the papers' grid).",
-                                              flag="--batch-size", kind=int, many=True)
+                                              flag="--batch-size", kind=int, many=True, check=BATCH_SIZES)
     epochs: int | None = given(LINEAR_EPOCHS, "Epochs per head; the best val epoch is selected (default: the papers'"
                                " number).", check=at_least(1))
     seeds: int | None = given(1, "Run seeds 0..N-1 (init and batch order); results are mean ± std (default: one"
-                              " seed).", check=at_least(1, "seeds 0..N-1 are run"))
+                              " seed).", check=at_least(1, "seeds 0..N-1 are run"), load=seed_count)
     hparams: Mapping | None = given(
         {}, "A hyperparameter key=value (repeatable); loss.key=value for one loss; key=v1,v2,... sweeps the values.",
         flag="--hp", repeat=True, read=_read_hparams, compare=_hparams_differ, dump=_stored_hparams,
-        load=_loaded_hparams)
+        load=_loaded_hparams, fallback="losses", derived=True)  # per loss: as given, then as resolved
     val_labels: str | None = given("clean", "Select on clean (full) val labels, the default, or on the observed ones.",
                                    check=one_of("clean", "observed", fix="use clean (full val labels) or observed"))
     from_run: Path | None = given(None, "Start every head from this linear run's head of the same loss (else its best"
@@ -127,16 +142,19 @@ class LinearOptions(Options):
         " --hp values win.", check=one_of("paper", fix="use paper (each loss's own search space, see spml-cache"
                                           " losses)"), compare=_paper_grids_differ)
     observe: Sequence[observation.Rule] | None = given(
-        None, f"Observation rules, a comma list (default single; {RULES_HELP}): every loss trains under each; rules"
-        " the cache lacks are drawn from its full labels (docs/protocol.md).", read=read_rules)
+        tuple(observation.parse_rules(None)), f"Observation rules, a comma list (default single; {RULES_HELP}): every"
+        " loss trains under each; rules the cache lacks are drawn from its full labels (docs/protocol.md).",
+        read=read_rules)
     memory_budget: int | None = given(
         None, "Memory stage two may use, e.g. 1GB (default: 80% of the device's free memory); features beyond it"
         " stream from the cache in a seeded chunk order planned from the budget and the cache's shapes"
-        " (docs/protocol.md).", read=lambda value, flag: memory.parse_size(value, flag), compare=_budget_differ)
+        " (docs/protocol.md).", read=lambda value, flag: memory.parse_size(value, flag), compare=_budget_differ,
+        fallback="plan")
     chunk_rows: int | None = given(
         None, "Stream the train features in chunks of N rows whatever the budget: the same chunk order, and results,"
         " on any machine (docs/protocol.md).", kind=int, check=at_least(1, fix="give a whole number of rows, at"
-                                                                         " least 1"))
+                                                                         " least 1"),
+        fallback="plan")  # not given: the plan's chunks where the features stream from the cache, else none
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -84,10 +84,11 @@ def read_run(path: Path) -> Run:
     if results is not None and not (results.get("complete") and isinstance(results.get("losses"), dict)):
         results, problem = None, f"{RESULTS} not marked complete"
     known = {**(config or {}), **(results or {})}
-    init = known.get("init") if isinstance(known.get("init"), dict) else {}
+    init = known.get("init")  # results.json's summary of the start, else config.json's --init
+    mode = init.get("mode") if isinstance(init, dict) else init
     return Run(
         path=path,
-        stage=(known.get("stage") or path.name.split("-")[0]) + ("-imagenet" if init.get("mode") == "imagenet" else ""),
+        stage=(known.get("stage") or path.name.split("-")[0]) + ("-imagenet" if mode == "imagenet" else ""),
         dataset=known.get("dataset") or path.parent.name,
         cache_id=str(known.get("cache_id") or "unknown"),
         stamp=run_stamp(path),

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.markup import escape
 
+from spml_cache.options.report import ReportOptions
 from spml_cache.report.collect import collect_runs
-from spml_cache.report.confidence import DEFAULT_RESAMPLES, Resampling, add_intervals, check_resamples, compare
+from spml_cache.report.confidence import Resampling, add_intervals, compare
 from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles
-from spml_cache.report.measures import MAP, StoredTests, add_metrics, parse_metric
-from spml_cache.report.pivot import check_pivot, pivot_backbone, plot_backbones
-from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
+from spml_cache.report.measures import MAP, StoredTests, add_metrics
+from spml_cache.report.pivot import pivot_backbone, plot_backbones
+from spml_cache.report.plots import plot_runs, require_matplotlib
 from spml_cache.report.formats import EVERY_METRIC, format_of_suffix, formatter
 from spml_cache.report.tables import Table, build_table, by_metric
 from spml_cache.report.terminal import print_comparisons, print_notes, print_table
@@ -29,36 +29,11 @@ def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console 
     print_table(build_table(collect_runs(run_dirs), paper=paper), console or Console())
 
 
-@dataclass(frozen=True)
-class ReportOptions:
-    """The flags of `spml-cache report`: which runs (`paths`, [] means `runs_root`), the table's format and file,
-    the figures' folder, `compare` (two losses: their paired difference per column, and the per-class figure's
-    pair), `pivot="backbone"` (the loss x backbone table of one dataset, pivot.py; with `plots_dir` its figure
-    alone), the table's `metric` (measures.py's names), `ci` (bootstrap intervals from `resamples`), and the
-    figures' files: `figure_format` (png, pdf, svg) and `dpi` (None: given by no flag)."""
-
-    paths: list[Path] = field(default_factory=list)
-    runs_root: Path = Path("runs")
-    paper: bool = False
-    fmt: str | None = None
-    output: Path | None = None
-    plots_dir: Path | None = None
-    compare: str | None = None
-    pivot: str | None = None
-    metric: str = MAP
-    ci: bool = False
-    resamples: int = DEFAULT_RESAMPLES
-    figure_format: str | None = None
-    dpi: int | None = None
-
-
 def report_command(options: ReportOptions, console: Console) -> None:
-    """`spml-cache report`: check every flag first, then the table (terminal or file), then the figures."""
-    paths, runs_root, paper, fmt, output = options.paths, options.runs_root, options.paper, options.fmt, options.output
-    plots_dir, compare, pivot = options.plots_dir, options.compare, options.pivot
-    check_pivot(pivot)
-    metric, pair = parse_metric(options.metric), parse_compare(compare)
-    check_resamples(options.resamples)
+    """`spml-cache report`: what the flags say together checked first (each flag checked itself as the options
+    were built), then the table (terminal or file), then the figures."""
+    paths, runs_root, paper, fmt, output = options.run_dirs, options.runs_root, options.paper, options.fmt, options.output
+    plots_dir, pivot, metric, pair = options.plots_dir, options.pivot, options.metric, options.pair
     if paper and metric != MAP:
         raise SpmlError(f"--paper: the papers publish mAP only; leave out --paper or --metric {options.metric}")
     if output is not None and fmt is None:

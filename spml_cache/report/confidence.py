@@ -19,16 +19,6 @@ from spml_cache.report.measures import StoredTests, left_out_note, title
 from spml_cache.runs import StoredTest
 from spml_cache.runtime.errors import SpmlError
 
-DEFAULT_RESAMPLES = 1000
-MIN_RESAMPLES = 100  # below this the 2.5th and 97.5th percentiles rest on two or three resamples
-
-
-def check_resamples(count: int) -> int:
-    if count < MIN_RESAMPLES:
-        raise SpmlError(f"--resamples {count}: a 95% interval needs at least {MIN_RESAMPLES} resamples"
-                        f" ({DEFAULT_RESAMPLES:,} by default)")
-    return count
-
 
 class Resampling:
     """The resamples of each test-set size and the resampled values of each result, made once per report."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from spml_cache.report.latex import to_latex
 from spml_cache.report.tables import to_csv, to_json, to_markdown
-from spml_cache.runtime.errors import SpmlError, unknown_name
+from spml_cache.runtime.errors import SpmlError
 
 FORMATS = {"csv": to_csv, "md": to_markdown, "json": to_json, "tex": to_latex}
 EVERY_METRIC = ("csv", "md", "json")  # the formats that carry every metric beside the table's
@@ -15,9 +15,8 @@ SUFFIXES = {".csv": "csv", ".md": "md", ".json": "json", ".tex": "tex"}
 
 
 def formatter(fmt: str):
-    """The function that renders a table as `fmt`."""
-    if fmt not in FORMATS:
-        raise SpmlError(f"--format {fmt}: {unknown_name('format', fmt, FORMATS)}; use one of {', '.join(FORMATS)}")
+    """The function that renders a table as `fmt` (one of `options.report.TABLE_FORMATS`, checked by `--format`'s
+    declaration)."""
     return FORMATS[fmt]
 
 

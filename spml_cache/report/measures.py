@@ -17,10 +17,9 @@ import torch
 
 from spml_cache import labels as label_matrix
 from spml_cache import metrics
+from spml_cache.options.report import MAP
 from spml_cache.runs import StoredTest, read_stored_test
-from spml_cache.runtime.errors import SpmlError
 
-MAP = "map"
 TITLES = {"map": "mAP", "cp": "CP", "cr": "CR", "cf1": "CF1", "op": "OP", "or": "OR", "of1": "OF1"}
 
 
@@ -28,18 +27,6 @@ def left_out_note(runs: list[str]) -> str:
     """The one note naming the runs that kept no per-seed test scores (said once however many cells lack them)."""
     return (f"n/a: {', '.join(sorted(set(runs)))} kept no per-seed test scores (written before they were, or scored"
             " out of core): mAP only; run the stage again for the metrics beside mAP, --ci and --compare")
-
-
-def parse_metric(text: str) -> str:
-    """`--metric`'s value as a metric name: `map`, `cf1`, ..., or `cf1@K` (K >= 1: the top K labels per image)."""
-    name, at, k = text.strip().lower().partition("@")
-    if name in metrics.F1_FAMILY and (not at or k.isdigit() and int(k) >= 1):
-        return f"{name}@{int(k)}" if at else name
-    if name == MAP and not at:
-        return MAP
-    family = "|".join(metrics.F1_FAMILY)
-    raise SpmlError(f"--metric {text}: use map, {family.replace('|', ', ')}, or one of those with @K for the top K"
-                    f" labels of each image (e.g. cf1@{metrics.TOP_K})")
 
 
 def every_metric(top_k: int = metrics.TOP_K) -> list[str]:

@@ -22,14 +22,6 @@ from spml_cache.report.measures import title
 from spml_cache.report.tables import ZERO_SHOT, Table
 from spml_cache.runtime.errors import SpmlError
 
-PIVOTS = ("backbone",)
-
-
-def check_pivot(pivot: str | None) -> None:
-    if pivot is not None and pivot not in PIVOTS:
-        raise SpmlError(f"--pivot {pivot}: use backbone (rows losses, a column per backbone and feature kind)")
-
-
 def pivot_backbone(table: Table) -> Table:
     """`table`'s linear, single-positive columns of its one dataset, each labelled by its backbone (and cache id
     where one backbone has several caches: the label's own suffix)."""

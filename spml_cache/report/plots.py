@@ -28,8 +28,8 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from spml_cache import losses
 from spml_cache.metrics import mean_average_precision
+from spml_cache.options.report import parse_compare
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
 from spml_cache.report.figure_files import MIN_POINTS, FigureFiles
@@ -52,14 +52,6 @@ def require_matplotlib():
     except ImportError:
         raise SpmlError("--plots needs matplotlib: python -m pip install matplotlib (or leave out --plots)") from None
     return Figure
-
-
-def parse_compare(compare: str | None) -> tuple[str, str] | None:
-    """`--compare a,b` as a pair of two different loss names (None when not given)."""
-    names = [losses.canonical(name.strip()) for name in (compare or "").split(",") if name.strip()]
-    if compare is not None and (len(names) != 2 or names[0] == names[1]):
-        raise SpmlError(f"--compare {compare}: give two different loss names separated by a comma, e.g. an,role")
-    return (names[0], names[1]) if names else None
 
 
 def write_plots(run_dirs: list[Path], out_dir: Path, *, compare=None, console: Console | None = None,

@@ -22,7 +22,6 @@ from spml_cache.runs.handover import (
 from spml_cache.runs.layout import (
     RESULTS,
     TEST_LABELS,
-    Grid,
     SeedScores,
     env_info,
     file_stem,
@@ -37,7 +36,7 @@ from spml_cache.runs.layout import (
 from spml_cache.runs.reading import StoredTest, is_complete, load_results, open_for_resume, read_stored_test, run_stamp
 
 __all__ = [
-    "Grid", "LinearHead", "RESULTS", "SeedScores", "StoredTest", "TEST_LABELS", "append_metrics", "best_loss",
+    "LinearHead", "RESULTS", "SeedScores", "StoredTest", "TEST_LABELS", "append_metrics", "best_loss",
     "check_same_cache", "env_info", "file_stem", "finish_run", "is_complete", "jsonable", "load_checkpoint",
     "load_results", "make_run_dir", "newest_run", "open_for_resume", "other_cache", "read_json", "read_linear_head",
     "read_metrics", "read_npz", "read_stored_test", "replace_atomically", "run_stamp", "safe_name",

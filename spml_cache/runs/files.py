@@ -71,16 +71,16 @@ def write_json(path: Path | str, data: Any) -> Path:
     return path
 
 
-def read_json(path: Path | str, expect: type | None = None) -> Any:
+def read_json(path: Path | str, expect: type | None = None, fix: str = "") -> Any:
     """A JSON file's contents; `expect` (dict for the object a run directory's files hold): anything else is one
-    line naming the file."""
+    line naming the file (`fix`: what a file that is not JSON is told after it, e.g. a cut-short run's record)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpmlError(f"{path} does not exist") from None
     except json.JSONDecodeError as err:
-        raise SpmlError(f"{path} is not valid JSON ({err})") from None
+        raise SpmlError(f"{path} is not valid JSON ({err}){fix}") from None
     if expect is not None and not isinstance(data, expect):
         raise SpmlError(f"{path} holds a JSON {type(data).__name__}, not the object spml-cache writes there (damaged,"
                         " or written by hand): run that stage again")

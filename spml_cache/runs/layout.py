@@ -14,7 +14,7 @@ import platform
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,6 @@ from spml_cache.backbones import DEFAULT as DEFAULT_BACKBONE
 from spml_cache.backbones import feature_slug
 from spml_cache.cache import FeatureSet, cache_id
 from spml_cache.losses import plugins
-from spml_cache.losses.base import Fidelity
 from spml_cache.runs.files import save_checkpoint, write_json, write_npz
 from spml_cache.runtime.errors import SpmlError
 
@@ -103,41 +102,22 @@ def env_info(device: torch.device | str) -> dict:
     }
 
 
-@dataclass(frozen=True, kw_only=True)
-class Grid:
-    """What a run trains, as its `config.json` keeps it (both stages): the losses, the (lr, batch size) grid, the
-    epochs, the seeds, per loss the resolved hyperparameters, the val labels it selects on, the fidelity."""
-
-    losses: list[str]
-    lrs: list[float]
-    batch_sizes: list[int]
-    epochs: int
-    seeds: list[int]
-    hparams: dict  # {loss: {key: value}}; a swept key holds its list of values
-    val_labels: str  # clean or observed
-    fidelity: Fidelity
-
-    @classmethod
-    def from_config(cls, config: dict) -> "Grid":
-        """The grid of a `config.json` (runs written before `fidelity` was stored trained exactly)."""
-        return cls(losses=list(config["losses"]), lrs=list(config["lrs"]), batch_sizes=list(config["batch_sizes"]),
-                   epochs=int(config["epochs"]), seeds=list(config["seeds"]), hparams=dict(config["hparams"]),
-                   val_labels=config["val_labels"], fidelity=Fidelity.check(config.get("fidelity")))
-
-
 def start_run(out: Path | str, *, stage: str, label: str, features: FeatureSet, device: torch.device,
-              grid: Grid, **extra) -> Path:
-    """Make `out/<dataset>/<stage>-<backbone>-<label>-<stamp>/` and write its `config.json` (the cache, the grid, where
-    each plugin loss came from, then the stage's `extra`) and `env.json`."""
+              options: dict, losses: list[str], **extra) -> Path:
+    """Make `out/<dataset>/<stage>-<backbone>-<label>-<stamp>/` and write its `config.json` and `env.json`.
+
+    config.json holds each of the run's settings once: the cache it reads (its path, id, attrs and classes), its
+    `options` as it takes them (`Options.stored()` of the resolved options, each under its own name: what report
+    and `--resume` read), where each of its plugin `losses` came from, the device, then the stage's `extra`."""
     attrs = features.attrs
     backbone = feature_slug(str(attrs.get("backbone") or DEFAULT_BACKBONE), attrs.get("features"))
     run_dir = make_run_dir(stage, features.dataset, label, out, backbone)
-    loaded = plugins.records(grid.losses)
+    loaded = plugins.records(losses)
     try:
         write_json(run_dir / "config.json", {
-            "stage": stage, "dataset": features.dataset, "cache": str(Path(features.path).resolve()),
+            "stage": stage, "dataset": features.dataset, "cache": str(Path(features.path).resolve()), **options,
             "cache_id": cache_id(features.attrs), "cache_attrs": features.attrs, "classes": features.classes,
-            **asdict(grid), **({"plugins": loaded} if loaded else {}), "device": str(device), **extra,
+            **({"plugins": loaded} if loaded else {}), "device": str(device), **extra,
         })
         write_json(run_dir / "env.json", env_info(device))
     except BaseException:  # a run directory without its config is no run: nothing to resume or report

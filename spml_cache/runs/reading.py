@@ -44,7 +44,8 @@ def open_for_resume(run_dir: Path | str, stage: str, renewable: Callable[[str], 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise SpmlError(f"--resume {run_dir}: not a run directory (no config.json)")
-    config = read_json(run_dir / "config.json", dict)
+    config = read_json(run_dir / "config.json", dict, fix=": the run's record was cut short or damaged, so the run"
+                       " cannot go on: start a new run")
     if config.get("stage") != stage:
         raise SpmlError(f"--resume {run_dir}: a {config.get('stage')} run; resume it with"
                         f" spml-cache {config.get('stage')} --resume {run_dir}")
