@@ -206,3 +206,27 @@ def test_an_option_added_to_finetune_is_its_declaration_and_its_use():
     assert done.exit_code == 0, done.output
     assert seen == [WithWarmup(warmup=5)]
     assert "Epochs of linear warm-up." in CliRunner().invoke(app, ["finetune", "--help"], env={"COLUMNS": "400"}).output
+
+
+def test_python_keywords_are_the_flags_names_read_and_checked_by_their_declarations():
+    """The library's keyword layer (issue 53): `lr` for --lr, `batch_size` for --batch-size, `hp` for --hp,
+    `from_run` for --from, `graphs` for --no-graphs; each value what the flag takes (its comma text, a list, or
+    one number), a bad one named by its keyword, a misspelt keyword one line with the closest."""
+    from spml_cache.options import LinearOptions, LinearPlacement, from_flag_keywords
+    from spml_cache.runtime.errors import SpmlError
+
+    options, placement = from_flag_keywords("sc.linear", {
+        "loss": "an,role", "lr": "1e-3,1e-4", "batch_size": 8, "hp": ["ll_r.delta=0.001,0.002"], "from_run": "runs/x",
+        "graphs": False, "compile": True}, LinearOptions, LinearPlacement)
+    assert (options.losses, options.lrs, options.batch_sizes) == (["an", "role"], [1e-3, 1e-4], [8])
+    assert options.hparams == {"ll_r.delta": [0.001, 0.002]} and str(options.from_run) == "runs/x"
+    assert placement.graphs is False and placement.compile_steps is True
+    said = {}
+    for keywords in ({"batchsize": 8}, {"lr": "abc"}, {"epochs": -1}, {"batch_size": [8, 0]}):
+        with pytest.raises(SpmlError) as refused:
+            from_flag_keywords("sc.linear", keywords, LinearOptions, LinearPlacement)
+        said[next(iter(keywords))] = str(refused.value)
+    assert said["batchsize"].startswith("sc.linear: no keyword 'batchsize'; did you mean batch_size?")
+    assert said["lr"] == "lr 'abc': expected a comma list of numbers"
+    assert said["epochs"] == "epochs -1: use at least 1"
+    assert said["batch_size"].startswith("batch_size 8,0: ")

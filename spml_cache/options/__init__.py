@@ -6,7 +6,7 @@ A room of the core, so that the command line builds its commands from the declar
 """
 
 from spml_cache.options.declared import (
-    Check, Option, Options, Placement, above, at_least, between, from_keywords, given, one_of, option,
+    Check, Option, Options, Placement, above, at_least, between, from_flag_keywords, from_keywords, given, one_of, option,
     refuse_differences,
 )
 from spml_cache.options.extract import ExtractOptions, ExtractPlacement
@@ -15,5 +15,5 @@ from spml_cache.options.linear import LinearOptions, LinearPlacement
 
 __all__ = [
     "Check", "ExtractOptions", "ExtractPlacement", "FinetuneOptions", "FinetunePlacement", "LinearOptions", "LinearPlacement", "Option", "Options", "Placement", "above", "at_least", "between",
-    "from_keywords", "given", "one_of", "option", "refuse_differences",
+    "from_flag_keywords", "from_keywords", "given", "one_of", "option", "refuse_differences",
 ]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from spml_cache.options.text import either, parse_list
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, closest
 from spml_cache.runtime.registry import Param
 
 Declared = TypeVar("Declared", bound="Options")
@@ -104,6 +104,18 @@ class Option(Param):
     def cli_flag(self) -> str:
         return self.flag if self.flag is not None else "--" + self.name.replace("_", "-")
 
+    @property
+    def keyword(self) -> str:
+        """The option's name in Python (`sc.linear(lr=...)`): its flag's, dashes as underscores (`--batch-size`:
+        `batch_size`), `from_run` for `--from` (a Python keyword), `X` for a `--no-X` switch (then `X=False` is the
+        flag); an option without a flag (or the positional argument) by its field's name."""
+        if not self.flag and self.flag is not None or self.argument:
+            return self.name
+        name = self.cli_flag.removeprefix("--")
+        if self.switch and name.startswith("no-") and self.default is True:
+            name = name.removeprefix("no-")
+        return "from_run" if name == "from" else name.replace("-", "_")
+
     def checked(self, value, name: str | None = None):
         """`value` as the option holds it, or one line naming the flag (or `name`: where a stored value was read)
         and the fix. A list keeps each value once, in the order given (a duplicate lr would train twice)."""
@@ -117,8 +129,9 @@ class Option(Param):
 
     def _as_kind(self, value, name: str):
         if self.many:
-            return parse_list(value, name, self.kind) if isinstance(value, str) else [
-                self._one(one, name) for one in value]
+            if isinstance(value, str):
+                return parse_list(value, name, self.kind)
+            return [self._one(one, name) for one in (value if isinstance(value, (list, tuple)) else [value])]
         return self._one(value, name)
 
     def _one(self, value, name: str):
@@ -295,6 +308,23 @@ def refuse_differences(run_dir: Path | str, differences: list[tuple[str, str, st
     flags = list(dict.fromkeys(flag for flag, _, _ in differences))
     raise SpmlError(f"--resume {run_dir}: {said} (a resumed run keeps its own settings): leave out"
                     f" {either(flags, 'and')}, or start a new run with {'it' if len(flags) == 1 else 'them'}")
+
+
+def from_flag_keywords(door: str, keywords: Mapping, *types: type[Options]) -> list:
+    """One object of each of `types` from keywords named as the command line's flags (`Option.keyword`: `lr`,
+    `batch_size`, `hp`, `from_run`), each value what the flag takes (a list, or the flag's comma text), read and
+    checked by its declaration with a bad value's line naming the keyword; a keyword no option has is one line
+    naming `door` and the closest keyword (never a bare TypeError)."""
+    by_keyword = {option.keyword: (kind, option) for kind in types for option in kind.declared().values()}
+    values: dict[type, dict] = {kind: {} for kind in types}
+    for keyword, value in keywords.items():
+        if keyword not in by_keyword:
+            near = closest(keyword, by_keyword)
+            raise SpmlError(f"{door}: no keyword {keyword!r}" + (f"; did you mean {near}?" if near else "")
+                            + f" (its keywords: {', '.join(by_keyword)})")
+        kind, option = by_keyword[keyword]
+        values[kind][option.name] = value if value is None else option.checked(value, keyword)
+    return [kind(**values[kind]) for kind in types]
 
 
 def from_keywords(keywords: Mapping, *types: type) -> list:
