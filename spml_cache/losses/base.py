@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from spml_cache.losses import loop
 from spml_cache.losses.terms import Terms
 # the terms every loss is written in, public here too (docs/your-own-loss.md)
 from spml_cache.losses.terms import bce, entropy, mean_over_entries, neg_log_1mp, neg_log_p  # noqa: F401
@@ -147,6 +148,8 @@ class Loss(torch.nn.Module):
         **hparams: float,
     ) -> None:
         super().__init__()
+        # which epoch it was started for, for a loss that changes between epochs (loop.py: a loop must say so)
+        self.epoch_use = loop.EpochUse() if type(self).needs_start_epoch() else None
         self.fidelity = fidelity = Fidelity.check(fidelity)
         authors = fidelity is Fidelity.AUTHORS
         self.log_eps = self.authors_log_eps if authors else None  # what every log term passes on
@@ -249,7 +252,14 @@ class Loss(torch.nn.Module):
             raise SpmlError(f"loss '{self.name}' is an oracle: it needs the full labels (labels=...)")
         if self.state and index is None:
             raise SpmlError(f"loss '{self.name}' keeps per-example state: pass the batch's training-row ids (index=...)")
+        if self.epoch_use is not None and logits.requires_grad and torch.is_grad_enabled():  # a training call
+            self.epoch_use.training_call(self, logits.shape[-2])
         return super().__call__(logits, observed, labels=labels, index=index)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "start_epoch" in vars(cls):  # whatever the class's hook does, the epoch it was started for is noted
+            cls.start_epoch = loop.counted(vars(cls)["start_epoch"])
 
     def forward(self, logits, observed, *, labels=None, index=None) -> torch.Tensor:
         """The loss of each head `[K]` (a scalar for `[B, C]` logits): `equation` over plain tensors."""
@@ -272,8 +282,22 @@ class Loss(torch.nn.Module):
         """Advance schedules and pseudo-labelling; called before the first batch of epoch `epoch` (1-indexed).
 
         `train_logits` (`[K, N_train, C]`, or `[N_train, C]` for one head) are the current model's logits on every
-        training row, i.e. after epoch `epoch - 1`; the trainer computes them only when `needs_train_logits`.
+        training row, i.e. after epoch `epoch - 1`; the trainer computes them only when `needs_train_logits`
+        (`losses.train_logits` in a loop of your own). A class that defines it `needs_start_epoch()`: its training
+        calls are refused before the first one, and warn once past an epoch's rows without the next (loop.py).
         """
+
+    @classmethod
+    def needs_start_epoch(cls) -> bool:
+        """Whether the loss changes between epochs (its class defines `start_epoch`), so that a loop must call
+        `start_epoch` before each epoch's first batch."""
+        return _owner(cls, "start_epoch") is not Loss
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The loss's own trainable parameters (ROLE's theta) as torch optimiser param groups, each at its learning
+        rate: `lr` times the parameter's `lr_mult` (1 where it has none); [] for a loss that learns none. For a loop of
+        your own: `torch.optim.Adam([{"params": model.parameters(), "lr": lr}] + loss.param_groups(lr))`."""
+        return [{"params": [param], "lr": lr * getattr(param, "lr_mult", 1.0)} for param in self.parameters()]
 
     @classmethod
     def closed_form(cls) -> bool:
