@@ -187,7 +187,8 @@ class Terms:
 
     @property
     def exact(self) -> "Terms":
-        """These logits without the authors' eps (a loss whose authors compute some terms stably from logits)."""
+        """These logits without the authors' eps: for the terms a loss computes stably from logits in either
+        fidelity."""
         return self if self.eps is None else Terms(self.logits, slopes=self.slopes)
 
     @property
