@@ -84,11 +84,12 @@ def sigmoid_slope(p: torch.Tensor) -> torch.Tensor:
     return (1 - p) * p
 
 
-def logs_of(x: torch.Tensor, eps: float | None = None) -> Logs:
+def logs_of(x: torch.Tensor, eps: float | None = None, p: torch.Tensor | None = None) -> Logs:
     """Both logs of `x` and their slopes: `-sigmoid(-x)` and `p`; with `eps`, -(1 - p) p / (p + eps) and
     (1 - p) p / (1 - p + eps). Without `eps`, nl(p) is `softplus(-x)` (the module's docstring says why not
-    `neg_log_p`'s -logsigmoid(x)); with it, the terms are computed from one `p` as `neg_log_p(x, eps)` computes them."""
-    p = torch.sigmoid(x)
+    `neg_log_p`'s -logsigmoid(x)); with it, the terms are computed from one `p` as `neg_log_p(x, eps)` computes them.
+    `p`: sigmoid(x), where the caller has it."""
+    p = torch.sigmoid(x) if p is None else p
     if eps is None:
         minus_x = -x
         return Logs(p, F.softplus(minus_x), F.softplus(x), -torch.sigmoid(minus_x), p, minus_x)
@@ -195,7 +196,7 @@ class Terms:
     def logs(self) -> Logs:
         """`logs_of(x, eps)`, made once (for blocks that read the logs' parts directly)."""
         if self._logs is None:
-            self._logs = logs_of(self.logits, self.eps)
+            self._logs = logs_of(self.logits, self.eps, self._p)
         return self._logs
 
     @property
