@@ -117,7 +117,8 @@ def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
 def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
     features, settings = setup.features, setup.settings
     # no text side to pass: a loss that reads one needs a CLIP cache, whose tower is not fine-tuned (start.py)
-    built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
+    built = losses.build(settings.loss, num_classes=len(features.classes), num_train=len(features.train),
+                         dataset=features.dataset, num_heads=1,
                          train_observed=loss_observed(settings.loss, features.train.observed), seed=seed,
                          fidelity=settings.options.fidelity, **settings.hparams)
     return built.to(device)
