@@ -46,6 +46,7 @@ from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.options import (
     ExtractOptions, ExtractPlacement, FinetuneOptions, FinetunePlacement, LinearOptions, LinearPlacement,
 )
+from spml_cache.options.extract import ImportOptions, ImportPlacement
 from spml_cache.options.demo import DemoPlacement, DemoSizes
 from spml_cache.options.report import ReportOptions
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
@@ -100,7 +101,7 @@ def extract_command(options: ExtractOptions, placement: ExtractPlacement) -> Non
         extract_report(report, console)
 
 
-app.command("import-features")(import_features_command)
+stage_command(app, "import-features", ImportOptions, ImportPlacement)(import_features_command)
 app.command("export")(export_command)
 
 
@@ -125,9 +126,11 @@ def linear_command(options: LinearOptions, placement: LinearPlacement) -> None:
     Example: spml-cache linear --dataset voc --loss ll_r --hp delta=0.001,0.002
     Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1
     Example: spml-cache linear --dataset voc --loss all --wd 0,1e-4,1e-3
+    Example: spml-cache linear --config RUN --cache cache/voc-vit_b_16-224.h5
     """
-    if options.losses is None and placement.resume is None:
-        raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN)", param_hint="--loss")
+    if options.losses is None and placement.resume is None and placement.config is None:
+        raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN, or --config"
+                                 " RUN/config.json)", param_hint="--loss")
     from spml_cache import linear
 
     run = linear.run_linear(options, placement)
@@ -152,11 +155,12 @@ def finetune_command(options: FinetuneOptions, placement: FinetunePlacement) -> 
     the processes).
 
     Example: spml-cache finetune --dataset voc --loss role --root ~/data --lr 1e-5
+    Example: spml-cache finetune --config RUN/config.json --seeds 3
     """
     from spml_cache.finetune import run_finetune
 
-    if placement.root is None and placement.resume is None:
-        placement = replace(placement, root=default_data_root())  # a resumed run reads its own root
+    if placement.root is None and placement.resume is None and placement.config is None:
+        placement = replace(placement, root=default_data_root())  # a resumed or rerun run reads its own root
     run = run_finetune(options, replace(placement, log=lambda line: console.print(
         line, markup=False, highlight=False, soft_wrap=True)))
     if run is not None:  # other torchrun processes return nothing

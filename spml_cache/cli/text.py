@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from spml_cache import datasets  # a registry a help text lists (no torch)
 from spml_cache.cli.stopping import under_torchrun
 from spml_cache.options.text import (  # noqa: F401 (the command line's readers, tested as cli.parse_*)
     either, parse_hparams, parse_list, parse_names,
@@ -142,5 +141,3 @@ def last_line(line: Text, code: int) -> None:
             pass
     sys.exit(code)
 
-
-PUBLISHED_HELP = either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows

@@ -11,12 +11,9 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from spml_cache.cli.text import (
-    CONSOLE as console,
-    PUBLISHED_HELP,
-    default_data_root,
-)
+from spml_cache.cli.text import CONSOLE as console, default_data_root
 from spml_cache.options.demo import DemoPlacement, DemoSizes
+from spml_cache.options.extract import ImportOptions, ImportPlacement
 from spml_cache.options.report import ReportOptions
 
 
@@ -61,14 +58,7 @@ def make_demo_data_command(
     console.print(f"[dim]next: {escape(next_command)}[/dim]")
 
 
-def import_features_command(
-    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy, metadata/metadata_{i}.parquet)."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help=f"{PUBLISHED_HELP} (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root; an spml-cache export names its own)."),
-    root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout from other tools: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA); an spml-cache export needs none."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say; never the cache an export was made from)."),
-    classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing cache at --out."),
-) -> None:
+def import_features_command(options: ImportOptions, placement: ImportPlacement) -> None:
     """Turn features computed elsewhere into a project cache: the authors' published features (their `val` = the
     official test split), or embeddings in the clip-retrieval layout matched to a dataset's images.
 
@@ -81,8 +71,8 @@ def import_features_command(
     """
     from spml_cache.extract import import_features
 
-    report = import_features(folder, dataset=dataset, root=root or default_data_root(), out=out,
-                             classes_file=classes, force=force)
+    report = import_features(options.folder, dataset=options.dataset, root=placement.root or default_data_root(),
+                             out=placement.out, classes_file=options.classes, force=placement.force)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
     console.print(f"wrote {escape(str(report.path))} ({counts})")
     for note in report.notes:
