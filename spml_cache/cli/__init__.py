@@ -48,6 +48,7 @@ from spml_cache.options import (
 )
 from spml_cache.options.extract import ImportOptions, ImportPlacement
 from spml_cache.options.demo import DemoPlacement, DemoSizes
+from spml_cache.options.experiments import RunOptions
 from spml_cache.options.report import ReportOptions
 from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
 from spml_cache.runtime.install import mismatched_torchvision
@@ -170,6 +171,27 @@ def finetune_command(options: FinetuneOptions, placement: FinetunePlacement) -> 
 
 # --- report (report helper) ---
 stage_command(app, "report", ReportOptions)(report_command)
+
+
+# --- run: an experiment file's stages ---
+
+
+@stage_command(app, "run", RunOptions)
+def run_command(options: RunOptions) -> None:
+    """Run an experiment file: its stages (extract, import-features, linear, finetune, report) over its axes, each
+    step the command you would type; every mistake in the file is said before anything runs.
+
+    Run again, it reuses every cache and finished run, goes on with an interrupted one and trains only what is
+    missing; --dry-run prints the plan as commands. The file's format: docs/experiments.md.
+
+    Example: spml-cache run examples/table1.toml --dry-run
+    Example: spml-cache run examples/frozen_table.toml
+    """
+    from spml_cache.experiments.run import run_experiment
+
+    run_experiment(options.file, dry_run=options.dry_run, console=console)
+
+
 help_as_prose(app)  # last: every command's docstring wraps at the terminal's width
 
 

@@ -31,9 +31,10 @@ def _read_loss(value: str, flag: str) -> str:
 
 
 def _read_lrs(value, flag: str) -> list[float]:
-    """`--lr`: a comma list, or `grid` (stage two's grid); a Python list of numbers."""
+    """`--lr`: a comma list, or `grid` (stage two's grid); a Python list of numbers, or one."""
     if isinstance(value, str):
         return list(GRID_LRS) if value.strip() == "grid" else parse_list(value, flag, float)
+    value = [value] if isinstance(value, (int, float)) else value
     for one in value:
         if isinstance(one, bool) or not isinstance(one, (int, float)):
             raise SpmlError(f"{flag} {one!r}: use a number")

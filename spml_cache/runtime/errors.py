@@ -94,6 +94,12 @@ def finished() -> None:
     _stop.update(by=None, finished=True)
 
 
+def begin_work() -> None:
+    """A command that runs several stages in turn (an experiment): the next one's work begins, so that a stop asked
+    for from now on stops it (the stage before said, once its work was written, that a stop had nothing to stop)."""
+    _stop["finished"] = False
+
+
 def work_finished() -> bool:
     """Whether the command's work is done and written (`finished`): a stop asked for since changes nothing."""
     return _stop["finished"]
