@@ -73,7 +73,8 @@ def test_the_cache_records_timms_preprocessing_and_the_weights_file(realdata):
     np.testing.assert_array_equal(attrs["mean"], config["mean"])  # 0.5 everywhere, not ImageNet's
     np.testing.assert_array_equal(attrs["std"], config["std"])
     shorter = int(side / config["crop_pct"])  # timm's eval transform: Resize(224 / 0.875 = 256), CenterCrop(224)
-    assert attrs["resize"] == f"shorter side {shorter}, {config['interpolation']}, antialiased, centre crop {side}x{side}"
+    interpolation = config["interpolation"]
+    assert attrs["resize"] == f"shorter side {shorter}, {interpolation}, antialiased, centre crop {side}x{side}"
     assert attrs["weights"] == file_provenance(realdata.weights)
     assert attrs["decoder"] == "libjpeg-turbo"
 
