@@ -121,9 +121,10 @@ def train_one_config(split, target: torch.Tensor, lr: float, batch_size: int, se
 def test_a_plain_loop_reproduces_the_selected_bce_and_an_heads(realdata):
     """bce's target is the full labels, an's the observed positives with every other entry 0 (docs/losses.md).
     Over the grid, the config of the highest best-epoch val mAP is selected and its test mAP at that epoch
-    reported. Measured: the same configs and epochs, and the same val and test mAPs to the last bit. The bound
-    is the least change a swap of two adjacent scores makes (linear_support.reordering_step: 7.8e-5 points on
-    val's 26 rows, 6.3e-7 on test's 128): float rounding may move the scores, never reorder one."""
+    reported. Measured: the same configs and epochs, and the same val and test mAPs to the last bit (AVX-512; it
+    passes under ATEN_CPU_CAPABILITY=default and avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2 too). The bound is the least
+    change a swap of two adjacent scores makes (linear_support.reordering_step: 7.8e-5 points on val's 26 rows,
+    6.3e-7 on test's 128): float rounding may move the scores, never reorder one."""
     loaded = cache.load(realdata.cache)
     features = {name: torch.from_numpy(np.asarray(getattr(loaded, name).features)) for name in cache.SPLITS}
     full, observed = np.asarray(loaded.train.labels), np.asarray(loaded.train.observed)
