@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from realdata_support import BACKBONE, photos, skip_reason, timm_state_dict  # noqa: E402
 
@@ -104,14 +105,6 @@ def markdown(columns: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -130,6 +123,7 @@ def main() -> None:
             raise SystemExit(skip_reason())
         import timm
         import torch
+        from bench_linear import cpu_name  # torch, sklearn: not for a dry run
 
         work.mkdir(parents=True, exist_ok=True)
         torch.save(timm_state_dict(), work / "lite0-timm.pth")
