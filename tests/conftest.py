@@ -39,6 +39,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="no CUDA GPU visible"))
-        # the marker itself: a keyword would also match a test module that imports realdata_support
+        # the marker itself: "realdata" in item.keywords holds for every test (the fixture's name is a keyword of all)
         if no_realdata and item.get_closest_marker("realdata"):
             item.add_marker(pytest.mark.skip(reason=no_realdata))
