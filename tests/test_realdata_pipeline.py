@@ -37,7 +37,7 @@ def test_one_epoch_of_fine_tuning_starts_from_the_best_heads_val_map(realdata):
     assert lines[0]["test_map"] == pytest.approx(head["test_map"], abs=step)
     assert math.isfinite(lines[1]["train_loss"]) and lines[1]["train_loss"] > 0
     assert math.isfinite(lines[1]["val_map"]) and math.isfinite(lines[1]["test_map"])
-    options = json.loads((realdata.finetune / "config.json").read_text())["options"]
+    options = json.loads((realdata.finetune / "config.json").read_text())  # each option under its own name
     assert (options["resolution"], options["decode"], options["epochs"]) == (224, "cpu", 1)  # the cache's own
 
 
