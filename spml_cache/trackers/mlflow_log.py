@@ -1,0 +1,129 @@
+"""`--log mlflow`: the run at MLflow's tracking URI (MLFLOW_TRACKING_URI, else MLflow's default), in the
+experiment MLFLOW_EXPERIMENT_NAME (or MLFLOW_EXPERIMENT_ID; default `spml-cache`), through `MlflowClient`.
+
+MLflow's way with a grid search: a parent run per run directory (its name; the options as parameters, what it
+trains on as tags; each result's test metrics, `<result>/test_map`, ...; the run's files as artifacts) and a
+nested child run per head (its lr, batch size, seed, ... as parameters; `train_loss` and `val_map` per epoch),
+so that MLflow's run table, charts and parallel coordinates compare the heads; the selected config's heads carry
+the tag `selected=true`. Keys take MLflow's characters only (`an@entry:0.1` is `an_at_entry:0.1`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+
+from spml_cache.trackers.base import Epoch, Outcome, RunInfo, Tracker
+
+DEFAULT_EXPERIMENT = "spml-cache"
+# MLflow's own defaults retry a request for minutes, print each run's URL and log its database's set-up to the
+# terminal; here a gone server is one line within seconds (the training never waits for it) and the command
+# prints its own lines. Each stays the user's to set.
+QUIET = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+         "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+         "MLFLOW_LOGGING_LEVEL": "ERROR"}
+BATCH = 100  # MLflow takes at most 100 parameters or tags, and 1000 metrics, in one call
+
+
+def key_text(text: str) -> str:
+    """A name as an MLflow key: `@` as `_at_`, any other character MLflow refuses as `_`."""
+    return re.sub(r"[^/\w.\- :]", "_", text.replace("@", "_at_"))
+
+
+def _quiet() -> None:
+    for name, value in QUIET.items():
+        os.environ.setdefault(name, value)
+    retries = logging.getLogger("urllib3.connectionpool")  # "Retrying (...)" on each failed request
+    if retries.level == logging.NOTSET:
+        retries.setLevel(logging.ERROR)
+
+
+class MLflow(Tracker):
+    name = "mlflow"
+
+    def start(self, run: RunInfo, record: dict) -> None:
+        _quiet()
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.run, self.record = run, record
+        self.uri = record.get("tracking_uri") or mlflow.get_tracking_uri()  # a resumed run: where it began
+        self.client = MlflowClient(self.uri)
+        self.children: dict = record.setdefault("children", {})
+        if record.get("run_id"):
+            self.client.update_run(record["run_id"], status="RUNNING")
+            return
+        experiment = self._experiment()
+        parent = self.client.create_run(experiment, run_name=run.name, tags={key_text(k): v for k, v in
+                                                                           {**run.tags, "spml.stage": run.stage}.items()})
+        record.update(tracking_uri=self.uri, experiment_id=experiment, run_id=parent.info.run_id)
+        self._params(parent.info.run_id, run.params)
+
+    def _experiment(self) -> str:
+        given = os.environ.get("MLFLOW_EXPERIMENT_ID")
+        if given:
+            return given
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        found = self.client.get_experiment_by_name(name)
+        return found.experiment_id if found is not None else self.client.create_experiment(name)
+
+    def _params(self, run_id: str, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(key_text(key), str(value)) for key, value in params.items()]
+        for first in range(0, len(items), BATCH):
+            self.client.log_batch(run_id, params=items[first:first + BATCH])
+
+    def _child(self, epoch: Epoch) -> str:
+        """The head's child run, made with its parameters when its first epoch comes."""
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+        head = epoch.head
+        if head.id not in self.children:
+            child = self.client.create_run(self.record["experiment_id"], run_name=f"{head.key} {head.name}",
+                                           tags={MLFLOW_PARENT_RUN_ID: self.record["run_id"], "result": head.key})
+            self._params(child.info.run_id, head.params)
+            self.children[head.id] = child.info.run_id
+        return self.children[head.id]
+
+    def epochs(self, epochs: list[Epoch]) -> None:
+        from mlflow.entities import Metric
+
+        now, by_child, ended = int(time.time() * 1000), {}, []
+        for epoch in epochs:
+            child = self._child(epoch)
+            by_child.setdefault(child, []).extend(Metric(name, value, now, epoch.epoch)
+                                                  for name, value in epoch.values.items())
+            if epoch.last:
+                ended.append(child)
+        for child, metrics in by_child.items():
+            for first in range(0, len(metrics), 10 * BATCH):
+                self.client.log_batch(child, metrics=metrics[first:first + 10 * BATCH])
+        for child in ended:  # a head's run ends with its last epoch, as the head does
+            self.client.set_terminated(child, "FINISHED")
+
+    def finish(self, outcome: Outcome) -> str:
+        from mlflow.entities import Metric, RunTag
+
+        parent, now = self.record["run_id"], int(time.time() * 1000)
+        metrics = [Metric(key_text(f"{key}/{name}"), value, now, 0)
+                   for key, result in outcome.results.items() for name, value in result.metrics.items()]
+        tags = [RunTag(key_text(f"{key}/selected"), json.dumps(result.selected if result.selected is not None
+                                                               else {"error": result.error}))
+                for key, result in outcome.results.items()]
+        for first in range(0, max(len(metrics), len(tags)), BATCH):
+            self.client.log_batch(parent, metrics=metrics[first:first + BATCH], tags=tags[first:first + BATCH])
+        for key, result in outcome.results.items():
+            for head in result.heads:
+                if f"{key}/{head}" in self.children:
+                    self.client.set_tag(self.children[f"{key}/{head}"], "selected", "true")
+        for path in outcome.files:
+            self.client.log_artifact(parent, str(path))
+        self.client.set_terminated(parent, "FINISHED")
+        return f"mlflow: run {parent} ({self.run.name}) at {self.uri}, experiment {self.record['experiment_id']}"
+
+    def stop(self, failed: bool) -> None:
+        self.client.set_terminated(self.record["run_id"], "FAILED" if failed else "KILLED")
