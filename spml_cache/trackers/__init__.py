@@ -112,6 +112,7 @@ def watching(names: Sequence[str] | None, run_dir: Path | str, say: Callable[[st
 
     session = Session([TRACKERS.get(name).build() for name in names], Path(run_dir), say)
     try:
+        session.wait_started()
         with runs.watch_metrics(run_dir, session.lines):
             yield
     except BaseException as err:

@@ -8,8 +8,10 @@ metrics.jsonl has one line of per epoch, and what selection picks among.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 TRACKERS_FILE = "trackers.json"  # in the run directory: each tracker's run ids and how far it logged each head
 
@@ -94,9 +96,15 @@ class Outcome:
 class Tracker:
     """One tool's tracker. Its thread calls `start` once, then `epochs` (each epoch once: the ledger leaves out
     what was logged before a resume), then `finish` or `stop`. Whatever it raises is one warning line and the end
-    of it for this run; the training never waits for it."""
+    of it for this run; the training never waits for it.
+
+    The thread gives it `took(epochs)`, to be called as soon as epochs are stored (what the ledger counts as
+    logged, and a resume does not send again), and `stopping`, set when the run stops: a tracker that is behind
+    (a slow server) returns from `epochs` at its next request, so that a stop ends within its second or two."""
 
     name: str = ""
+    took: Callable[[list[Epoch]], None]
+    stopping: threading.Event
 
     def start(self, run: RunInfo, record: dict) -> None:
         """Open the tool's run, or go on in the one `record` names (what this tracker kept in trackers.json when the

@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from spml_cache.trackers.base import Epoch, Outcome, RunInfo, Tracker
+from spml_cache.trackers.base import Epoch, Outcome, RunInfo, Tracker, TrackerFailed
 
 DEFAULT_EXPERIMENT = "spml-cache"
 # MLflow's own defaults retry a request for minutes, print each run's URL and log its database's set-up to the
@@ -51,10 +51,18 @@ class MLflow(Tracker):
 
         self.run, self.record = run, record
         self.uri = record.get("tracking_uri") or mlflow.get_tracking_uri()  # a resumed run: where it began
-        self.client = MlflowClient(self.uri)
+        try:
+            self.client = MlflowClient(self.uri)
+        except mlflow.exceptions.MlflowException as err:
+            if "MLFLOW_ALLOW_FILE_STORE" not in str(err):
+                raise
+            raise TrackerFailed(f"MLflow {mlflow.__version__} refuses the file store {self.uri} unless"
+                                " MLFLOW_ALLOW_FILE_STORE=true is set; or track to a database, e.g."
+                                " MLFLOW_TRACKING_URI=sqlite:///mlflow.db") from None
         self.children: dict = record.setdefault("children", {})
         if record.get("run_id"):
             self.client.update_run(record["run_id"], status="RUNNING")
+            self._found_children()
             return
         experiment = self._experiment()
         parent = self.client.create_run(experiment, run_name=run.name, tags={key_text(k): v for k, v in
@@ -77,6 +85,19 @@ class MLflow(Tracker):
         for first in range(0, len(items), BATCH):
             self.client.log_batch(run_id, params=items[first:first + BATCH])
 
+    def _found_children(self) -> None:
+        """A resumed run's child runs as the server has them: one made just before the run stopped may be missing
+        from trackers.json, and is taken again, not made twice."""
+        parent, token = self.record["run_id"], None
+        while True:
+            page = self.client.search_runs([self.record["experiment_id"]], f"tags.mlflow.parentRunId = '{parent}'",
+                                           max_results=1000, page_token=token)
+            for child in page:
+                self.children.setdefault(child.data.tags.get("head", ""), child.info.run_id)
+            token = page.token
+            if not token:
+                return
+
     def _child(self, epoch: Epoch) -> str:
         """The head's child run, made with its parameters when its first epoch comes."""
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
@@ -84,26 +105,31 @@ class MLflow(Tracker):
         head = epoch.head
         if head.id not in self.children:
             child = self.client.create_run(self.record["experiment_id"], run_name=f"{head.key} {head.name}",
-                                           tags={MLFLOW_PARENT_RUN_ID: self.record["run_id"], "result": head.key})
+                                           tags={MLFLOW_PARENT_RUN_ID: self.record["run_id"], "result": head.key,
+                                                 "head": head.id})
             self._params(child.info.run_id, head.params)
             self.children[head.id] = child.info.run_id
         return self.children[head.id]
 
     def epochs(self, epochs: list[Epoch]) -> None:
+        """Per head: its child run (made at its first epoch), its epochs in one call, the child ended with the
+        head's last epoch; each head's epochs counted as logged once the server has them."""
         from mlflow.entities import Metric
 
-        now, by_child, ended = int(time.time() * 1000), {}, []
+        now, by_head = int(time.time() * 1000), {}
         for epoch in epochs:
-            child = self._child(epoch)
-            by_child.setdefault(child, []).extend(Metric(name, value, now, epoch.epoch)
-                                                  for name, value in epoch.values.items())
-            if epoch.last:
-                ended.append(child)
-        for child, metrics in by_child.items():
+            by_head.setdefault(epoch.head.id, []).append(epoch)
+        for head_epochs in by_head.values():
+            if self.stopping.is_set():
+                return  # the rest is a resume's to send
+            child = self._child(head_epochs[0])
+            metrics = [Metric(name, value, now, epoch.epoch) for epoch in head_epochs
+                       for name, value in epoch.values.items()]
             for first in range(0, len(metrics), 10 * BATCH):
                 self.client.log_batch(child, metrics=metrics[first:first + 10 * BATCH])
-        for child in ended:  # a head's run ends with its last epoch, as the head does
-            self.client.set_terminated(child, "FINISHED")
+            if head_epochs[-1].last:  # a head's run ends with its last epoch, as the head does
+                self.client.set_terminated(child, "FINISHED")
+            self.took(head_epochs)
 
     def finish(self, outcome: Outcome) -> str:
         from mlflow.entities import Metric, RunTag

@@ -50,6 +50,7 @@ class TensorBoard(Tracker):
             self.keys |= {epoch.head.key for epoch in epochs}
             self._layout()
         self.writer.flush()
+        self.took(epochs)
 
     def _layout(self) -> None:
         """The Custom Scalars tab: per result, every head's val mAP in one chart, and its train loss in another."""

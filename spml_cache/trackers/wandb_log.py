@@ -30,7 +30,8 @@ class WandB(Tracker):
     def start(self, run: RunInfo, record: dict) -> None:
         import wandb
 
-        if os.environ.get("WANDB_MODE", "online") not in LOCAL_MODES and not wandb.login(prompt=False, verify=False):
+        mode = os.environ.get("WANDB_MODE") or record.get("mode") or "online"  # a resumed run: as it began
+        if mode not in LOCAL_MODES and not wandb.login(prompt=False, verify=False):
             raise TrackerFailed("no W&B login: run `wandb login` (or set WANDB_API_KEY), or log offline with"
                                 " WANDB_MODE=offline")
         self.run_info = run
@@ -38,9 +39,10 @@ class WandB(Tracker):
         record.setdefault("project", os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT)
         folder = None if os.environ.get("WANDB_DIR") else str(run.run_dir)
         self.run = wandb.init(
-            project=record["project"], id=record["id"], resume="allow", name=run.name, job_type=run.stage,
+            project=record["project"], id=record["id"], resume="allow", mode=mode, name=run.name, job_type=run.stage,
             tags=[run.stage, run.dataset], config={**run.options, "run": run.tags}, dir=folder,
             settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False))
+        record["mode"] = self.run.settings.mode
         record.setdefault("folders", []).append(str(Path(self.run.dir).parent.resolve()))
         self.run.define_metric("epoch")
         self.run.define_metric("*", step_metric="epoch")
@@ -53,6 +55,7 @@ class WandB(Tracker):
             row.update({f"{epoch.head.key}/{epoch.head.name}/{name}": value for name, value in epoch.values.items()})
         for _, row in sorted(rows.items()):
             self.run.log(row)
+        self.took(epochs)
 
     def finish(self, outcome: Outcome) -> str:
         import wandb

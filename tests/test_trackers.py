@@ -1,0 +1,248 @@
+"""`linear --log tensorboard,mlflow,wandb`: each tracker, read back with its own reader, holds what the run directory
+holds (every head's train loss and val mAP per epoch, each once; each result's test mAP and F1 family; the options;
+the run's files), across a Ctrl-C and `--resume`; a tracker that fails is one line and the run is whole.
+
+MLflow runs against a real `mlflow server` (sqlite backend, served artifacts) that the module starts on 127.0.0.1,
+and a file store; W&B in offline mode. Tiny caches, a few epochs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from cli_support import REPO, one_error_line, run_cli
+from linear_support import write_synthetic_cache
+from rich.console import Console
+from tracker_support import (
+    assert_f1_family_is_sklearns, epoch_values, md5_base64, read_mlflow, read_tensorboard, read_wandb,
+    result_values, start_mlflow_server, stop_mlflow_server,
+)
+
+from spml_cache import runs
+from spml_cache.linear import run_linear
+from spml_cache.trackers.reading import flat_params
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+pytest.importorskip("tensorboard")
+
+GRID = ["--loss", "an,role", "--seeds", "2", "--lr", "1e-2", "--batch-size", "4,8", "--epochs", "3"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
+    yield started
+    stop_mlflow_server(started)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    return write_synthetic_cache(tmp_path_factory.mktemp("cache") / "voc-resnet50-448.h5", train=40, val=16, test=20)
+
+
+def environment(tmp_path: Path, **more) -> dict:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SPML_", "MLFLOW_", "WANDB_"))}
+    return {**env, "PYTHONPATH": str(REPO), "COLUMNS": "400", "WANDB_MODE": "offline", "HOME": str(tmp_path), **more}
+
+
+def started_line(process: subprocess.Popen, err: Path):
+    """The command's stderr so far (asserting it still runs)."""
+    assert process.poll() is None, err.read_text()
+    return err.read_text()
+
+
+def assert_tensorboard_holds(run_dir: Path, config: dict) -> None:
+    board = read_tensorboard(run_dir / "tensorboard")
+    expected = epoch_values(run_dir)
+    curves = {tag: points for tag, points in board.scalars.items() if "/selected/" not in tag}
+    assert len(curves) == len({(key, head, metric) for key, head, metric, _ in expected})
+    for (key, head, metric, epoch), value in expected.items():
+        points = curves[f"{key}/{metric}/{head}"]
+        assert [step for step, _ in points] == sorted({step for step, _ in points}), points  # each epoch once
+        assert dict(points)[epoch] == value
+    for key, metrics in result_values(run_dir).items():
+        assert {name: board.scalars[f"{key}/selected/{name}"][-1][1] for name in metrics} == metrics
+        assert json.loads(board.texts[f"{key}/selected"]) == {**runs.load_results(run_dir)["losses"][key]["selected"],
+                                                               "best_epoch": runs.load_results(run_dir)["losses"][key]["best_epoch"]}
+    params = flat_params(config["options"])
+    assert board.hparams == {key: value if isinstance(value, (str, bool)) else float(value) for key, value in
+                             params.items()}
+
+
+def assert_mlflow_holds(run_dir: Path, uri: str, experiment: str, config: dict) -> None:
+    found = read_mlflow(uri, experiment)
+    parent = found.parent
+    assert parent.info.run_name == run_dir.name and parent.info.status == "FINISHED"
+    assert parent.data.params == {key: str(value) for key, value in flat_params(config["options"]).items()}
+    assert parent.data.tags["run_dir"] == str(run_dir.resolve())
+    expected = epoch_values(run_dir)
+    heads = {(key, head) for key, head, _, _ in expected}
+    assert set(found.children) == {f"{key} {head}" for key, head in heads}
+    for (key, head, metric, epoch), value in expected.items():
+        child = found.children[f"{key} {head}"]
+        history = child.histories[metric]
+        assert sorted(step for step, _ in history) == sorted({step for step, _ in history}), history  # once each
+        assert dict(history)[epoch] == value
+        assert child.run.info.status == "FINISHED" and child.run.data.params["seed"] == head.split("seed_")[1]
+    results = runs.load_results(run_dir)["losses"]
+    for key, metrics in result_values(run_dir).items():
+        assert {name: parent.data.metrics[f"{key}/{name}".replace("@", "_at_")] for name in metrics} == metrics
+        selected = {name for name, child in found.children.items() if child.run.data.tags.get("selected") == "true"
+                    and name.startswith(f"{key} ")}
+        entry = results[key]
+        assert len(selected) == len(entry["per_seed"]) and all(f"lr_{entry['selected']['lr']!r}-bs_"
+                                                               f"{entry['selected']['batch_size']}-" in n for n in selected)
+    assert found.artifacts == {"config.json", "env.json", "metrics.jsonl", "results.json"}
+    with tempfile.TemporaryDirectory() as folder:
+        copy = found.client.download_artifacts(parent.info.run_id, "results.json", folder)
+        assert Path(copy).read_bytes() == (run_dir / "results.json").read_bytes()
+
+
+def assert_wandb_holds(run_dir: Path, config: dict, folders: int) -> None:
+    found = read_wandb(run_dir / "wandb")
+    record = runs.read_json(run_dir / "trackers.json")["wandb"]
+    assert len(found.folders) == folders and found.ids == {record["id"]}  # a resumed run: the same W&B run
+    assert {key: found.config[key] for key in config["options"]} == config["options"]
+    logged = {}
+    for row in found.rows:
+        for name, value in row.items():
+            if name.count("/") == 2:
+                assert (name, row["epoch"]) not in logged, (name, row["epoch"])  # each epoch once
+                logged[name, row["epoch"]] = value
+    expected = epoch_values(run_dir)
+    assert logged == {(f"{key}/{head}/{metric}", epoch): value for (key, head, metric, epoch), value in expected.items()}
+    for key, metrics in result_values(run_dir).items():
+        assert {name: found.summary[f"{key}/{name}"] for name in metrics} == metrics
+    (files,) = found.artifacts.values()
+    assert files == {name: md5_base64(run_dir / name) for name in ("config.json", "env.json", "metrics.jsonl",
+                                                                   "results.json")}
+
+
+def test_ctrl_c_then_resume_leaves_one_whole_run_in_each_tracker(tmp_path, server):
+    """SIGINT to the process group once a part is kept and a part not kept has logged epochs (which the resume
+    trains again); `--resume RUN` without --log goes on in the run's own tracker runs: one MLflow run (a child per
+    head), one TensorBoard folder, one W&B run id, each epoch once, every value the run directory's."""
+    cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=1500, val=20, test=20)
+    env = environment(tmp_path, MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME="resumed")
+    args = ["--cache", str(cache_path), *GRID, "--workers", "0", "--log", "tensorboard,mlflow,wandb"]
+    err_path = tmp_path / "err.txt"
+    with open(tmp_path / "out.txt", "w") as out, open(err_path, "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", *args], cwd=tmp_path, env=env,
+                                   stdout=out, stderr=err, start_new_session=True)
+        try:
+            while True:  # one head logged beyond the kept parts' (one head a part): a part half trained
+                started_line(process, err_path)
+                kept = len(list(tmp_path.glob("runs/voc/*/jobs/*.pt")))
+                ledger = next(tmp_path.glob("runs/voc/*/trackers.json"), None)
+                logged = json.loads(ledger.read_text())["tensorboard"]["logged"] if kept else {}
+                if kept and len(logged) > kept:
+                    break
+                time.sleep(0.05)
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    stderr = err_path.read_text()
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "--log" not in stderr, stderr  # no tracker failed
+    assert not (run_dir / "results.json").exists()
+    done = run_cli("linear", "--resume", f"runs/voc/{run_dir.name}", cwd=tmp_path, env=environment(tmp_path))
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith(("tensorboard:", "mlflow:", "wandb:"))]
+    assert [line.split(":")[0] for line in sorted(said)] == ["mlflow", "tensorboard", "wandb"], done.stderr
+    config = runs.read_json(run_dir / "config.json")
+    assert len(list((run_dir / "tensorboard").glob("events.*"))) == 2  # the resumed run's file beside the first
+    assert_tensorboard_holds(run_dir, config)
+    assert_mlflow_holds(run_dir, server.uri, "resumed", config)
+    assert_wandb_holds(run_dir, config, folders=2)
+    assert_f1_family_is_sklearns(run_dir, result_values(run_dir))
+
+
+def test_a_server_killed_mid_run_is_one_line_and_the_run_is_whole(tmp_path, tiny_cache):
+    """The server is killed once the tracker has begun its run: the command goes on, exits 0 with one line
+    naming mlflow, and results.json is complete; the other trackers log the whole run."""
+    server = start_mlflow_server(tmp_path / "mlflow")
+    args = ["--cache", str(tiny_cache), "--loss", "an,role", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epochs",
+            "30", "--log", "mlflow,tensorboard"]
+    env = environment(tmp_path, MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME="killed")
+    err_path = tmp_path / "err.txt"
+    try:
+        with open(tmp_path / "out.txt", "w") as out, open(err_path, "w") as err:
+            process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", *args], cwd=tmp_path, env=env,
+                                       stdout=out, stderr=err, start_new_session=True)
+            try:
+                while True:  # the parent run is on the server: the tracker has begun
+                    started_line(process, err_path)
+                    ledger = next(tmp_path.glob("runs/voc/*/trackers.json"), None)
+                    if ledger is not None and ledger.stat().st_size and "run_id" in json.loads(
+                            ledger.read_text()).get("mlflow", {}):
+                        break
+                    time.sleep(0.02)
+                stop_mlflow_server(server)
+                process.wait(timeout=300)
+            finally:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        stop_mlflow_server(server)
+    stderr = err_path.read_text()
+    (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
+    assert process.returncode == 0, stderr
+    failed = [line for line in stderr.splitlines() if line.startswith("--log mlflow:")]
+    assert len(failed) == 1 and failed[0].endswith(f"the run goes on without mlflow; its own files in"
+                                                   f" runs/voc/{run_dir.name} are whole"), stderr
+    assert "Traceback" not in stderr and "Retrying" not in stderr, stderr
+    assert set(runs.load_results(run_dir)["losses"]) == {"an", "role"} and runs.load_results(run_dir)["complete"]
+    assert_tensorboard_holds(run_dir, runs.read_json(run_dir / "config.json"))
+
+
+def test_mlflow_3_refuses_a_file_store_unless_allowed_in_one_line_with_the_fix(tmp_path, tiny_cache, monkeypatch):
+    """MLflow 3's file store (`file:` URIs, ./mlruns) is refused by MLflow unless MLFLOW_ALLOW_FILE_STORE=true:
+    said in one line, the run whole; allowed, the store holds the run (read back with MlflowClient)."""
+    import mlflow
+
+    store = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    said = io.StringIO()
+    refused = run_linear(cache=tiny_cache, out=tmp_path / "refused", losses=["an"], lrs=[1e-2], batch_sizes=[4],
+                         epochs=2, device="cpu", trackers="mlflow", console=Console(file=said, width=400))
+    lines = [line for line in said.getvalue().splitlines() if line.startswith("--log mlflow:")]
+    assert lines == [f"--log mlflow: MLflow {mlflow.__version__} refuses the file store {store} unless"
+                     " MLFLOW_ALLOW_FILE_STORE=true is set; or track to a database, e.g."
+                     " MLFLOW_TRACKING_URI=sqlite:///mlflow.db: the run goes on without mlflow; its own files in"
+                     f" {refused.run_dir} are whole"]
+    assert runs.load_results(refused.run_dir)["complete"]
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "file-store")
+    allowed = run_linear(cache=tiny_cache, out=tmp_path / "allowed", losses=["an"], lrs=[1e-2, 1e-3],
+                         batch_sizes=[4], epochs=2, device="cpu", trackers="mlflow",
+                         console=Console(file=io.StringIO()))
+    assert_mlflow_holds(allowed.run_dir, store, "file-store", runs.read_json(allowed.run_dir / "config.json"))
+
+
+def test_log_refuses_an_unknown_tracker_and_a_missing_package_in_one_line(tmp_path, monkeypatch, capsys):
+    line = one_error_line(["linear", "--dataset", "voc", "--loss", "an", "--log", "tensorboard,mlfow"],
+                          subprocess_too=True, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert line == ("error: --log tensorboard,mlfow: unknown tracker 'mlfow' (did you mean mlflow?); choose one of"
+                    " tensorboard, mlflow, wandb, or none")
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else
+                        find_spec(name, *rest))
+    line = one_error_line(["finetune", "--dataset", "voc", "--loss", "an", "--log", "wandb"], subprocess_too=False,
+                          cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert line == 'error: --log wandb: needs the wandb package: pip install "spml-cache[wandb]"'
