@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,13 +21,12 @@ from cli_support import REPO, one_error_line, run_cli
 from linear_support import write_synthetic_cache
 from rich.console import Console
 from tracker_support import (
-    assert_f1_family_is_sklearns, epoch_values, md5_base64, read_mlflow, read_tensorboard, read_wandb,
-    result_values, start_mlflow_server, stop_mlflow_server,
+    assert_f1_family_is_sklearns, assert_mlflow_holds, assert_tensorboard_holds, assert_wandb_holds, result_values,
+    free_port, start_mlflow_server, stop_mlflow_server, wandb_folders,
 )
 
 from spml_cache import runs
 from spml_cache.linear import run_linear
-from spml_cache.trackers.reading import flat_params
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -51,80 +49,13 @@ def tiny_cache(tmp_path_factory):
 
 def environment(tmp_path: Path, **more) -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("SPML_", "MLFLOW_", "WANDB_"))}
-    return {**env, "PYTHONPATH": str(REPO), "COLUMNS": "400", "WANDB_MODE": "offline", "HOME": str(tmp_path), **more}
+    return {**env, "PYTHONPATH": str(REPO), "COLUMNS": "400", **wandb_folders(tmp_path), **more}
 
 
 def started_line(process: subprocess.Popen, err: Path):
     """The command's stderr so far (asserting it still runs)."""
     assert process.poll() is None, err.read_text()
     return err.read_text()
-
-
-def assert_tensorboard_holds(run_dir: Path, config: dict) -> None:
-    board = read_tensorboard(run_dir / "tensorboard")
-    expected = epoch_values(run_dir)
-    curves = {tag: points for tag, points in board.scalars.items() if "/selected/" not in tag}
-    assert len(curves) == len({(key, head, metric) for key, head, metric, _ in expected})
-    for (key, head, metric, epoch), value in expected.items():
-        points = curves[f"{key}/{metric}/{head}"]
-        assert [step for step, _ in points] == sorted({step for step, _ in points}), points  # each epoch once
-        assert dict(points)[epoch] == value
-    for key, metrics in result_values(run_dir).items():
-        assert {name: board.scalars[f"{key}/selected/{name}"][-1][1] for name in metrics} == metrics
-        assert json.loads(board.texts[f"{key}/selected"]) == {**runs.load_results(run_dir)["losses"][key]["selected"],
-                                                               "best_epoch": runs.load_results(run_dir)["losses"][key]["best_epoch"]}
-    params = flat_params(config["options"])
-    assert board.hparams == {key: value if isinstance(value, (str, bool)) else float(value) for key, value in
-                             params.items()}
-
-
-def assert_mlflow_holds(run_dir: Path, uri: str, experiment: str, config: dict) -> None:
-    found = read_mlflow(uri, experiment)
-    parent = found.parent
-    assert parent.info.run_name == run_dir.name and parent.info.status == "FINISHED"
-    assert parent.data.params == {key: str(value) for key, value in flat_params(config["options"]).items()}
-    assert parent.data.tags["run_dir"] == str(run_dir.resolve())
-    expected = epoch_values(run_dir)
-    heads = {(key, head) for key, head, _, _ in expected}
-    assert set(found.children) == {f"{key} {head}" for key, head in heads}
-    for (key, head, metric, epoch), value in expected.items():
-        child = found.children[f"{key} {head}"]
-        history = child.histories[metric]
-        assert sorted(step for step, _ in history) == sorted({step for step, _ in history}), history  # once each
-        assert dict(history)[epoch] == value
-        assert child.run.info.status == "FINISHED" and child.run.data.params["seed"] == head.split("seed_")[1]
-    results = runs.load_results(run_dir)["losses"]
-    for key, metrics in result_values(run_dir).items():
-        assert {name: parent.data.metrics[f"{key}/{name}".replace("@", "_at_")] for name in metrics} == metrics
-        selected = {name for name, child in found.children.items() if child.run.data.tags.get("selected") == "true"
-                    and name.startswith(f"{key} ")}
-        entry = results[key]
-        assert len(selected) == len(entry["per_seed"]) and all(f"lr_{entry['selected']['lr']!r}-bs_"
-                                                               f"{entry['selected']['batch_size']}-" in n for n in selected)
-    assert found.artifacts == {"config.json", "env.json", "metrics.jsonl", "results.json"}
-    with tempfile.TemporaryDirectory() as folder:
-        copy = found.client.download_artifacts(parent.info.run_id, "results.json", folder)
-        assert Path(copy).read_bytes() == (run_dir / "results.json").read_bytes()
-
-
-def assert_wandb_holds(run_dir: Path, config: dict, folders: int) -> None:
-    found = read_wandb(run_dir / "wandb")
-    record = runs.read_json(run_dir / "trackers.json")["wandb"]
-    assert len(found.folders) == folders and found.ids == {record["id"]}  # a resumed run: the same W&B run
-    assert {key: found.config[key] for key in config["options"]} == config["options"]
-    logged = {}
-    for row in found.rows:
-        for name, value in row.items():
-            if name.count("/") == 2:
-                assert (name, row["epoch"]) not in logged, (name, row["epoch"])  # each epoch once
-                logged[name, row["epoch"]] = value
-    expected = epoch_values(run_dir)
-    assert logged == {(f"{key}/{head}/{metric}", epoch): value for (key, head, metric, epoch), value in expected.items()}
-    for key, metrics in result_values(run_dir).items():
-        assert {name: found.summary[f"{key}/{name}"] for name in metrics} == metrics
-    (files,) = found.artifacts.values()
-    assert files == {name: md5_base64(run_dir / name) for name in ("config.json", "env.json", "metrics.jsonl",
-                                                                   "results.json")}
 
 
 def test_ctrl_c_then_resume_leaves_one_whole_run_in_each_tracker(tmp_path, server):
@@ -199,12 +130,27 @@ def test_a_server_killed_mid_run_is_one_line_and_the_run_is_whole(tmp_path, tiny
     stderr = err_path.read_text()
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert process.returncode == 0, stderr
-    failed = [line for line in stderr.splitlines() if line.startswith("--log mlflow:")]
-    assert len(failed) == 1 and failed[0].endswith(f"the run goes on without mlflow; its own files in"
-                                                   f" runs/voc/{run_dir.name} are whole"), stderr
+    failed = [line for line in stderr.splitlines() if line.startswith("--log")]
+    assert failed == [f"--log mlflow: {server.uri} does not answer (is the server up? MLFLOW_TRACKING_URI says where"
+                      f" it is): the run goes on without mlflow; its own files in runs/voc/{run_dir.name} are whole"]
     assert "Traceback" not in stderr and "Retrying" not in stderr, stderr
     assert set(runs.load_results(run_dir)["losses"]) == {"an", "role"} and runs.load_results(run_dir)["complete"]
     assert_tensorboard_holds(run_dir, runs.read_json(run_dir / "config.json"))
+
+
+def test_a_tracking_uri_nothing_answers_at_is_one_line_before_the_training(tmp_path, tiny_cache, monkeypatch):
+    uri = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    said = io.StringIO()
+    run = run_linear(cache=tiny_cache, out=tmp_path, losses=["an"], lrs=[1e-2], batch_sizes=[4], epochs=2,
+                     device="cpu", trackers="mlflow", console=Console(file=said, width=400))
+    lines = said.getvalue().splitlines()
+    assert [line for line in lines if "mlflow" in line] == [
+        f"--log mlflow: {uri} does not answer (is the server up? MLFLOW_TRACKING_URI says where it is): the run goes"
+        f" on without mlflow; its own files in {run.run_dir} are whole"]
+    assert lines.index([line for line in lines if "mlflow" in line][0]) < lines.index(
+        next(line for line in lines if line.startswith("an: done")))
+    assert runs.load_results(run.run_dir)["complete"]
 
 
 def test_mlflow_3_refuses_a_file_store_unless_allowed_in_one_line_with_the_fix(tmp_path, tiny_cache, monkeypatch):

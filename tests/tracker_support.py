@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import zlib
@@ -26,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from spml_cache import runs
+from spml_cache.trackers.reading import flat_params
 
 # --- what the run directory holds --------------------------------------------------------------------------
 
@@ -252,3 +254,79 @@ def md5_base64(path: Path) -> str:
     import hashlib
 
     return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+
+def wandb_folders(tmp_path: Path) -> dict:
+    """W&B offline, its own folders (staged artifacts, cache, settings) in the test's folder, not the user's home."""
+    return {"WANDB_MODE": "offline", **{f"WANDB_{kind}_DIR": str(tmp_path / f"wandb-{kind.lower()}")
+                                       for kind in ("DATA", "CACHE", "CONFIG")}}
+
+
+# --- each tracker against the run directory ----------------------------------------------------------------
+
+
+def assert_tensorboard_holds(run_dir: Path, config: dict) -> None:
+    board = read_tensorboard(run_dir / "tensorboard")
+    expected = epoch_values(run_dir)
+    curves = {tag: points for tag, points in board.scalars.items() if "/selected/" not in tag}
+    assert len(curves) == len({(key, head, metric) for key, head, metric, _ in expected})
+    for (key, head, metric, epoch), value in expected.items():
+        points = curves[f"{key}/{metric}/{head}"]
+        assert [step for step, _ in points] == sorted({step for step, _ in points}), points  # each epoch once
+        assert dict(points)[epoch] == value
+    for key, metrics in result_values(run_dir).items():
+        assert {name: board.scalars[f"{key}/selected/{name}"][-1][1] for name in metrics} == metrics
+        assert json.loads(board.texts[f"{key}/selected"]) == {**runs.load_results(run_dir)["losses"][key]["selected"],
+                                                               "best_epoch": runs.load_results(run_dir)["losses"][key]["best_epoch"]}
+    params = flat_params(config["options"])
+    assert board.hparams == {key: value if isinstance(value, (str, bool)) else float(value) for key, value in
+                             params.items()}
+
+
+def assert_mlflow_holds(run_dir: Path, uri: str, experiment: str, config: dict) -> None:
+    found = read_mlflow(uri, experiment)
+    parent = found.parent
+    assert parent.info.run_name == run_dir.name and parent.info.status == "FINISHED"
+    assert parent.data.params == {key: str(value) for key, value in flat_params(config["options"]).items()}
+    assert parent.data.tags["run_dir"] == str(run_dir.resolve())
+    expected = epoch_values(run_dir)
+    heads = {(key, head) for key, head, _, _ in expected}
+    assert set(found.children) == {f"{key} {head}" for key, head in heads}
+    for (key, head, metric, epoch), value in expected.items():
+        child = found.children[f"{key} {head}"]
+        history = child.histories[metric]
+        assert sorted(step for step, _ in history) == sorted({step for step, _ in history}), history  # once each
+        assert dict(history)[epoch] == value
+        assert child.run.info.status == "FINISHED" and child.run.data.params["seed"] == head.split("seed_")[1]
+    results = runs.load_results(run_dir)["losses"]
+    for key, metrics in result_values(run_dir).items():
+        assert {name: parent.data.metrics[f"{key}/{name}".replace("@", "_at_")] for name in metrics} == metrics
+        selected = {name for name, child in found.children.items() if child.run.data.tags.get("selected") == "true"
+                    and name.startswith(f"{key} ")}
+        entry = results[key]
+        assert len(selected) == len(entry["per_seed"]) and all(f"lr_{entry['selected']['lr']!r}-bs_"
+                                                               f"{entry['selected']['batch_size']}-" in n for n in selected)
+    assert found.artifacts == {"config.json", "env.json", "metrics.jsonl", "results.json"}
+    with tempfile.TemporaryDirectory() as folder:
+        copy = found.client.download_artifacts(parent.info.run_id, "results.json", folder)
+        assert Path(copy).read_bytes() == (run_dir / "results.json").read_bytes()
+
+
+def assert_wandb_holds(run_dir: Path, config: dict, folders: int) -> None:
+    found = read_wandb(run_dir / "wandb")
+    record = runs.read_json(run_dir / "trackers.json")["wandb"]
+    assert len(found.folders) == folders and found.ids == {record["id"]}  # a resumed run: the same W&B run
+    assert {key: found.config[key] for key in config["options"]} == config["options"]
+    logged = {}
+    for row in found.rows:
+        for name, value in row.items():
+            if name.count("/") == 2:
+                assert (name, row["epoch"]) not in logged, (name, row["epoch"])  # each epoch once
+                logged[name, row["epoch"]] = value
+    expected = epoch_values(run_dir)
+    assert logged == {(f"{key}/{head}/{metric}", epoch): value for (key, head, metric, epoch), value in expected.items()}
+    for key, metrics in result_values(run_dir).items():
+        assert {name: found.summary[f"{key}/{name}"] for name in metrics} == metrics
+    (files,) = found.artifacts.values()
+    assert files == {name: md5_base64(run_dir / name) for name in ("config.json", "env.json", "metrics.jsonl",
+                                                                   "results.json")}

@@ -121,3 +121,7 @@ class Tracker:
     def stop(self, failed: bool) -> None:
         """The run stopped (Ctrl-C, SIGTERM) or failed: close the tool's run as such, to be gone on with by a resume."""
         raise NotImplementedError
+
+    def explain(self, err: Exception) -> str | None:
+        """What went wrong, in a few words, where the tool's own message would not say it in one short line."""
+        return None

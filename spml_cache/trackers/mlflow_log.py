@@ -25,6 +25,9 @@ DEFAULT_EXPERIMENT = "spml-cache"
 QUIET = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
          "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
          "MLFLOW_LOGGING_LEVEL": "ERROR"}
+# What MLflow's client says (after its retries) when nothing answers at the tracking URI.
+UNREACHABLE = ("Max retries exceeded", "Failed to establish a new connection", "Connection refused",
+               "Connection aborted", "Read timed out")
 BATCH = 100  # MLflow takes at most 100 parameters or tags, and 1000 metrics, in one call
 
 
@@ -153,3 +156,10 @@ class MLflow(Tracker):
 
     def stop(self, failed: bool) -> None:
         self.client.set_terminated(self.record["run_id"], "FAILED" if failed else "KILLED")
+
+    def explain(self, err: Exception) -> str | None:
+        text = str(err)
+        if any(sign in text for sign in UNREACHABLE):
+            return f"{getattr(self, 'uri', 'the tracking URI')} does not answer (is the server up? MLFLOW_TRACKING_URI" \
+                " says where it is)"
+        return None

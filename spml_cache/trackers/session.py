@@ -126,8 +126,9 @@ class Channel:
                 return
         except Exception as err:
             self.failed = True
-            self.say(f"--log {name}: {one_line(err)}: the run goes on without {name}; its own files in"
-                     f" {self.run.run_dir} are whole")
+            said = self.tracker.explain(err) or one_line(err)
+            self.say(f"--log {name}: {said}: the run goes on without {name}; its own files in {self.run.run_dir} are"
+                     " whole")
 
     def _log(self, lines: list[dict]) -> None:
         """The epochs of `lines` this tracker has not logged yet (a resumed run writes its kept lines again, and
