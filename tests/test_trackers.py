@@ -22,7 +22,7 @@ from linear_support import write_synthetic_cache
 from rich.console import Console
 from tracker_support import (
     assert_f1_family_is_sklearns, assert_mlflow_holds, assert_tensorboard_holds, assert_wandb_holds, result_values,
-    free_port, start_mlflow_server, stop_mlflow_server, wandb_folders,
+    SharedServer, free_port, stop_mlflow_server, wandb_folders,
 )
 
 from spml_cache import runs
@@ -36,10 +36,11 @@ GRID = ["--loss", "an,role", "--seeds", "2", "--lr", "1e-2", "--batch-size", "4,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    started = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
-    yield started
-    stop_mlflow_server(started)
+def servers(tmp_path_factory):
+    """The module's one mlflow server (`alive()`: started again after the test that kills it)."""
+    shared = SharedServer(tmp_path_factory.mktemp("mlflow"))
+    yield shared
+    shared.close()
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,12 @@ def started_line(process: subprocess.Popen, err: Path):
     return err.read_text()
 
 
-def test_ctrl_c_then_resume_leaves_one_whole_run_in_each_tracker(tmp_path, server):
+def test_ctrl_c_then_resume_leaves_one_whole_run_in_each_tracker(tmp_path, servers):
     """SIGINT to the process group once a part is kept and a part not kept has logged epochs (which the resume
     trains again); `--resume RUN` without --log goes on in the run's own tracker runs: one MLflow run (a child per
     head), one TensorBoard folder, one W&B run id, each epoch once, every value the run directory's."""
     cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=1500, val=20, test=20)
+    server = servers.alive()
     env = environment(tmp_path, MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME="resumed")
     args = ["--cache", str(cache_path), *GRID, "--workers", "0", "--log", "tensorboard,mlflow,wandb"]
     err_path = tmp_path / "err.txt"
@@ -100,10 +102,10 @@ def test_ctrl_c_then_resume_leaves_one_whole_run_in_each_tracker(tmp_path, serve
     assert_f1_family_is_sklearns(run_dir, result_values(run_dir))
 
 
-def test_a_server_killed_mid_run_is_one_line_and_the_run_is_whole(tmp_path, tiny_cache):
-    """The server is killed once the tracker has begun its run: the command goes on, exits 0 with one line
-    naming mlflow, and results.json is complete; the other trackers log the whole run."""
-    server = start_mlflow_server(tmp_path / "mlflow")
+def test_a_server_killed_mid_run_is_one_line_and_the_run_is_whole(tmp_path, tiny_cache, servers):
+    """The server is killed (SIGKILL) once the tracker has begun its run: the command goes on, exits 0 with one
+    line naming the server, and results.json is complete; the other tracker logs the whole run."""
+    server = servers.alive()
     args = ["--cache", str(tiny_cache), "--loss", "an,role", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epochs",
             "30", "--log", "mlflow,tensorboard"]
     env = environment(tmp_path, MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME="killed")
@@ -126,7 +128,7 @@ def test_a_server_killed_mid_run_is_one_line_and_the_run_is_whole(tmp_path, tiny
                 if process.poll() is None:
                     os.killpg(process.pid, signal.SIGKILL)
     finally:
-        stop_mlflow_server(server)
+        stop_mlflow_server(server)  # whatever happened: the next test that needs one starts another
     stderr = err_path.read_text()
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert process.returncode == 0, stderr

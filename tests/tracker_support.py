@@ -162,10 +162,31 @@ def start_mlflow_server(folder: Path, timeout: float = 300) -> SimpleNamespace:
 
 
 def stop_mlflow_server(server: SimpleNamespace) -> None:
+    """SIGKILL to the server's process group (its workers too): a server gone at once, as a crash leaves it."""
     if server.process.poll() is None:
         os.killpg(server.process.pid, signal.SIGKILL)
     server.process.wait(timeout=30)
     server.log.close()
+
+
+class SharedServer:
+    """A test module's mlflow server (its start takes ~10-30 s on two cores): started when a test first asks for
+    it, and again when a test has ended it (the test of a server gone mid-run kills the one it is given)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.current, self.started = folder, None, 0
+
+    def alive(self) -> SimpleNamespace:
+        if self.current is None or self.current.process.poll() is not None:
+            if self.current is not None:
+                stop_mlflow_server(self.current)
+            self.started += 1
+            self.current = start_mlflow_server(self.folder / f"server-{self.started}")
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            stop_mlflow_server(self.current)
 
 
 def read_mlflow(uri: str, experiment: str) -> SimpleNamespace:
