@@ -155,6 +155,20 @@ def test_a_tracking_uri_nothing_answers_at_is_one_line_before_the_training(tmp_p
     assert runs.load_results(run.run_dir)["complete"]
 
 
+def test_wandb_online_without_a_login_is_one_line_and_never_a_prompt(tmp_path, tiny_cache, monkeypatch):
+    for key, value in {**wandb_folders(tmp_path), "WANDB_MODE": "online", "HOME": str(tmp_path),
+                       "NETRC": str(tmp_path / "no-netrc")}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    said = io.StringIO()
+    run = run_linear(cache=tiny_cache, out=tmp_path, losses=["an"], lrs=[1e-2], batch_sizes=[4], epochs=2,
+                     device="cpu", trackers="wandb", console=Console(file=said, width=400))
+    assert [line for line in said.getvalue().splitlines() if "wandb" in line.lower()] == [
+        "--log wandb: no W&B login: run `wandb login` (or set WANDB_API_KEY), or log offline with WANDB_MODE=offline:"
+        f" the run goes on without wandb; its own files in {run.run_dir} are whole"]
+    assert runs.load_results(run.run_dir)["complete"]
+
+
 def test_mlflow_3_refuses_a_file_store_unless_allowed_in_one_line_with_the_fix(tmp_path, tiny_cache, monkeypatch):
     """MLflow 3's file store (`file:` URIs, ./mlruns) is refused by MLflow unless MLFLOW_ALLOW_FILE_STORE=true:
     said in one line, the run whole; allowed, the store holds the run (read back with MlflowClient)."""

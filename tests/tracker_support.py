@@ -27,9 +27,22 @@ from types import SimpleNamespace
 import numpy as np
 
 from spml_cache import runs
-from spml_cache.trackers.reading import flat_params
 
 # --- what the run directory holds --------------------------------------------------------------------------
+
+
+def flat_params(options: dict, prefix: str = "") -> dict:
+    """config.json's options as the trackers' parameters, restated: nested keys joined by dots, lists as comma
+    text, None and empty mappings as `none`."""
+    found = {}
+    for name, value in options.items():
+        if isinstance(value, dict) and value:
+            found.update(flat_params(value, f"{prefix}{name}."))
+        elif isinstance(value, list):
+            found[f"{prefix}{name}"] = ",".join(map(str, value)) or "none"
+        else:
+            found[f"{prefix}{name}"] = "none" if value is None or value == {} else value
+    return found
 
 
 def head_key(line: dict) -> tuple[str, str]:
@@ -265,7 +278,8 @@ def read_wandb(folder: Path) -> SimpleNamespace:
                 summary.update({"/".join(item.nested_key) or item.key: json.loads(item.value_json)
                                 for item in record.summary.update})
             elif kind == "artifact":
-                artifacts[record.artifact.name] = {entry.path: entry.digest for entry in record.artifact.manifest.contents}
+                contents = record.artifact.manifest.contents
+                artifacts[record.artifact.name] = {entry.path: entry.digest for entry in contents}
     return SimpleNamespace(folders=runs_found, ids=ids, config=config, rows=rows, summary=summary, artifacts=artifacts)
 
 
@@ -297,8 +311,8 @@ def assert_tensorboard_holds(run_dir: Path, config: dict) -> None:
         assert dict(points)[epoch] == value
     for key, metrics in result_values(run_dir).items():
         assert {name: board.scalars[f"{key}/selected/{name}"][-1][1] for name in metrics} == metrics
-        assert json.loads(board.texts[f"{key}/selected"]) == {**runs.load_results(run_dir)["losses"][key]["selected"],
-                                                               "best_epoch": runs.load_results(run_dir)["losses"][key]["best_epoch"]}
+        entry = runs.load_results(run_dir)["losses"][key]
+        assert json.loads(board.texts[f"{key}/selected"]) == {**entry["selected"], "best_epoch": entry["best_epoch"]}
     params = flat_params(config["options"])
     assert board.hparams == {key: value if isinstance(value, (str, bool)) else float(value) for key, value in
                              params.items()}
@@ -325,8 +339,8 @@ def assert_mlflow_holds(run_dir: Path, uri: str, experiment: str, config: dict) 
         selected = {name for name, child in found.children.items() if child.run.data.tags.get("selected") == "true"
                     and name.startswith(f"{key} ")}
         entry = results[key]
-        assert len(selected) == len(entry["per_seed"]) and all(f"lr_{entry['selected']['lr']!r}-bs_"
-                                                               f"{entry['selected']['batch_size']}-" in n for n in selected)
+        config_name = f"lr_{entry['selected']['lr']!r}-bs_{entry['selected']['batch_size']}-"
+        assert len(selected) == len(entry["per_seed"]) and all(config_name in name for name in selected)
     assert found.artifacts == {"config.json", "env.json", "metrics.jsonl", "results.json"}
     with tempfile.TemporaryDirectory() as folder:
         copy = found.client.download_artifacts(parent.info.run_id, "results.json", folder)
@@ -345,7 +359,8 @@ def assert_wandb_holds(run_dir: Path, config: dict, folders: int) -> None:
                 assert (name, row["epoch"]) not in logged, (name, row["epoch"])  # each epoch once
                 logged[name, row["epoch"]] = value
     expected = epoch_values(run_dir)
-    assert logged == {(f"{key}/{head}/{metric}", epoch): value for (key, head, metric, epoch), value in expected.items()}
+    assert logged == {(f"{key}/{head}/{metric}", epoch): value
+                      for (key, head, metric, epoch), value in expected.items()}
     for key, metrics in result_values(run_dir).items():
         assert {name: found.summary[f"{key}/{name}"] for name in metrics} == metrics
     (files,) = found.artifacts.values()

@@ -2,12 +2,12 @@
 users already watch (docs/trackers.md).
 
 Each tracker is an entry of `TRACKERS` (its module imported, and its package, only when a run logs to it). A stage
-opens them with `watching(names, run_dir, say)` around its training: every metrics line it writes
-(`runs.append_metrics`) goes to each tracker's own thread, and once results.json is written, the results and the
-run's files; a stop or an error closes the trackers' runs as such. A tracker never holds the training up or stops
-it: what it raises is one line (`say`), and the run's own files are whole. Each tracker's run ids, and how far
-it logged each head, are kept in the run directory (trackers.json), so that `--resume` goes on in the same
-tracker runs and logs each epoch once.
+opens them with `watching(names, run_dir, say)` around its training: the training waits (at most a minute) for the
+trackers to open their runs, then every metrics line it writes (`runs.append_metrics`) goes to each tracker's own
+thread, and once results.json is written, the results and the run's files; a stop or an error closes the
+trackers' runs as such. A tracker never stops the training: what it raises is one line (`say`), and the run's own
+files are whole. Each tracker's run ids, and how far it logged each head, are kept in the run directory
+(trackers.json), so that `--resume` goes on in the same tracker runs and logs each epoch once.
 
 No torch here (the options read `--log` with `read_trackers` as the command line is parsed).
 """

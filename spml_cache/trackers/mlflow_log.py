@@ -67,19 +67,20 @@ class MLflow(Tracker):
             self.client.update_run(record["run_id"], status="RUNNING")
             self._found_children()
             return
-        experiment = self._experiment()
-        parent = self.client.create_run(experiment, run_name=run.name, tags={key_text(k): v for k, v in
-                                                                           {**run.tags, "spml.stage": run.stage}.items()})
-        record.update(tracking_uri=self.uri, experiment_id=experiment, run_id=parent.info.run_id)
+        experiment, name = self._experiment()
+        tags = {key_text(key): value for key, value in run.tags.items()}
+        parent = self.client.create_run(experiment, run_name=run.name, tags=tags)
+        record.update(tracking_uri=self.uri, experiment_id=experiment, experiment=name, run_id=parent.info.run_id)
         self._params(parent.info.run_id, run.params)
 
-    def _experiment(self) -> str:
+    def _experiment(self) -> tuple[str, str]:
+        """(id, name) of the experiment the run goes into (made when it is not there)."""
         given = os.environ.get("MLFLOW_EXPERIMENT_ID")
         if given:
-            return given
+            return given, self.client.get_experiment(given).name
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         found = self.client.get_experiment_by_name(name)
-        return found.experiment_id if found is not None else self.client.create_experiment(name)
+        return (found.experiment_id if found is not None else self.client.create_experiment(name)), name
 
     def _params(self, run_id: str, params: dict) -> None:
         from mlflow.entities import Param
@@ -152,7 +153,11 @@ class MLflow(Tracker):
         for path in outcome.files:
             self.client.log_artifact(parent, str(path))
         self.client.set_terminated(parent, "FINISHED")
-        return f"mlflow: run {parent} ({self.run.name}) at {self.uri}, experiment {self.record['experiment_id']}"
+        experiment = self.record["experiment_id"]
+        if self.uri.startswith(("http://", "https://")):
+            return f"mlflow: {self.uri.rstrip('/')}/#/experiments/{experiment}/runs/{parent}"
+        return (f"mlflow: run {parent} of experiment {self.record.get('experiment', experiment)} in {self.uri} (mlflow"
+                f" ui --backend-store-uri {self.uri})")
 
     def stop(self, failed: bool) -> None:
         self.client.set_terminated(self.record["run_id"], "FAILED" if failed else "KILLED")
@@ -160,6 +165,6 @@ class MLflow(Tracker):
     def explain(self, err: Exception) -> str | None:
         text = str(err)
         if any(sign in text for sign in UNREACHABLE):
-            return f"{getattr(self, 'uri', 'the tracking URI')} does not answer (is the server up? MLFLOW_TRACKING_URI" \
-                " says where it is)"
+            where = getattr(self, "uri", "the tracking URI")
+            return f"{where} does not answer (is the server up? MLFLOW_TRACKING_URI says where it is)"
         return None

@@ -72,6 +72,7 @@ class Channel:
         self.held: tuple | None = None  # a message taken while coalescing lines, handled next
         self.failed = False
         self.started = threading.Event()  # its run is open (or it failed to open it)
+        self.ended = threading.Event()  # it has sent everything, or failed: nothing more to wait for
         tracker.took, tracker.stopping = self._took, threading.Event()
         self.thread = threading.Thread(target=self._work, name=f"spml-cache --log {tracker.name}", daemon=True)
         self.thread.start()
@@ -117,15 +118,18 @@ class Channel:
                     self._log(payload)
                     continue
                 if kind == "finish":
-                    self.say(self.tracker.finish(payload))
+                    where = self.tracker.finish(payload)
                     self.record["finished"] = True
                     self.ledger.put(name, self.record)
+                    self.ended.set()
+                    self.say(where)
                 else:
                     self.ledger.put(name, self.record)  # first: what was taken is known, however the close goes
                     self.tracker.stop(failed=payload)
                 return
         except Exception as err:
             self.failed = True
+            self.ended.set()
             said = self.tracker.explain(err) or one_line(err)
             self.say(f"--log {name}: {said}: the run goes on without {name}; its own files in {self.run.run_dir} are"
                      " whole")
@@ -198,11 +202,11 @@ class Session:
                 waited = time.monotonic() - began
                 if limit is not None and waited > limit:
                     return False
-                if limit is None and stop_requested() is not None:
+                if limit is None and stop_requested() is not None and not channel.ended.is_set():
                     self.say(f"--log {channel.tracker.name}: left before it took all of the run's values; the run's"
                              f" own files in {self.run_dir} are whole")
                     limit = waited + STOP_WAIT_S
-                if not told and limit is None and waited > SLOW_S:
+                if not told and limit is None and waited > SLOW_S and not channel.ended.is_set():
                     self.say(f"--log {channel.tracker.name}: sending the run's last values (Ctrl-C leaves them)")
                     told = True
         return True
