@@ -11,13 +11,10 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from cli_support import REPO, one_error_line, run_cli
+from cli_support import ended, one_error_line, run_cli, start_cli
 from linear_support import write_synthetic_cache
 from rich.console import Console
 from tracker_support import (
@@ -49,14 +46,15 @@ def tiny_cache(tmp_path_factory):
 
 
 def environment(tmp_path: Path, **more) -> dict:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("SPML_", "MLFLOW_", "WANDB_"))}
-    return {**env, "PYTHONPATH": str(REPO), "COLUMNS": "400", **wandb_folders(tmp_path), **more}
+    """The command's environment: none of the user's MLflow or W&B settings, W&B offline in the test's folder."""
+    theirs = {key: None for key in os.environ if key.startswith(("MLFLOW_", "WANDB_"))}
+    return {**theirs, **wandb_folders(tmp_path), **more}
 
 
-def started_line(process: subprocess.Popen, err: Path):
-    """The command's stderr so far (asserting it still runs)."""
-    assert process.poll() is None, err.read_text()
-    return err.read_text()
+def ledger(tmp_path: Path) -> dict:
+    """The run's trackers.json so far ({} before it is written)."""
+    found = next(tmp_path.glob("runs/voc/*/trackers.json"), None)
+    return json.loads(found.read_text()) if found is not None and found.stat().st_size else {}
 
 
 def test_ctrl_c_then_resume_leaves_one_whole_run_in_each_tracker(tmp_path, servers):
@@ -67,25 +65,14 @@ def test_ctrl_c_then_resume_leaves_one_whole_run_in_each_tracker(tmp_path, serve
     server = servers.alive()
     env = environment(tmp_path, MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME="resumed")
     args = ["--cache", str(cache_path), *GRID, "--workers", "0", "--log", "tensorboard,mlflow,wandb"]
-    err_path = tmp_path / "err.txt"
-    with open(tmp_path / "out.txt", "w") as out, open(err_path, "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", *args], cwd=tmp_path, env=env,
-                                   stdout=out, stderr=err, start_new_session=True)
-        try:
-            while True:  # one head logged beyond the kept parts' (one head a part): a part half trained
-                started_line(process, err_path)
-                kept = len(list(tmp_path.glob("runs/voc/*/jobs/*.pt")))
-                ledger = next(tmp_path.glob("runs/voc/*/trackers.json"), None)
-                logged = json.loads(ledger.read_text())["tensorboard"]["logged"] if kept else {}
-                if kept and len(logged) > kept:
-                    break
-                time.sleep(0.05)
-            os.killpg(process.pid, signal.SIGINT)
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    stderr = err_path.read_text()
+
+    def part_half_trained():  # a head logged beyond the kept parts' (one head a part)
+        kept = len(list(tmp_path.glob("runs/voc/*/jobs/*.pt")))
+        return kept and len(ledger(tmp_path).get("tensorboard", {}).get("logged", {})) > kept
+
+    process = start_cli("linear", *args, cwd=tmp_path, env=env, ready=part_half_trained)
+    os.killpg(process.pid, signal.SIGINT)
+    stderr = ended(process, tmp_path)
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "--log" not in stderr, stderr  # no tracker failed
@@ -109,27 +96,13 @@ def test_a_server_killed_mid_run_is_one_line_and_the_run_is_whole(tmp_path, tiny
     args = ["--cache", str(tiny_cache), "--loss", "an,role", "--lr", "1e-2,1e-3", "--batch-size", "4,8", "--epochs",
             "30", "--log", "mlflow,tensorboard"]
     env = environment(tmp_path, MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME="killed")
-    err_path = tmp_path / "err.txt"
-    try:
-        with open(tmp_path / "out.txt", "w") as out, open(err_path, "w") as err:
-            process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", *args], cwd=tmp_path, env=env,
-                                       stdout=out, stderr=err, start_new_session=True)
-            try:
-                while True:  # the parent run is on the server: the tracker has begun
-                    started_line(process, err_path)
-                    ledger = next(tmp_path.glob("runs/voc/*/trackers.json"), None)
-                    if ledger is not None and ledger.stat().st_size and "run_id" in json.loads(
-                            ledger.read_text()).get("mlflow", {}):
-                        break
-                    time.sleep(0.02)
-                stop_mlflow_server(server)
-                process.wait(timeout=300)
-            finally:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
+    try:  # ready: the parent run is on the server, the tracker has begun
+        process = start_cli("linear", *args, cwd=tmp_path, env=env,
+                            ready=lambda: "run_id" in ledger(tmp_path).get("mlflow", {}))
+        stop_mlflow_server(server)
+        stderr = ended(process, tmp_path, timeout=300)
     finally:
         stop_mlflow_server(server)  # whatever happened: the next test that needs one starts another
-    stderr = err_path.read_text()
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert process.returncode == 0, stderr
     failed = [line for line in stderr.splitlines() if line.startswith("--log")]
