@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from cli_support import ended, one_error_line, run_cli, start_cli
-from linear_support import write_synthetic_cache
+from linear_support import interrupted_run, quiet, write_synthetic_cache
 from rich.console import Console
 from tracker_support import (
     assert_f1_family_is_sklearns, assert_mlflow_holds, assert_tensorboard_holds, assert_wandb_holds, result_values,
@@ -166,6 +166,26 @@ def test_mlflow_3_refuses_a_file_store_unless_allowed_in_one_line_with_the_fix(t
                          batch_sizes=[4], epochs=2, device="cpu", trackers="mlflow",
                          console=Console(file=io.StringIO()))
     assert_mlflow_holds(allowed.run_dir, store, "file-store", runs.read_json(allowed.run_dir / "config.json"))
+
+
+def test_mlflow_finds_its_runs_on_the_server_when_trackers_json_lost_their_ids(tmp_path, tiny_cache, monkeypatch):
+    """A stop between MLflow making a run and trackers.json keeping its id (here: the ids removed from the ledger
+    of a stopped run): the resume finds the parent by its run directory and each child by its head, on the
+    server, and makes neither again."""
+    store = (tmp_path / "mlruns").as_uri()
+    for key, value in {"MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true",
+                       "MLFLOW_EXPERIMENT_NAME": "found"}.items():
+        monkeypatch.setenv(key, value)
+    grid = dict(losses=["an", "role"], lrs=[1e-2], batch_sizes=[4, 8], epochs=2, seeds=1, device="cpu")
+    run_dir = interrupted_run(tmp_path / "runs", tiny_cache, monkeypatch, 2, trackers="mlflow", **grid)
+    ledger_path = run_dir / "trackers.json"
+    kept = json.loads(ledger_path.read_text())
+    assert kept["mlflow"]["run_id"] and kept["mlflow"]["children"]
+    lost = {**kept, "mlflow": {"logged": kept["mlflow"]["logged"]}}  # how far it logged, not where
+    ledger_path.write_text(json.dumps(lost))
+    run_linear(resume=run_dir, console=quiet())
+    assert json.loads(ledger_path.read_text())["mlflow"]["run_id"] == kept["mlflow"]["run_id"]
+    assert_mlflow_holds(run_dir, store, "found", runs.read_json(run_dir / "config.json"))
 
 
 def test_log_refuses_an_unknown_tracker_and_a_missing_package_in_one_line(tmp_path, monkeypatch, capsys):

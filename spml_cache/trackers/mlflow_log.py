@@ -63,15 +63,26 @@ class MLflow(Tracker):
                                 " MLFLOW_ALLOW_FILE_STORE=true is set; or track to a database, e.g."
                                 " MLFLOW_TRACKING_URI=sqlite:///mlflow.db") from None
         self.children: dict = record.setdefault("children", {})
-        if record.get("run_id"):
-            self.client.update_run(record["run_id"], status="RUNNING")
-            self._found_children()
-            return
-        experiment, name = self._experiment()
-        tags = {key_text(key): value for key, value in run.tags.items()}
-        parent = self.client.create_run(experiment, run_name=run.name, tags=tags)
-        record.update(tracking_uri=self.uri, experiment_id=experiment, experiment=name, run_id=parent.info.run_id)
-        self._params(parent.info.run_id, run.params)
+        if not record.get("run_id"):
+            experiment, name = self._experiment()
+            found = self._parent_of(experiment, run)
+            parent = found or self.client.create_run(experiment, run_name=run.name, tags={
+                key_text(key): value for key, value in run.tags.items()}).info.run_id
+            record.update(tracking_uri=self.uri, experiment_id=experiment, experiment=name, run_id=parent)
+            self._params(parent, run.params)  # again for a found one: the same values are no change to MLflow
+            if found is None:
+                return
+        self.client.update_run(record["run_id"], status="RUNNING")
+        self._found_children()
+
+    def _parent_of(self, experiment: str, run: RunInfo) -> str | None:
+        """The run's parent where the server has one that trackers.json does not name (a stop came between its
+        making and the ledger's write, or the ledger is gone): the one tagged with this run directory."""
+        where = run.tags["run_dir"]
+        if "'" in where:  # not to be quoted in a filter: made again rather
+            return None
+        found = self.client.search_runs([experiment], f"tags.run_dir = '{where}'", max_results=1)
+        return found[0].info.run_id if found else None
 
     def _experiment(self) -> tuple[str, str]:
         """(id, name) of the experiment the run goes into (made when it is not there)."""

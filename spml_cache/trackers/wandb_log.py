@@ -11,17 +11,15 @@ trackers.json; offline, a second folder of the same id, which `wandb sync` uploa
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
-import secrets
-import string
 from pathlib import Path
 
 from spml_cache.trackers.base import Epoch, Outcome, RunInfo, Tracker, TrackerFailed
 
 DEFAULT_PROJECT = "spml-cache"
 LOCAL_MODES = ("offline", "disabled", "dryrun")
-ID_LETTERS = string.ascii_lowercase + string.digits
 
 
 class WandB(Tracker):
@@ -35,7 +33,8 @@ class WandB(Tracker):
             raise TrackerFailed("no W&B login: run `wandb login` (or set WANDB_API_KEY), or log offline with"
                                 " WANDB_MODE=offline")
         self.run_info = run
-        record.setdefault("id", "".join(secrets.choice(ID_LETTERS) for _ in range(8)))  # as W&B makes them
+        # the run directory's own id: a start cut short before trackers.json kept it finds the same W&B run again
+        record.setdefault("id", hashlib.sha256(str(run.run_dir.resolve()).encode()).hexdigest()[:12])
         record.setdefault("project", os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT)
         folder = None if os.environ.get("WANDB_DIR") else str(run.run_dir)
         self.run = wandb.init(
