@@ -26,7 +26,6 @@ from spml_cache.runtime.registry import Registry
 from spml_cache.trackers.base import TRACKERS_FILE
 
 
-
 @dataclass(frozen=True)
 class Declared:
     """A tracker: its name (that of the pip extra that installs it, too), the package it imports, where its class
@@ -82,13 +81,10 @@ def read_trackers(value, flag: str) -> tuple[str, ...]:
 def recorded(run_dir: Path | str) -> list[str]:
     """The trackers a run directory logged to (its trackers.json), each checked as `--log` checks them: what a
     resumed run goes on logging to when --log is not given."""
-    import json
+    from spml_cache import runs
 
     path = Path(run_dir) / TRACKERS_FILE
-    try:
-        names = list(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else []
-    except (OSError, ValueError) as err:
-        raise SpmlError(f"{path} cannot be read ({err}): remove it, or give --log none") from None
+    names = list(runs.read_json(path, dict)) if path.is_file() else []
     for name in names:
         declared = TRACKERS.find(name)
         if declared is not None and not declared.installed():
