@@ -6,7 +6,7 @@
 clip-retrieval writes it, embedding-reader reads it; a part's metadata row k names the image of its embedding row
 k (by `image_path`, or by an `id` column). An export writes one part per split (0: train, 1: val, 2: test)
 whose parquet has `id` and `image_path` (the image's id, its path under the dataset root), `split`, `labels`
-(fixed-size list of uint8, the full labels), `observed` (int8, -1/0/1; null in test) and, for partial labels,
+(a list of C uint8 per row, the full labels), `observed` (int8, -1/0/1; null in test) and, for partial labels,
 `label_mask` (uint8, 1 where annotated), and `spml_cache.json` beside them: the cache's dataset, classes, path,
 backbone settings and protocol settings. An import reads such an export back as it was (`read_export`: its
 splits, labels and single positives; no images needed).
@@ -186,7 +186,7 @@ class Exported:
 
 
 def _label_rows(table_path: Path, name: str, column, num_classes: int, dtype, sparse: bool):
-    """A fixed-size list column as an [N, C] matrix (None where every row is null: test's observed)."""
+    """A label list column (C values a row) as an [N, C] matrix (None where every row is null: test's observed)."""
     if column.null_count == len(column) and len(column):
         return None
     values = column.flatten().to_numpy(zero_copy_only=False)
@@ -279,7 +279,10 @@ def _write_metadata(file, name: str, split) -> None:
     schema = pa.schema([("id", pa.string()), ("image_path", pa.string()), ("split", pa.string()),
                         ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8(), num_classes)),
                         *([(LABEL_MASK, pa.list_(pa.uint8(), num_classes))] if mask is not None else [])])
-    with pq.ParquetWriter(file, schema) as writer:
+    # Without the Arrow schema in the file the label columns read back as lists (C values a row) in any pyarrow:
+    # pyarrow 25 (mlflow 3.17 asks for pyarrow < 26) cannot read a stored fixed-size list column holding nulls
+    # (test's `observed`): "Expected all lists to be of size=C but index 1 had size=0".
+    with pq.ParquetWriter(file, schema, store_schema=False) as writer:
         for start in range(0, max(total, 1), COPY_BLOCK_ROWS):  # labels made dense a block at a time
             check_stop()
             stop = min(start + COPY_BLOCK_ROWS, total)
