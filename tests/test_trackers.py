@@ -188,6 +188,25 @@ def test_mlflow_finds_its_runs_on_the_server_when_trackers_json_lost_their_ids(t
     assert_mlflow_holds(run_dir, store, "found", runs.read_json(run_dir / "config.json"))
 
 
+def test_results_the_trackers_cannot_read_are_one_line_and_the_run_is_done(tmp_path, tiny_cache, monkeypatch):
+    """Once results.json is written the command cannot fail: a damaged scores file, say, that the trackers' F1
+    family reads, is one line, and the run returns whole."""
+    from spml_cache.runtime.errors import SpmlError
+    from spml_cache.trackers import session
+
+    def damaged(run_dir):
+        raise SpmlError(f"{run_dir}/scores/an.npz is not the .npz file of a run")
+
+    monkeypatch.setattr(session, "read_outcome", damaged)
+    said = io.StringIO()
+    run = run_linear(cache=tiny_cache, out=tmp_path, losses=["an"], lrs=[1e-2], batch_sizes=[4], epochs=2,
+                     device="cpu", trackers="tensorboard", console=Console(file=said, width=400))
+    assert runs.load_results(run.run_dir)["complete"]
+    assert [line for line in said.getvalue().splitlines() if line.startswith(("--log", "tensorboard"))] == [
+        f"--log: the trackers got no results ({run.run_dir}/scores/an.npz is not the .npz file of a run); the run's"
+        f" own files in {run.run_dir} are whole"]
+
+
 def test_log_refuses_an_unknown_tracker_and_a_missing_package_in_one_line(tmp_path, monkeypatch, capsys):
     line = one_error_line(["linear", "--dataset", "voc", "--loss", "an", "--log", "tensorboard,mlfow"],
                           subprocess_too=True, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

@@ -176,7 +176,13 @@ class Session:
     def finish(self) -> None:
         """The run's results (results.json) to every tracker, waited for: the command ends once they have them,
         or once a signal says not to wait (the run's files are whole either way)."""
-        outcome = read_outcome(self.run_dir)
+        try:
+            outcome = read_outcome(self.run_dir)
+        except Exception as err:  # the run is done and written: never an error of the command now
+            self.say(f"--log: the trackers got no results ({one_line(err)}); the run's own files in {self.run_dir}"
+                     " are whole")
+            self.stop(failed=False)
+            return
         for channel in self.channels:
             channel.send("finish", outcome)
         if not self._wait(None):  # left at a signal: what each tracker had stored is kept
