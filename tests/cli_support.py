@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,7 +48,8 @@ def start_cli(*args: str, cwd, env: dict | None = None, ready, timeout: float = 
             assert time.monotonic() < deadline, f"not ready after {timeout} s"
             time.sleep(0.02)
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended: the assertion above says how
+            os.killpg(process.pid, signal.SIGKILL)
         raise
     return process
 
@@ -59,7 +61,8 @@ def ended(process: subprocess.Popen, cwd, timeout: float = 120) -> str:
         process.wait(timeout=timeout)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
     return (Path(cwd) / "err.txt").read_text()
 
 

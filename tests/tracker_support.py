@@ -31,6 +31,14 @@ from spml_cache import runs
 # --- what the run directory holds --------------------------------------------------------------------------
 
 
+def stored_options(config: dict) -> dict:
+    """The options config.json keeps, restated: each declared option of the run's stage under its own name."""
+    from spml_cache.options import FinetuneOptions, LinearOptions
+
+    declared = (LinearOptions if config["stage"] == "linear" else FinetuneOptions).declared()
+    return {name: value for name, value in config.items() if name in declared}
+
+
 def flat_params(options: dict, prefix: str = "") -> dict:
     """config.json's options as the trackers' parameters, restated: nested keys joined by dots, lists as comma
     text, None and empty mappings as `none`."""
@@ -313,7 +321,7 @@ def assert_tensorboard_holds(run_dir: Path, config: dict) -> None:
         assert {name: board.scalars[f"{key}/selected/{name}"][-1][1] for name in metrics} == metrics
         entry = runs.load_results(run_dir)["losses"][key]
         assert json.loads(board.texts[f"{key}/selected"]) == {**entry["selected"], "best_epoch": entry["best_epoch"]}
-    params = flat_params(config["options"])
+    params = flat_params(stored_options(config))
     assert board.hparams == {key: value if isinstance(value, (str, bool)) else float(value) for key, value in
                              params.items()}
 
@@ -322,7 +330,7 @@ def assert_mlflow_holds(run_dir: Path, uri: str, experiment: str, config: dict) 
     found = read_mlflow(uri, experiment)
     parent = found.parent
     assert parent.info.run_name == run_dir.name and parent.info.status == "FINISHED"
-    assert parent.data.params == {key: str(value) for key, value in flat_params(config["options"]).items()}
+    assert parent.data.params == {key: str(value) for key, value in flat_params(stored_options(config)).items()}
     assert parent.data.tags["run_dir"] == str(run_dir.resolve())
     expected = epoch_values(run_dir)
     heads = {(key, head) for key, head, _, _ in expected}
@@ -351,7 +359,8 @@ def assert_wandb_holds(run_dir: Path, config: dict, folders: int) -> None:
     found = read_wandb(run_dir / "wandb")
     record = runs.read_json(run_dir / "trackers.json")["wandb"]
     assert len(found.folders) == folders and found.ids == {record["id"]}  # a resumed run: the same W&B run
-    assert {key: found.config[key] for key in config["options"]} == config["options"]
+    options = stored_options(config)
+    assert {key: found.config[key] for key in options} == options
     logged = {}
     for row in found.rows:
         for name, value in row.items():

@@ -11,10 +11,12 @@ import numpy as np
 
 from spml_cache import __version__, runs
 from spml_cache.observation import DEFAULT_RULE, result_key
+from spml_cache.options import FinetuneOptions, LinearOptions
 from spml_cache.trackers.base import Epoch, Head, Outcome, Result, RunInfo, number_text
 
 # The run's own files, each a tracker's artifact where the tool keeps files: its settings, machine, every epoch
 # and its results (the weights and scores stay in the run directory).
+STAGE_OPTIONS = {"linear": LinearOptions, "finetune": FinetuneOptions}  # what each stage's config.json keeps
 ARTIFACTS = ("config.json", "env.json", "metrics.jsonl", runs.RESULTS)
 # results.json's numbers of a result that a tracker logs as its metrics (mean over seeds, and spread).
 RESULT_METRICS = ("val_map", "val_map_std", "test_map", "test_map_std", "train_map")
@@ -43,9 +45,17 @@ def read_run(run_dir: Path) -> RunInfo:
             "cache": str(config.get("cache")), "cache_id": str(config.get("cache_id")),
             "backbone": str(attrs.get("backbone", "resnet50")), "device": str(config.get("device")),
             "spml_cache": __version__}
-    options = dict(config.get("options") or {})
+    options = stored_options(config)
     return RunInfo(run_dir=run_dir, stage=config["stage"], dataset=config["dataset"], epochs=int(config["epochs"]),
                    options=options, params=flat_params(options), tags=tags)
+
+
+def stored_options(config: dict) -> dict:
+    """The options a run's config.json keeps, each under its own name (a run from before issue 52 kept them under
+    `options`)."""
+    if "options" in config:
+        return dict(config["options"])
+    return {name: config[name] for name in STAGE_OPTIONS[config["stage"]].declared() if name in config}
 
 
 def head_name(lr, wd, batch_size: int, seed: int, swept: dict) -> str:
