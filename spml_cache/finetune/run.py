@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from spml_cache import losses, runs
+from spml_cache import losses, runs, trackers
 from spml_cache.finetune import checkpoints, images as data, parallel
 from spml_cache.finetune.labels import TrainLabels, loss_observed
 from spml_cache.finetune.model import FineTuneModel, initial_model
@@ -81,8 +81,9 @@ def run_finetune(options: FinetuneOptions, placement: FinetunePlacement = Finetu
         run_dir = placement.resume if resumed is not None else checkpoints.create_run_dir(placement.out, setup)
         if processes.main and placement.run_dir_made is not None:
             placement.run_dir_made(Path(run_dir))
-        # one process at a time in a run directory (rank 0 speaks for a torchrun group)
-        with locks.held(run_dir, f"run directory {run_dir}") if processes.main else contextlib.nullcontext():
+        # one process at a time in a run directory (rank 0 speaks for a torchrun group, and logs to --log's trackers)
+        with locks.held(run_dir, f"run directory {run_dir}") if processes.main else contextlib.nullcontext(), \
+                trackers.watching(placement.trackers if processes.main else (), run_dir, say):
             results = _run_and_keep(setup, run_dir, resumed is not None, say)
         return FinetuneRun(Path(run_dir), results) if processes.main else None
     finally:
