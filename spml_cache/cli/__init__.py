@@ -185,11 +185,12 @@ def run_command(options: RunOptions) -> None:
     missing; --dry-run prints the plan as commands. The file's format: docs/experiments.md.
 
     Example: spml-cache run examples/table1.toml --dry-run
-    Example: spml-cache run examples/frozen_table.toml
+    Example: spml-cache run examples/frozen_table.toml --log tensorboard
     """
     from spml_cache.experiments.run import run_experiment
 
-    run_experiment(options.file, dry_run=options.dry_run, console=console)
+    given = {} if options.trackers is None else {"log": list(options.trackers) or ["none"]}
+    run_experiment(options.file, dry_run=options.dry_run, given=given, console=console)
 
 
 help_as_prose(app)  # last: every command's docstring wraps at the terminal's width
