@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,10 +35,14 @@ def run_main(*args: str, cwd, monkeypatch, capsys) -> tuple[int, str]:
     monkeypatch.setattr("sys.argv", ["spml-cache", *args])
     monkeypatch.setenv("COLUMNS", "400")  # one error line stays one line
     code = 0
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         cli.main()
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else 1
+    finally:  # main leaves signals ignored for the rest of the process it ends; this process goes on
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return code, capsys.readouterr().err
 
 

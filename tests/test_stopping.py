@@ -439,3 +439,82 @@ def test_a_stop_after_the_run_is_written_is_no_interruption(tmp_path, tiny_cache
     assert code == 0 and "interrupted" not in err, err
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert (run_dir / "results.json").exists()
+
+
+# --- a stop after the last line is no stop (issue 56) -----------------------------------------------------------
+
+
+def signalled_after_its_last_line(args: list[str], last: str, cwd: Path, signum: int) -> tuple[int, list[str], str]:
+    """`spml-cache ARGS` from a subprocess, signalled (SIGINT: the terminal's whole group) a moment after it printed
+    the line starting with `last`: (exit code, the lines it printed, stderr)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="400", SPML_OFFLINE="1")
+    with open(cwd / "err.txt", "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=env,
+                                   stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    printed = []
+    for line in process.stdout:
+        printed.append(line.rstrip("\n"))
+        if line.startswith(last):
+            time.sleep(0.1)  # the interpreter winds down: torch's and h5py's teardown take a second here
+            os.killpg(process.pid, signum) if signum == signal.SIGINT else process.send_signal(signum)
+            break
+    printed += process.stdout.read().splitlines()
+    ended_within(process, STOPS_WITHIN)
+    return process.returncode, printed, (cwd / "err.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def finished_inputs(tmp_path_factory, tiny_cache):
+    """What each command below reads: demo images for extract, the authors' files for import-features, a run for
+    report."""
+    from test_import_features import write_authors_files
+
+    from spml_cache.demo.data import make_demo_data
+
+    folder = tmp_path_factory.mktemp("inputs")
+    make_demo_data(folder / "data", num_train=4, num_test=2, size=32)
+    write_authors_files(folder / "authors")
+    run = run_linear(cache=tiny_cache, out=folder / "runs", losses=["an"], lrs=[1e-2], batch_sizes=[8], epochs=1,
+                     console=quiet())
+    return folder, run.run_dir
+
+
+@pytest.mark.parametrize("command, signum", [("linear", signal.SIGINT), ("linear", signal.SIGTERM),
+                                             ("extract", signal.SIGTERM), ("import-features", signal.SIGINT),
+                                             ("report --plots", signal.SIGTERM)])
+def test_a_stop_after_the_last_line_ends_the_command_as_done(tmp_path, tiny_cache, finished_inputs, command, signum):
+    """A signal as the command winds down, its work written and its last line printed, killed it by that signal:
+    130 or 143 over a complete, printed result (a scheduler's SIGTERM at the end marked the job failed)."""
+    inputs, run_dir = finished_inputs
+    args, last = {
+        "linear": (["linear", "--cache", str(tiny_cache), "--loss", "an", "--epochs", "1"], "run directory: "),
+        "extract": (["extract", "voc", "--root", str(inputs / "data"), "--weights", "none", "--resolution", "32",
+                     "--workers", "0", "--out", "voc.h5"], "extracted "),
+        "import-features": (["import-features", str(inputs / "authors"), "--dataset", "voc", "--out", "voc.h5"],
+                            "wrote voc.h5 "),
+        "report --plots": (["report", str(run_dir), "--plots", "figures"], "wrote figures/voc_linear-label_recovery"),
+    }[command]
+    code, printed, stderr = signalled_after_its_last_line(args, last, tmp_path, signum)
+    assert code == 0 and "interrupted" not in stderr and "Traceback" not in stderr, (code, stderr)
+    assert printed[-1].startswith(last), printed  # the signal came after the last line
+
+
+def test_a_stop_while_report_prints_what_it_wrote_is_no_interruption(tmp_path, finished_inputs, monkeypatch, capsys):
+    """Every figure is written before report names them: a stop then has nothing to stop."""
+    from cli_support import run_main
+
+    from spml_cache.cli.text import CONSOLE
+
+    print_line, signalled = CONSOLE.print, []
+
+    def signalled_while_printing(text, *args, **kwargs):
+        if str(text).startswith("wrote") and not signalled:  # one signal: a second one ends the process at once
+            signalled.append(signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None))
+        return print_line(text, *args, **kwargs)
+
+    monkeypatch.setattr(CONSOLE, "print", signalled_while_printing)
+    code, err = run_main("report", str(finished_inputs[1]), "--plots", str(tmp_path / "figures"), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert signalled and code == 0 and "interrupted" not in err, err
+    assert len(list((tmp_path / "figures").glob("*.png"))) == 3
