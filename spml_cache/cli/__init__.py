@@ -140,6 +140,8 @@ def linear_command(options: LinearOptions, placement: LinearPlacement) -> None:
     if run is None:  # under torchrun, rank 0 reports for every process
         return
     console.print(linear.summary_table(run.results))
+    for note in linear.summary_notes(run.results):
+        console.print(Text(note, style="yellow"), soft_wrap=True)
     console.print(f"run directory: {escape(str(run.run_dir))}")
 
 
