@@ -18,6 +18,7 @@ from spml_cache.report import bootstrap
 from spml_cache.report.measures import StoredTests, left_out_note, title
 from spml_cache.runs import StoredTest
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.memory import DEFAULT_SHARE, describe, room_left
 
 DEFAULT_RESAMPLES = 1000
 MIN_RESAMPLES = 100  # below this the 2.5th and 97.5th percentiles rest on two or three resamples
@@ -28,6 +29,29 @@ def check_resamples(count: int) -> int:
         raise SpmlError(f"--resamples {count}: a 95% interval needs at least {MIN_RESAMPLES} resamples"
                         f" ({DEFAULT_RESAMPLES:,} by default)")
     return count
+
+
+def check_room(count: int, stored: StoredTest, metric: str) -> None:
+    """Refuse, before allocating, `count` resamples of `stored`'s test images that would not fit in the memory left
+    to this process (a limit on it counted: `memory.room_left`), naming the most that would."""
+    shape = (len(stored.labels), stored.labels.shape[1], _most_positives(stored.labels), metric)
+    need, free = bootstrap.bytes_needed(count, *shape), room_left()
+    room = int(DEFAULT_SHARE * free)  # the rest for the process's other arrays
+    if need <= room:
+        return
+    fit = bootstrap.most_that_fit(room, *shape)
+    head = (f"--resamples {count:,}: the bootstrap of {shape[0]:,} test images ({shape[1]:,} classes) would take"
+            f" about {describe(need)} of memory, and {describe(free)} is free to this process")
+    if fit < MIN_RESAMPLES:
+        raise SpmlError(f"{head}: free some memory, or leave out --ci and --compare")
+    raise SpmlError(f"{head}: give --resamples {fit // 1000 * 1000 or fit:,} or fewer ({DEFAULT_RESAMPLES:,}, the"
+                    " default, is enough for a 95% interval)")
+
+
+def _most_positives(labels) -> int:
+    """The positives of the largest class (dense or sparse labels, a bounded block of classes at a time)."""
+    return max(int((label_matrix.columns(labels, low, high) > 0).sum(axis=0).max(initial=0))
+               for low, high in label_matrix.class_blocks(labels))
 
 
 class Resampling:
@@ -46,6 +70,7 @@ class Resampling:
         if (cell.run, cell.key) not in self.values:
             rows = len(stored.labels)
             if rows not in self.resamples:
+                check_room(self.count, stored, self.metric)
                 self.resamples[rows] = bootstrap.Resamples.draw(rows, self.count)
             self.values[cell.run, cell.key] = bootstrap.resampled(stored, self.metric, self.resamples[rows])
         return self.values[cell.run, cell.key]
