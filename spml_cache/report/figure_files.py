@@ -10,6 +10,7 @@ SVG leave out their creation date, so the same runs give the same files.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,3 +50,18 @@ class FigureFiles:
         with rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
             replace_atomically(path, lambda file: figure.savefig(
                 file, format=self.format, dpi=self.dpi, metadata=_UNDATED.get(self.format)))
+
+
+@contextmanager
+def names_as_text():
+    """Within it (or a function it decorates) matplotlib draws every text it is given as written: a `$` in a class,
+    loss or dataset name is a dollar sign, never the start of mathtext (a class `$5-$10` was drawn "5 - 10", and
+    one named `$\\frac{1}{0$` raised mathtext's ParseException and left no figure). None of the report's own
+    texts is mathtext. Without matplotlib it does nothing: the figures' own check says what to install."""
+    try:
+        from matplotlib import rc_context
+    except ImportError:
+        yield
+        return
+    with rc_context({"text.parse_math": False}):  # read by each text as it is made
+        yield

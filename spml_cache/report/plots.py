@@ -32,7 +32,7 @@ from spml_cache import losses
 from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
-from spml_cache.report.figure_files import MIN_POINTS, FigureFiles
+from spml_cache.report.figure_files import MIN_POINTS, FigureFiles, names_as_text
 from spml_cache.report.layout import legend_below, under_suptitle, wrapped
 from spml_cache.runs import read_npz, scores_path
 from spml_cache.runtime.errors import SpmlError
@@ -80,6 +80,7 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
     return [path for path, _ in figures]
 
 
+@names_as_text()
 def draw_runs(runs: list[Run], *, compare=None, console: Console | None = None) -> list[tuple[str, object]]:
     """[(file stem, figure)] of every figure of `runs`: per column, those its data allows."""
     Figure = require_matplotlib()
