@@ -3,6 +3,8 @@ anything is allocated, in one line naming --resamples and the most that fits (is
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import resource
 import subprocess
@@ -94,3 +96,20 @@ print(status("VmHWM") - before, int(labels.sum(0).max()))
     peak, most = map(int, done.stdout.split())
     estimate = bootstrap.bytes_needed(count, rows, classes, most, metric)
     assert peak <= estimate <= 1.5 * peak, (peak, estimate)
+
+
+def test_a_test_split_too_small_for_its_resamples_to_differ_is_said(tmp_path, sixty_images):
+    """3 test images have C(5, 3) = 10 distinct resamples: --ci printed intervals and --compare p = 1 from them with
+    no word that they mean little (issue 56)."""
+    labels = np.array([[1, 0, 1, 0, 1], [0, 1, 1, 0, 0], [1, 1, 0, 1, 1]], dtype=np.uint8)
+    write_run(tmp_path / "tiny" / "runs", {"an": fake_scores(1, labels, 1.0), "role": fake_scores(2, labels, 1.6)},
+              labels)
+    note = ("VOC linear: the test split has 3 images, so only 10 distinct resamples of it exist and the 1,000 drawn"
+            " repeat them: its intervals and p-values say little (they need a larger test split)")
+    for flags in (["--ci"], ["--compare", "an,role"]):
+        done = run_cli("report", *flags, cwd=tmp_path / "tiny")
+        assert done.returncode == 0 and note in done.stdout.splitlines(), done.stdout
+    assert math.comb(2 * 3 - 1, 3) == 10 == len({tuple(np.bincount(draw, minlength=3)) for draw in  # restated
+                                                 itertools.product(range(3), repeat=3)})
+    done = run_cli("report", "--ci", "--compare", "an,role", cwd=sixty_images)  # C(119, 60): no note
+    assert done.returncode == 0 and "distinct resamples" not in done.stdout, done.stdout

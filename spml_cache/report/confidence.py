@@ -9,6 +9,7 @@ two independent draws of the test set.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -94,6 +95,25 @@ def add_intervals(table, resampling: Resampling) -> None:
     table.resamples = resampling.count
     if lacking and left_out_note(lacking) not in table.notes:
         table.notes.append(left_out_note(lacking))
+    note_few_resamples(table, resampling)
+
+
+def note_few_resamples(table, resampling: Resampling) -> None:
+    """A note on each test split too small for its resamples to differ: N images have C(2N - 1, N) distinct
+    resamples (multisets of N of them), 10 for 3 images, so resamples beyond those repeat them, and the intervals
+    and p-values rest on a handful of values (p = 1 from a split of 3 images says nothing)."""
+    for rows in sorted(resampling.resamples):
+        distinct = math.comb(2 * rows - 1, rows) if rows else 1
+        if distinct >= resampling.count:
+            continue
+        labels = sorted({label for _, cells in table.rows for label, cell in cells.items() if cell.key
+                         and (stored := resampling.tests.get(cell.run, cell.key)) is not None
+                         and len(stored.labels) == rows})
+        note = (f"{', '.join(labels)}: the test split has {rows} images, so only {distinct:,} distinct resamples of"
+                f" it exist and the {resampling.count:,} drawn repeat them: its intervals and p-values say little"
+                " (they need a larger test split)")
+        if note not in table.notes:
+            table.notes.append(note)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +177,7 @@ def compare(table, pair: tuple[str, str], resampling: Resampling) -> list[Compar
     if not found:
         raise SpmlError(f"--compare {first},{second}: no column of the table has both; name two losses of one"
                         " dataset and stage")
+    note_few_resamples(table, resampling)
     return found
 
 
