@@ -45,3 +45,7 @@ def test_every_name_is_drawn_as_the_text_it_is(tex_run):
     for name in TEX_NAMES:
         assert name in drawn, name  # the tick label holds the name itself
         assert drawn[name]._preprocess_math(name) == (name, False), name  # ... and is drawn as plain text
+    # matplotlib's own mathtext stays mathtext: a log axis's 10^k tick labels (the histograms' density)
+    texts, _, _ = drawn_texts(figures["voc_linear-train_histograms"])
+    decades = [text for text, _ in texts if text.get_text().startswith(r"$\mathdefault{10^")]
+    assert decades and all(text._preprocess_math(text.get_text())[1] for text in decades)

@@ -32,7 +32,7 @@ from spml_cache import losses
 from spml_cache.metrics import mean_average_precision
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
-from spml_cache.report.figure_files import MIN_POINTS, FigureFiles, names_as_text
+from spml_cache.report.figure_files import MIN_POINTS, FigureFiles, names_as_text, report_figure
 from spml_cache.report.layout import legend_below, under_suptitle, wrapped
 from spml_cache.runs import read_npz, scores_path
 from spml_cache.runtime.errors import SpmlError
@@ -48,10 +48,10 @@ WHY_SKIPPED = {"per_class_ap": "needs both losses of --compare in one column, wi
 def require_matplotlib():
     """The Figure class, or a clear error: the table works without matplotlib, the figures do not."""
     try:
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401
     except ImportError:
         raise SpmlError("--plots needs matplotlib: python -m pip install matplotlib (or leave out --plots)") from None
-    return Figure
+    return report_figure()  # names drawn as written
 
 
 def parse_compare(compare: str | None) -> tuple[str, str] | None:
