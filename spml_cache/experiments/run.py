@@ -22,7 +22,7 @@ from spml_cache.experiments.plan import Plan, Step, make_plan
 from spml_cache.experiments.state import State
 from spml_cache.experiments.stages import command_line, shown, text
 from spml_cache.runs import is_complete
-from spml_cache.runtime.errors import Interrupted, SpmlError, begin_work, check_stop, finished
+from spml_cache.runtime.errors import Interrupted, SpmlError, finished, more_work
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ def run_experiment(path: Path | str, *, dry_run: bool = False, given: Mapping[st
         word for key, value in given.items() for word in (f"--{key.replace('_', '-')}", text(value)))])
     seed, made, ran = torch.initial_seed(), {}, []
     for step in plan.steps:
-        check_stop()  # a stop that came once the step before had written its work
-        begin_work()
+        more_work()  # the step before said its work was written: this one's begins (a stop that came meanwhile, here)
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # each step from the random state a new process starts in

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spml_cache.options.declared import Options, option
-from spml_cache.trackers import TRACKERS_HELP, read_trackers
+from spml_cache.options.trackers import TRACKERS_HELP, read_trackers
 
 
 @dataclass(frozen=True, kw_only=True)

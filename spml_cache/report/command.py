@@ -21,7 +21,7 @@ from spml_cache.report.tables import Table, build_table, by_metric
 from spml_cache.report.terminal import print_comparisons, print_notes, print_table
 from spml_cache.runs import replace_atomically
 from spml_cache.runtime.devices import single_threaded
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, finished
 
 
 def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console | None = None) -> None:
@@ -62,6 +62,7 @@ def report_command(options: ReportOptions, console: Console) -> None:
         with _writing("--plots", plots_dir):
             written = [plot_backbones(require_matplotlib(), table, plots_dir, files)] if pivot else \
                 plot_runs(runs, plots_dir, compare=pair, console=console, files=files)
+        finished()  # every figure is written: a stop now has nothing to stop
         for path in written:
             console.print(f"wrote {escape(str(path))}")
 

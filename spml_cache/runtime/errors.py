@@ -94,10 +94,11 @@ def finished() -> None:
     _stop.update(by=None, finished=True)
 
 
-def begin_work() -> None:
-    """A command that runs several stages in turn (an experiment): the next one's work begins, so that a stop asked
-    for from now on stops it (the stage before said, once its work was written, that a stop had nothing to stop)."""
+def more_work() -> None:
+    """A stage whose door said `finished` was one step of the command (the demo runs stage after stage): a stop asks
+    again to stop, and one asked for meanwhile, only recorded, is taken here."""
     _stop["finished"] = False
+    check_stop()
 
 
 def work_finished() -> bool:
