@@ -1,5 +1,5 @@
 """docs/experiments.md as written: its demo experiment runs end to end from its Try it lines, goes on after Ctrl-C
-with the interrupted run, and a run again trains nothing; every ```toml block of the page is a file whose plan
+with the interrupted run (then the same as its command typed by hand), and a run again trains nothing; every ```toml block of the page is a file whose plan
 prints; its table of keys is each stage's keys exactly."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import signal
 
 import pytest
 from cli_support import REPO, assert_flags_exist, ended, run_cli, start_cli
+from run_support import assert_same_run
 
 from spml_cache import runs
 from spml_cache.experiments.stages import STAGES
@@ -59,6 +60,12 @@ def test_the_demo_runs_as_written_goes_on_after_ctrl_c_and_a_run_again_trains_no
     assert f"resuming runs/voc/{finetune.name}" in done.stdout + done.stderr
     assert list((tmp_path / "runs" / "voc").glob("finetune-*")) == [finetune]
     assert runs.load_results(finetune)["losses"]
+    # the fine-tuning, stopped and gone on with, is the same as its command typed by hand, bit for bit
+    command = run_cli(*shlex.split(dry_run)[1:], cwd=tmp_path).stdout.splitlines()[3].split("  # ")[0]
+    by_hand = run_cli(*shlex.split(command)[1:], "--out", "by-hand", cwd=tmp_path)
+    assert by_hand.returncode == 0, by_hand.stderr
+    (theirs,) = (tmp_path / "by-hand" / "voc").glob("finetune-*")
+    assert_same_run(finetune, theirs, cwd=tmp_path)
     done = run_cli(*shlex.split(again)[1:], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert [line.split(": ")[1].split(",")[0] for line in done.stdout.splitlines() if line.startswith("step ")
