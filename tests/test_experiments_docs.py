@@ -9,9 +9,12 @@ import os
 import re
 import shlex
 import signal
+import subprocess
+import sys
 
 import pytest
 from cli_support import REPO, assert_flags_exist, ended, run_cli, start_cli
+from docs_support import python_blocks
 from run_support import assert_same_run
 
 from spml_cache import runs
@@ -72,6 +75,11 @@ def test_the_demo_runs_as_written_goes_on_after_ctrl_c_and_a_run_again_trains_no
             and "/4: done" in line] == ["done", "done"]
     assert done.stdout.splitlines()[-1] == ("demo.toml: 4 steps done, 2 of them before; its state:"
                                             " runs/experiments/demo.json")
+    (python,) = python_blocks("docs/experiments.md")
+    done = subprocess.run([sys.executable, "-c", python], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "4 steps; ran now: [1, 4]"  # extract finds its cache, report reports
 
 
 @pytest.mark.parametrize("index", range(len(toml_blocks(PAGE))))

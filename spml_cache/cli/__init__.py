@@ -199,8 +199,7 @@ def run_command(options: RunOptions) -> None:
     """
     from spml_cache.experiments.run import run_experiment
 
-    given = {} if options.trackers is None else {"log": list(options.trackers) or ["none"]}
-    run_experiment(options.file, dry_run=options.dry_run, given=given, console=console)
+    run_experiment(options.file, dry_run=options.dry_run, trackers=options.trackers, console=console)
 
 
 help_as_prose(app)  # last: every command's docstring wraps at the terminal's width

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping, Sequence
 
 import torch
 from rich.console import Console
@@ -35,11 +35,13 @@ class ExperimentRun:
     ran: list[int]
 
 
-def run_experiment(path: Path | str, *, dry_run: bool = False, given: Mapping[str, Any] = {},
+def run_experiment(path: Path | str, *, dry_run: bool = False, trackers: str | Sequence[str] | None = None,
                    console: Console | None = None) -> ExperimentRun:
-    """Run the experiment file at `path` (`given`: keys for the top of the file, from the command line), or, with
-    `dry_run`, print its plan as commands and run nothing. Every mistake in the file is said before anything runs."""
+    """Run the experiment file at `path`, or, with `dry_run`, print its plan as commands and run nothing; every
+    mistake in the file is said before anything runs. `trackers` (`--log`): those of its linear and finetune steps,
+    in the place of the file's top `log` key (`()` or "none": none)."""
     console = console or Console()
+    given = {} if trackers is None else {"log": (trackers if isinstance(trackers, str) else list(trackers)) or "none"}
     plan = make_plan(path, given)
     state = State.read(plan.state, plan.file.path)
     if dry_run:
