@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 
 from cli_support import REPO
@@ -121,3 +123,14 @@ def test_the_cpu_wheels_satisfy_the_projects_torch_requirements():
     torch_requirements = [r for r in project["dependencies"] if re.match(r"torch(vision)?\b", r)]
     assert {re.match(r"[a-z]+", r).group(0) for r in torch_requirements} == {"torch", "torchvision"}
     assert not any("+cu" in r or "nvidia" in r for r in project["dependencies"])
+
+
+def test_the_suite_says_its_pass_count_as_the_readme_and_the_quiet_form_run_it(tmp_path):
+    # under the project's own pytest settings (pyproject.toml's addopts), as `python -m pytest` and `pytest -q` run
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    for quiet in ([], ["-q"]):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir",
+                               str(tmp_path), "-p", "no:cacheprovider", "-n", "0", *quiet, str(tmp_path / "test_one.py")],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert re.match(r"=* ?1 passed in ", done.stdout.strip().splitlines()[-1]), (quiet, done.stdout)
