@@ -117,6 +117,9 @@ def test_figures_as_pdf_svg_and_png_at_the_dpi_asked_for(tmp_path, monkeypatch, 
     written = sorted((tmp_path / "figures").iterdir())
     assert [path.name for path in written] == [f"voc_linear-{kind}.pdf" for kind in kinds]
     assert all(f"wrote figures/{path.name}" in done.stdout for path in written)
+    # progress as they are drawn and written (plain lines off a terminal: rate and ETA, the last at the total)
+    assert re.search(r"^drawing the figures: 5/5 figures \(.* ETA 0 s\)$", done.stderr, re.M), done.stderr
+    assert re.search(r"^writing the figures into figures: 4/4 figures \(", done.stderr, re.M), done.stderr
     for path in written:
         data = path.read_bytes()
         assert data.startswith(b"%PDF-") and b"/FontFile2" in data  # TrueType fonts embedded,

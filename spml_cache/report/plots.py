@@ -36,10 +36,12 @@ from spml_cache.report.figure_files import MIN_POINTS, FigureFiles
 from spml_cache.report.layout import legend_below, under_suptitle, wrapped
 from spml_cache.runs import read_npz, scores_path
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.progress import progress_bar
 
 BINS = np.linspace(0, 1, 26)  # of the training-score histograms
 CLASS_PITCH = 0.17  # inches per class in the per-class figure: room for a class name at MIN_POINTS, turned upright
 WIDEST = 24.0  # inches: a per-class figure of more classes than fit at CLASS_PITCH shows the curve, not the names
+KINDS = ("val_curves", "per_class_ap", "train_histograms", "label_recovery", "sweeps")  # of each column, in turn
 # Why a figure a column cannot have is left out: said only of a figure asked for by name (`--compare` names the
 # per-class one), once; the others are simply not written where their data is missing.
 WHY_SKIPPED = {"per_class_ap": "needs both losses of --compare in one column, with per_class_ap in results.json"}
@@ -71,12 +73,22 @@ def write_plots(run_dirs: list[Path], out_dir: Path, *, compare=None, console: C
 
 def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console | None = None,
               files: FigureFiles = FigureFiles()) -> list[Path]:
-    """Every figure of `runs`, drawn first, then written into `out_dir` as `files` says: a failure writes none."""
-    drawn = draw_runs(runs, compare=compare, console=console)
-    figures = [(files.path(out_dir, stem), figure) for stem, figure in drawn]
+    """Every figure of `runs`, drawn first, then written into `out_dir` as `files` says: a failure writes none. The
+    folder is made first, so that one that cannot be is said before the figures take their time to draw (and is
+    taken away again, empty, when drawing fails)."""
+    made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path, figure in figures:
-        files.write(path, figure)
+    try:
+        drawn = draw_runs(runs, compare=compare, console=console)
+    except BaseException:
+        if made and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    figures = [(files.path(out_dir, stem), figure) for stem, figure in drawn]
+    with progress_bar(f"writing the figures into {out_dir}", len(figures), "figures") as bar:
+        for path, figure in figures:
+            files.write(path, figure)
+            bar.advance()
     return [path for path, _ in figures]
 
 
@@ -100,18 +112,23 @@ def draw_runs(runs: list[Run], *, compare=None, console: Console | None = None) 
             raise SpmlError(f"--compare: no run has loss {', '.join(missing)}; available: {', '.join(available)}")
 
     figures, lacking = [], []
-    for column, by_loss in per_column:
-        stem = re.sub(r"[^A-Za-z0-9]+", "_", column.label).strip("_").lower()
-        summaries = {loss: _train_summary(run, loss) for loss, run in by_loss.items()}
-        drawn = {
-            "val_curves": val_curves.draw(Figure, column.label, by_loss, oracles),
-            "per_class_ap": _per_class_ap(Figure, column.label, by_loss, _pair_for(by_loss, pair, oracles)),
-            "train_histograms": _train_histograms(Figure, column.label, summaries),
-            "label_recovery": _label_recovery(Figure, column.label, by_loss, summaries),
-            "sweeps": _sweeps(Figure, column.label, by_loss),
-        }
-        figures += [(f"{stem}-{kind}", figure) for kind, figure in drawn.items() if figure is not None]
-        lacking += [column.label] if drawn["per_class_ap"] is None else []
+    with progress_bar("drawing the figures", len(per_column) * len(KINDS), "figures") as bar:
+        for column, by_loss in per_column:
+            stem = re.sub(r"[^A-Za-z0-9]+", "_", column.label).strip("_").lower()
+            summaries = {loss: _train_summary(run, loss) for loss, run in by_loss.items()}
+            draws = {
+                "val_curves": lambda: val_curves.draw(Figure, column.label, by_loss, oracles),
+                "per_class_ap": lambda: _per_class_ap(Figure, column.label, by_loss, _pair_for(by_loss, pair, oracles)),
+                "train_histograms": lambda: _train_histograms(Figure, column.label, summaries),
+                "label_recovery": lambda: _label_recovery(Figure, column.label, by_loss, summaries),
+                "sweeps": lambda: _sweeps(Figure, column.label, by_loss),
+            }
+            drawn = {}
+            for kind in KINDS:  # a figure of 28 panels takes seconds: the bar moves with each
+                drawn[kind] = draws[kind]()
+                bar.advance()
+            figures += [(f"{stem}-{kind}", figure) for kind, figure in drawn.items() if figure is not None]
+            lacking += [column.label] if drawn["per_class_ap"] is None else []
     if pair is not None and lacking and console is not None:
         console.print(Text(f"no per_class_ap figure of {' vs '.join(pair)} for {', '.join(lacking)}"
                            f" ({WHY_SKIPPED['per_class_ap']})", style="dim"))
