@@ -169,7 +169,7 @@ def report_command(
     dpi: Optional[int] = typer.Option(None, "--dpi", help="The figures' resolution in dots per inch, 50 to 600 (default: 300; pdf and svg are vector whatever it says)."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Two losses a,b, e.g. an,role: their paired difference a - b per dataset and stage (bootstrap interval, p-value), and the per-class AP figure's pair (default there: the best two)."),
     pivot: Optional[str] = typer.Option(None, "--pivot", help="backbone: one dataset's linear runs as losses x backbones (with their feature kind); --plots then draws that table."),
-    metric: Optional[str] = typer.Option(None, "--metric", help="The table's metric: map (the default), cp, cr, cf1, op, or, of1 (labels scoring 0.5 or more), or one of those with @K (cf1@3: of each image's K highest, those at 0.5 or more). csv, md and json carry every one."),
+    metric: Optional[str] = typer.Option(None, "--metric", help="The table's metric: map (the default), map11 (VOC07's 11-point interpolated mAP), lrap (label ranking average precision), cp, cr, cf1, op, or, of1 (labels scoring 0.5 or more), or one of those six with @K (cf1@3: of each image's K highest, those at 0.5 or more). csv, md and json carry every one."),
     ci: bool = typer.Option(False, "--ci", help="Add each cell's 95% bootstrap interval over the test images (the same resamples for every loss of a dataset)."),
     resamples: Optional[int] = typer.Option(None, "--resamples", help="Bootstrap resamples of the test images for --ci and --compare (default: 1,000)."),
 ) -> None:
