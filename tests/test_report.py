@@ -108,7 +108,8 @@ def test_terminal_table_lists_every_loss_and_marks_best(runs):
     console = Console(file=io.StringIO(), width=200)
     report.print_report([runs], console=console)
     text = console.file.getvalue()
-    assert "bce (oracle)" in text and "85.00 ± 0.82" in text and "87.00 ± 0.82 *" in text
+    assert "BCE (oracle)" in text and "85.00 ± 0.82" in text and "87.00 ± 0.82 *" in text
+    assert "│ AN " in text and "│ ROLE " in text and "│ an " not in text  # the papers' names, not the registry's
     assert "90.00 *" not in text
 
 
@@ -143,6 +144,8 @@ def test_file_formats_round_trip(runs, tmp_path, fmt):
         header, rows = parse_markdown(text)
         column = header.index("VOC linear")
         by_loss = {row[0].replace(" (oracle)", ""): row for row in rows}
+        assert sorted(by_loss) == ["AN", "BCE", "ROLE"]  # the papers' names in Markdown; CSV and JSON keep the registry's
+        by_loss = {loss: by_loss[losses.display_name(loss)] for loss in expected}
         for loss, (mean, std, published) in expected.items():
             cell = by_loss[loss][column]
             assert cell.startswith("**") == (loss == "role")
@@ -155,6 +158,7 @@ def test_file_formats_round_trip(runs, tmp_path, fmt):
         payload = json.loads(text)
         rows = {row["loss"]: row for row in payload["rows"]}
         assert rows["bce"]["oracle"] and not rows["an"]["oracle"]
+        assert (rows["bce"]["display_name"], rows["role"]["display_name"]) == ("BCE", "ROLE")
         for loss, (mean, std, published) in expected.items():
             cell = rows[loss]["cells"]["VOC linear"]
             assert (cell["mean"], cell["paper"], cell["seeds"]) == (pytest.approx(mean), published, 3)

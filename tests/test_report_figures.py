@@ -25,8 +25,8 @@ def test_paper_and_difference_only_beside_columns_with_published_numbers(tmp_pat
     text = to_markdown(report.build_table(report.collect_runs([tmp_path]), paper=True))
     header, rows = parse_markdown(text)
     assert header == ["loss", "VOC linear", "paper", "Δ", "VOC fine-tuned"]
-    assert {row[0]: row[1:] for row in rows} == {"an": ["**85.00**", "84.2", "+0.80", "-"],  # Cole et al. Table 1
-                                                 "l1r": ["80.00", "", "", "**81.00**"]}
+    assert {row[0]: row[1:] for row in rows} == {"AN": ["**85.00**", "84.2", "+0.80", "-"],  # Cole et al. Table 1
+                                                 "L1R": ["80.00", "", "", "**81.00**"]}
 
 
 def lines_holding(text: str, names: list[str]) -> dict[str, bool]:
@@ -40,7 +40,7 @@ def test_losses_names_stay_whole_in_tables_at_80_columns(tmp_path):
     console = Console(file=io.StringIO(), width=80)
     report.print_report([tmp_path], paper=True, console=console)
     oracles = {"bce", "bce_ls", "iun"}
-    shown = [f"{name} (oracle)" if name in oracles else name for name in names]
+    shown = [f"{losses.display_name(name)} (oracle)" if name in oracles else losses.display_name(name) for name in names]
     assert all(len(line) <= 80 for line in console.file.getvalue().splitlines())
     assert lines_holding(console.file.getvalue(), shown) == dict.fromkeys(shown, True)
     keys = ["an", "bce_observed@largest", "an_ls_neg@entry:0.1", "role@uniform:pos=1,neg=all"]

@@ -153,7 +153,7 @@ def test_file_formats_carry_every_metric(world, fmt):
     else:
         header = ("| loss | mAP | mAP (VOC07 11-point) | LRAP | CP | CR | CF1 | OP | OR | OF1 | CP (top 2) | CR (top 2)"
                   " | CF1 (top 2) | OP (top 2) | OR (top 2) | OF1 (top 2) |")
-        (row,) = [line for line in text.splitlines()[text.splitlines().index(header):] if line.startswith("| role |")]
+        (row,) = [line for line in text.splitlines()[text.splitlines().index(header):] if line.startswith("| ROLE |")]
         cells = [cell.strip() for cell in row.split("|")[2:-1]]  # | role | mAP | mAP (11-point) | LRAP | CP | CR | CF1
         for name, at in (("map11", 1), ("lrap", 2), ("cf1", 5)):
             assert cells[at].startswith(f"{expected[name]:.2f} ± "), name
