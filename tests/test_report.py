@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -290,7 +291,8 @@ def test_many_losses_val_curves_one_panel_per_family(tmp_path):
     # the first panel: the best 4 single-positive losses by test mAP (ll_r 79 > splc 78 > hill 77 > asl 76),
     # best first, and the best oracle (iun 62 > bce_ls 61 > bce 60)
     legend = assert_labelled(panels[0])
-    assert [text.split(":")[0] for text in legend] == ["#1 ll_r", "#2 splc", "#3 hill", "#4 asl", "iun"]
+    assert [text.split(":")[0] for text in legend] == ["#1 LL-R", "#2 SPLC", "#3 Hill", "#4 ASL", "IUN"]  # as the
+    registry = {losses.display_name(name): name for name in names}  # papers name them; back to the registry's
     shown, panel_families = [], []
     for axes in panels:
         legend = assert_labelled(axes)
@@ -299,7 +301,7 @@ def test_many_losses_val_curves_one_panel_per_family(tmp_path):
         assert len({to_hex(line.get_color()) for line in lines}) == len(lines), axes.get_title()  # distinct colours
         assert axes.get_ylim() == panels[0].get_ylim() and axes.get_xlim() == panels[0].get_xlim()
         if axes is not panels[0]:
-            in_panel = [text.split(":")[0].split()[-1] for text in legend]
+            in_panel = [registry[re.sub(r"^#\d+ ", "", text.split(":")[0])] for text in legend]
             panel_families.append({collect.loss_family(name) for name in in_panel})
             shown += in_panel
     assert shown == names  # every loss once, in spec order,
@@ -334,8 +336,8 @@ def test_every_panel_of_the_other_figures_has_labels_and_legend(runs):
         assert [text.split(",")[0] for text in legend] == ["true negatives", "true positives"]
         assert axes.get_ylim() == histograms[0].get_ylim()
     top, bottom = figures["per_class_ap"].get_axes()
-    assert [text.split(" (")[0] for text in assert_labelled(top)] == ["an", "role"]
-    assert assert_labelled(bottom) == ["role better", "an better"]
+    assert [text.split(" (")[0] for text in assert_labelled(top)] == ["AN", "ROLE"]
+    assert assert_labelled(bottom) == ["ROLE better", "AN better"]
     (recovery,) = figures["label_recovery"].get_axes()
     assert assert_labelled(recovery) == ["train mAP vs full labels", "test mAP"]
 

@@ -121,10 +121,10 @@ def test_a_loss_whose_curve_repeats_another_is_drawn_dotted_and_says_whose(tmp_p
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     figure = drawn_figures(tmp_path, "VOC linear")["val_curves"]
     (axes,) = figure.axes
-    styles = {line.get_label().split(":")[0].split()[-1]: (line.get_linestyle(), line.get_label())
-              for line in axes.get_lines()}
-    assert styles["opml"][0] == ":" and styles["opml"][1].endswith("same curve as zlpr")
-    assert styles["zlpr"][0] == "-" and styles["an"][0] == "-" and "same curve" not in styles["an"][1]
+    styles = {line.get_label().split(":")[0].split()[-1]: (line.get_linestyle(), " ".join(line.get_label().split()))
+              for line in axes.get_lines()}  # a legend entry may be wrapped to its panel's width
+    assert styles["OPML"][0] == ":" and styles["OPML"][1].endswith("same curve as ZLPR")
+    assert styles["ZLPR"][0] == "-" and styles["AN"][0] == "-" and "same curve" not in styles["AN"][1]
     assert "dotted: the same curve as an earlier loss" in figure.get_suptitle().replace("\n", " ")
     curves = {"a": ([1, 2], [3.0, 4.0]), "b": ([1, 2], [3.0, 4.5]), "c": ([1, 2], [3.0, 4.0])}
     assert val_curves.repeats(curves) == {"c": "a"}  # c repeats a exactly; b differs at its last epoch
@@ -135,7 +135,7 @@ def test_the_observed_fraction_figure_names_the_losses_it_leaves_out():
     curves = {name: [(0.1, 40.0 + i), (0.5, 50.0 + i)] for i, name in enumerate(names)}
     figure = observed_fraction._figure(plots.require_matplotlib(), "VOC linear", curves)
     title = figure.axes[0].get_title().replace("\n", " ")
-    best_last = names[::-1]  # the highest mAP at the largest fraction first
+    best_last = [losses.display_name(name) for name in names[::-1]]  # the highest mAP at the largest fraction first
     assert f"the best {observed_fraction.SHOWN} of 14 losses at P = 0.5" in title
     assert title.endswith(f"(left out: {', '.join(best_last[observed_fraction.SHOWN:])})")
     assert [line.get_label() for line in figure.axes[0].get_lines()] == best_last[:observed_fraction.SHOWN]

@@ -165,6 +165,7 @@ def report_command(
     fmt: Optional[str] = typer.Option(None, "--format", help="csv, md, json or tex (a LaTeX tabular with booktabs rules) instead of the terminal table."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the table to FILE (format from --format or the suffix: .csv, .md, .json, .tex)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write the figures into DIR (needs matplotlib)."),
+    figure_width: Optional[str] = typer.Option(None, "--figure-width", help="The figures' width as printed: column (3.3 in), text (6.9 in, the default) or inches, e.g. 5.5; each is laid out for it, every text at least 7 pt there."),
     figure_format: Optional[str] = typer.Option(None, "--figure-format", help="The figures' format: png (the default), pdf or svg (vector; pdf's fonts embedded as TrueType)."),
     dpi: Optional[int] = typer.Option(None, "--dpi", help="The figures' resolution in dots per inch, 50 to 600 (default: 300; pdf and svg are vector whatever it says)."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Two losses a,b, e.g. an,role: their paired difference a - b per dataset and stage (bootstrap interval, p-value), and the per-class AP figure's pair (default there: the best two)."),
@@ -178,7 +179,7 @@ def report_command(
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
 
     Example: spml-cache report --paper --plots figures --format md --out table1.md
-    Example: spml-cache report --out table1.tex --plots figs --figure-format pdf
+    Example: spml-cache report --out table1.tex --plots figs --figure-format pdf --figure-width column
     Example: spml-cache report runs/voc --pivot backbone --plots figures
     Example: spml-cache report --metric cf1 --ci --compare an,role
     """
@@ -186,6 +187,6 @@ def report_command(
 
     report.report_command(report.ReportOptions(
         run_dirs or [], runs_root=runs, paper=paper, fmt=fmt, output=out, plots_dir=plots, compare=compare, pivot=pivot,
-        ci=ci, figure_format=figure_format, dpi=dpi,
+        ci=ci, figure_format=figure_format, dpi=dpi, figure_width=figure_width,
         **{key: value for key, value in (("metric", metric), ("resamples", resamples)) if value is not None},
     ), console)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.confidence import DEFAULT_RESAMPLES, Resampling, add_intervals, check_resamples, compare
-from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles
+from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles, figure_width
 from spml_cache.report.measures import MAP, StoredTests, add_metrics, parse_metric
 from spml_cache.report.pivot import check_pivot, pivot_backbone, plot_backbones
 from spml_cache.report.plots import parse_compare, plot_runs, require_matplotlib
@@ -35,7 +35,8 @@ class ReportOptions:
     the figures' folder, `compare` (two losses: their paired difference per column, and the per-class figure's
     pair), `pivot="backbone"` (the loss x backbone table of one dataset, pivot.py; with `plots_dir` its figure
     alone), the table's `metric` (measures.py's names), `ci` (bootstrap intervals from `resamples`), and the
-    figures' files: `figure_format` (png, pdf, svg) and `dpi` (None: given by no flag)."""
+    figures' files: `figure_width` (column, text or inches), `figure_format` (png, pdf, svg) and `dpi` (None: given
+    by no flag)."""
 
     paths: list[Path] = field(default_factory=list)
     runs_root: Path = Path("runs")
@@ -50,6 +51,7 @@ class ReportOptions:
     resamples: int = DEFAULT_RESAMPLES
     figure_format: str | None = None
     dpi: int | None = None
+    figure_width: str | None = None
 
 
 def report_command(options: ReportOptions, console: Console) -> None:
@@ -92,13 +94,15 @@ def report_command(options: ReportOptions, console: Console) -> None:
 
 
 def _figure_files(options: ReportOptions) -> FigureFiles:
-    """The figures' format and resolution; either flag without --plots is refused (there is nothing to apply it to)."""
-    given = [flag for flag, value in (("--figure-format", options.figure_format), ("--dpi", options.dpi))
+    """The figures' width, format and resolution; any of their flags without --plots is refused (there is nothing
+    to apply it to)."""
+    given = [flag for flag, value in (("--figure-width", options.figure_width),
+                                      ("--figure-format", options.figure_format), ("--dpi", options.dpi))
              if value is not None]
     if given and options.plots_dir is None:
         raise SpmlError(f"{' and '.join(given)}: only with --plots DIR (the folder the figures go into)")
     return FigureFiles((options.figure_format or DEFAULT_FORMAT).lower(),
-                       DEFAULT_DPI if options.dpi is None else options.dpi)
+                       DEFAULT_DPI if options.dpi is None else options.dpi, figure_width(options.figure_width))
 
 
 def _measured(table: Table, options: ReportOptions, metric: str, pair, every: bool) -> Table:
