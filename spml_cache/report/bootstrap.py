@@ -20,6 +20,7 @@ import torch
 
 from spml_cache import labels as label_matrix
 from spml_cache import metrics
+from spml_cache.report.measures import image_ranking_precision
 from spml_cache.runs import StoredTest
 
 RESAMPLE_SEED = 0  # numpy.random.default_rng's: the same resamples on every machine, for every report
@@ -198,8 +199,6 @@ def _seed_decisions(scores: np.ndarray, stored: StoredTest, resamples: Resamples
 def _seed_lrap(scores: np.ndarray, stored: StoredTest, resamples: Resamples) -> np.ndarray:
     """One seed's LRAP (0..100) on every resample, `[B]`: each image's own LRAP (its labels' ranking is its own,
     whatever else is drawn) weighted by its count in the resample."""
-    from spml_cache.report.measures import image_ranking_precision
-
     per_image = image_ranking_precision(torch.from_numpy(scores), stored.labels, stored.mask).numpy()
     return 100.0 * (per_image @ resamples.counts) / max(len(per_image), 1)
 
