@@ -16,6 +16,7 @@ from spml_cache.runtime.errors import SpmlError, unknown_name
 TABLE_FORMATS = ("csv", "md", "json", "tex")  # report/formats.py renders each
 PIVOTS = ("backbone",)
 MAP = "map"
+RANKINGS = ("map11", "lrap")  # VOC 2007's 11-point interpolated mAP (DINOv3's map_voc2007); MTEB's multi-label LRAP
 DEFAULT_RESAMPLES = 1000
 MIN_RESAMPLES = 100  # below this the 2.5th and 97.5th percentiles rest on two or three resamples
 
@@ -40,10 +41,11 @@ def parse_metric(text: str, flag: str = "--metric") -> str:
     name, at, k = text.strip().lower().partition("@")
     if name in metrics.F1_FAMILY and (not at or k.isdigit() and int(k) >= 1):
         return f"{name}@{int(k)}" if at else name
-    if name == MAP and not at:
-        return MAP
-    raise SpmlError(f"{flag} {text}: use map, {', '.join(metrics.F1_FAMILY)}, or one of those with @K for the top K"
-                    f" labels of each image (e.g. cf1@{metrics.TOP_K})")
+    if name in (MAP, *RANKINGS) and not at:
+        return name
+    raise SpmlError(f"{flag} {text}: use {', '.join((MAP, *RANKINGS, *metrics.F1_FAMILY))}, or one of"
+                    f" {', '.join(metrics.F1_FAMILY)} with @K for the top K labels of each image (e.g."
+                    f" cf1@{metrics.TOP_K})")
 
 
 def parse_compare(compare: str | None, flag: str = "--compare") -> tuple[str, str] | None:
@@ -77,6 +79,9 @@ class ReportOptions(Options):
                                     kind=Path)
     figure_format: str | None = option(None, "The figures' format: png (the default), pdf or svg (vector; pdf's fonts"
                                        " embedded as TrueType).")
+    figure_width: str | None = option(None, "The figures' width as printed: column (3.3 in), text (6.9 in, the"
+                                      " default) or inches, e.g. 5.5; each is laid out for it, every text at least 7"
+                                      " pt there.")
     dpi: int | None = option(None, "The figures' resolution in dots per inch, 50 to 600 (default: 300; pdf and svg"
                              " are vector whatever it says).", kind=int)
     compare: str | None = option(
@@ -85,9 +90,10 @@ class ReportOptions(Options):
         read=lambda value, flag: ",".join(parse_compare(value, flag)))
     pivot: str | None = option(None, "backbone: one dataset's linear runs as losses x backbones (with their feature"
                                " kind); --plots then draws that table.", read=_read_pivot)
-    metric: str = option(MAP, "The table's metric: map (the default), cp, cr, cf1, op, or, of1 (labels scoring 0.5 or"
-                         " more), or one of those with @K (cf1@3: of each image's K highest, those at 0.5 or more)."
-                         " csv, md and json carry every one.", read=parse_metric)
+    metric: str = option(MAP, "The table's metric: map (the default), map11 (VOC07's 11-point interpolated mAP), lrap"
+                         " (label ranking average precision), cp, cr, cf1, op, or, of1 (labels scoring 0.5 or more), or"
+                         " one of those six with @K (cf1@3: of each image's K highest, those at 0.5 or more). csv, md"
+                         " and json carry every one.", read=parse_metric)
     ci: bool = option(False, "Add each cell's 95% bootstrap interval over the test images (the same resamples for"
                       " every loss of a dataset).", switch=True)
     resamples: int = option(DEFAULT_RESAMPLES, "Bootstrap resamples of the test images for --ci and --compare"

@@ -12,7 +12,7 @@ from rich.markup import escape
 from spml_cache.options.report import ReportOptions
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.confidence import Resampling, add_intervals, compare
-from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles
+from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles, figure_width
 from spml_cache.report.measures import MAP, StoredTests, add_metrics
 from spml_cache.report.pivot import pivot_backbone, plot_backbones
 from spml_cache.report.plots import plot_runs, require_matplotlib
@@ -68,13 +68,15 @@ def report_command(options: ReportOptions, console: Console) -> None:
 
 
 def _figure_files(options: ReportOptions) -> FigureFiles:
-    """The figures' format and resolution; either flag without --plots is refused (there is nothing to apply it to)."""
-    given = [flag for flag, value in (("--figure-format", options.figure_format), ("--dpi", options.dpi))
+    """The figures' width, format and resolution; any of their flags without --plots is refused (there is nothing
+    to apply it to)."""
+    given = [flag for flag, value in (("--figure-width", options.figure_width),
+                                      ("--figure-format", options.figure_format), ("--dpi", options.dpi))
              if value is not None]
     if given and options.plots_dir is None:
         raise SpmlError(f"{' and '.join(given)}: only with --plots DIR (the folder the figures go into)")
     return FigureFiles((options.figure_format or DEFAULT_FORMAT).lower(),
-                       DEFAULT_DPI if options.dpi is None else options.dpi)
+                       DEFAULT_DPI if options.dpi is None else options.dpi, figure_width(options.figure_width))
 
 
 def _measured(table: Table, options: ReportOptions, metric: str, pair, every: bool) -> Table:

@@ -1,8 +1,12 @@
-"""How `spml-cache report --plots` writes its figures: the format (`--figure-format png|pdf|svg`) and resolution
-(`--dpi`), one for every figure, each file written through a temporary name and renamed whole.
+"""How `spml-cache report --plots` writes its figures: the width (`--figure-width column|text|INCHES`), format
+(`--figure-format png|pdf|svg`) and resolution (`--dpi`), one for every figure, each file written through a
+temporary name and renamed whole.
 
-PNG is 300 dpi by default, the resolution journals ask of raster figures at their printed size (the figures are
-laid out for use at their saved size: no text under `MIN_POINTS`). PDF and SVG are vector: `--dpi` sets only the
+Every figure is laid out at the width asked for, the size it will be printed at: a two-column paper's column
+(3.3 in) or its text width (6.9 in, the default), or any width in inches; its height follows from what it holds.
+At that size no text is under `MIN_POINTS` (7 pt, what conference templates ask of figure text), so a figure is
+included at its own size, never scaled down. PNG is 300 dpi by default, the resolution journals ask of raster
+figures at their printed size. PDF and SVG are vector: `--dpi` sets only the
 resolution of what a vector file would rasterise (none of the report's figures has such a part). PDF embeds its
 fonts as TrueType (Type 42), not matplotlib's default Type 3, which conference submission checks refuse; PDF and
 SVG leave out their creation date, so the same runs give the same files.
@@ -23,7 +27,10 @@ FORMATS = ("png", "pdf", "svg")
 DEFAULT_FORMAT = "png"
 DEFAULT_DPI = 300
 DPI_RANGE = (50, 600)  # above 600, a 24-inch figure is a 14,400-pixel-wide PNG: a vector format serves better
-MIN_POINTS = 8  # the smallest text of any figure (tests/figure_support.py checks every figure against it)
+MIN_POINTS = 7  # the smallest text of any figure at its saved size (tests/figure_support.py checks every figure)
+WIDTHS = {"column": 3.3, "text": 6.9}  # inches: a two-column paper's column and text width (CVPR's, NeurIPS' 5.5)
+DEFAULT_WIDTH = "text"
+WIDTH_RANGE = (2.0, 24.0)  # inches: below 2 no panel holds its labels at 7 pt
 _UNDATED = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
 
 
@@ -33,6 +40,7 @@ class FigureFiles:
 
     format: str = DEFAULT_FORMAT
     dpi: int = DEFAULT_DPI
+    width: float = WIDTHS[DEFAULT_WIDTH]  # inches (`figure_width` reads the flag)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -41,6 +49,11 @@ class FigureFiles:
         if not low <= self.dpi <= high:
             raise SpmlError(f"--dpi {self.dpi}: use {low} to {high} (for any size, --figure-format pdf or svg:"
                             " vector)")
+
+        low, high = WIDTH_RANGE
+        if not low <= self.width <= high:
+            raise SpmlError(f"--figure-width {self.width:g}: use {low:g} to {high:g} inches, or column"
+                            f" ({WIDTHS['column']} in) or text ({WIDTHS['text']} in)")
 
     def path(self, folder: Path, stem: str) -> Path:
         return folder / f"{stem}.{self.format}"
@@ -53,6 +66,18 @@ class FigureFiles:
             replace_atomically(path, lambda file: figure.savefig(
                 file, format=self.format, dpi=self.dpi, metadata=_UNDATED.get(self.format)))
 
+
+def figure_width(text: str | None) -> float:
+    """`--figure-width`'s value in inches: `column` (3.3), `text` (6.9, also when not given) or a number of inches
+    (checked against WIDTH_RANGE by FigureFiles)."""
+    given = (text or DEFAULT_WIDTH).strip().lower()
+    if given in WIDTHS:
+        return WIDTHS[given]
+    try:
+        return float(given.removesuffix("in").strip())
+    except ValueError:
+        raise SpmlError(f"--figure-width {text}: use column ({WIDTHS['column']} in), text ({WIDTHS['text']} in) or a"
+                        f" width in inches, e.g. 5.5") from None
 
 
 @contextmanager
