@@ -34,11 +34,13 @@ from spml_cache.runs.layout import (
     write_labels,
     write_scores,
 )
-from spml_cache.runs.reading import StoredTest, is_complete, load_results, open_for_resume, read_stored_test, run_stamp
+from spml_cache.runs.reading import (
+    StoredTest, image_ranking_precision, is_complete, load_results, open_for_resume, read_stored_test, run_stamp,
+)
 
 __all__ = [
     "LinearHead", "RESULTS", "SeedScores", "StoredTest", "TEST_LABELS", "append_metrics", "best_loss",
-    "check_same_cache", "env_info", "file_stem", "finish_run", "is_complete", "jsonable", "load_checkpoint",
+    "check_same_cache", "env_info", "file_stem", "finish_run", "image_ranking_precision", "is_complete", "jsonable", "load_checkpoint",
     "load_results", "make_run_dir", "newest_run", "open_for_resume", "other_cache", "read_json", "read_linear_head",
     "read_metrics", "read_npz", "read_stored_test", "replace_atomically", "run_stamp", "safe_name",
     "save_checkpoint", "scores_path", "start_run", "temporary_path", "watch_metrics", "write_json", "write_labels",
