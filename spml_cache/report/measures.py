@@ -13,9 +13,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from spml_cache import labels as label_matrix
 from spml_cache import metrics
 from spml_cache.options.report import MAP
 from spml_cache.runs import StoredTest, read_stored_test
@@ -46,15 +44,9 @@ def title(metric: str) -> str:
 
 
 def seed_values(stored: StoredTest, top_k: int = metrics.TOP_K) -> dict[str, np.ndarray]:
-    """Each seed's F1 family (0..100, `[S]` per name) at the threshold and for the top `top_k`, from its stored test
-    scores against the run's test labels (partial labels: annotated entries only; sparse labels stay sparse)."""
-    scores = torch.from_numpy(stored.scores)
-    values = {}
-    for k, suffix in ((None, ""), (top_k, f"@{top_k}")):
-        counts = label_matrix.decision_counts(metrics.predicted(scores, k), stored.labels, stored.mask)
-        family, _ = metrics.f1_family(counts, stored.mask is not None)
-        values.update({f"{name}{suffix}": value.numpy() for name, value in family.items()})
-    return values
+    """Each seed's F1 family (0..100, `[S]` per name) at the threshold and for the top `top_k` (`StoredTest.f1_family`:
+    the typed results of the Python face read it the same way)."""
+    return stored.f1_family(top_k)
 
 
 class StoredTests:

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from spml_cache import labels
+from spml_cache import labels, metrics
 from spml_cache.losses import plugins
 from spml_cache.runs.files import read_json, read_npz, write_json
 from spml_cache.runs.layout import RESULTS, TEST_LABELS, scores_path
@@ -69,6 +70,17 @@ class StoredTest:
     scores: np.ndarray
     labels: object
     mask: object
+
+    def f1_family(self, top_k: int = metrics.TOP_K) -> dict[str, np.ndarray]:
+        """Each seed's F1 family (0..100, `[S]` per name: CP, CR, CF1, OP, OR, OF1) at the 0.5 threshold and, as
+        `cf1@K`, for each image's `top_k` highest scores at or above it, from the scores against the test labels
+        (partial labels: annotated entries only; sparse labels stay sparse)."""
+        scores, values = torch.from_numpy(self.scores), {}
+        for k, suffix in ((None, ""), (top_k, f"@{top_k}")):
+            counts = labels.decision_counts(metrics.predicted(scores, k), self.labels, self.mask)
+            family, _ = metrics.f1_family(counts, self.mask is not None)
+            values.update({f"{name}{suffix}": value.numpy() for name, value in family.items()})
+        return values
 
 
 def read_stored_test(run_dir: Path | str, key: str) -> StoredTest | None:
