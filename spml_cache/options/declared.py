@@ -203,6 +203,7 @@ def given(default: Any, help: str, *, kind: type | None = None, check: Check = A
 def _declare(default, help: str, kind: type | None, check: Check, declared: dict) -> Option:
     default = None if default is MISSING else default
     kind = kind or (type(default) if default is not None and not isinstance(default, (list, tuple, dict)) else str)
+    kind = Path if issubclass(kind, Path) else kind  # PosixPath("runs")'s kind: a path
     return Option(name="", kind=kind, valid=check.valid, must=check.must, said=check.said, default=default,
                   help=help, **declared)
 

@@ -34,7 +34,7 @@ def _label_format(value: str, flag: str) -> str:
     """`--labels`, checked by the cache's own rule (auto, dense or sparse)."""
     from spml_cache.cache.csr import resolve_format
 
-    resolve_format(value, 0)
+    resolve_format(value, 0, flag)
     return value
 
 

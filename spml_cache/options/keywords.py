@@ -172,8 +172,10 @@ def no_positional(door: str, args: tuple, progress) -> None:
 def callable_stage(name: str, door: Callable) -> None:
     """Make the package `name` (a stage's, `spml_cache.linear`) callable as `door`: `sc.linear(...)` is
     `spml_cache.linear`, which Python puts on `spml_cache` as soon as anything imports it, so the face's
-    function and the stage's package must be one object. Its attributes stay the package's."""
+    function and the stage's package must be one object. Its attributes stay the package's; its docstring (what
+    `help(sc.linear)` shows first) is the door's, then the package's own."""
     module = sys.modules[name]
+    module.__doc__ = f"{door.__doc__}\n\nThe package {name}: {module.__doc__}"
 
     def __call__(self, *args, **keywords):
         return door(*args, **keywords)

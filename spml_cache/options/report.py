@@ -10,7 +10,7 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from spml_cache.options.declared import Options, at_least, option
+from spml_cache.options.declared import Options, at_least, between, option
 from spml_cache.runtime.errors import SpmlError, unknown_name
 
 TABLE_FORMATS = ("csv", "md", "json", "tex")  # report/formats.py renders each
@@ -18,6 +18,8 @@ PIVOTS = ("backbone",)
 MAP = "map"
 DEFAULT_RESAMPLES = 1000
 MIN_RESAMPLES = 100  # below this the 2.5th and 97.5th percentiles rest on two or three resamples
+FIGURE_FORMATS = ("png", "pdf", "svg")  # report/figure_files.py writes each
+DPI_RANGE = (50, 600)  # above 600, a 24-inch figure is a 14,400-pixel-wide PNG: a vector format serves better
 
 
 def _read_format(value: str, flag: str) -> str:
@@ -25,6 +27,12 @@ def _read_format(value: str, flag: str) -> str:
         raise SpmlError(f"{flag} {value}: {unknown_name('format', value, TABLE_FORMATS)}; use one of"
                         f" {', '.join(TABLE_FORMATS)}")
     return value
+
+
+def _read_figure_format(value: str, flag: str) -> str:
+    if not isinstance(value, str) or value.lower() not in FIGURE_FORMATS:
+        raise SpmlError(f"{flag} {value}: use one of {', '.join(FIGURE_FORMATS)}")
+    return value.lower()
 
 
 def _read_pivot(value: str, flag: str) -> str:
@@ -76,9 +84,11 @@ class ReportOptions(Options):
     plots_dir: Path | None = option(None, "Also write the figures into DIR (needs matplotlib).", flag="--plots",
                                     kind=Path)
     figure_format: str | None = option(None, "The figures' format: png (the default), pdf or svg (vector; pdf's fonts"
-                                       " embedded as TrueType).")
+                                       " embedded as TrueType).", read=_read_figure_format)
     dpi: int | None = option(None, "The figures' resolution in dots per inch, 50 to 600 (default: 300; pdf and svg"
-                             " are vector whatever it says).", kind=int)
+                             " are vector whatever it says).", kind=int, check=between(
+                                 *DPI_RANGE, f"use {DPI_RANGE[0]} to {DPI_RANGE[1]} (for any size, --figure-format"
+                                 " pdf or svg: vector)"))
     compare: str | None = option(
         None, "Two losses a,b, e.g. an,role: their paired difference a - b per dataset and stage (bootstrap interval,"
         " p-value), and the per-class AP figure's pair (default there: the best two).",

@@ -95,7 +95,7 @@ def _figure_files(options: ReportOptions) -> FigureFiles:
              if value is not None]
     if given and options.plots_dir is None:
         raise SpmlError(f"{' and '.join(given)}: only with --plots DIR (the folder the figures go into)")
-    return FigureFiles((options.figure_format or DEFAULT_FORMAT).lower(),
+    return FigureFiles(options.figure_format or DEFAULT_FORMAT,
                        DEFAULT_DPI if options.dpi is None else options.dpi)
 
 

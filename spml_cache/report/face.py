@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from spml_cache.options.keywords import documented, from_flag_keywords
+from spml_cache.options.keywords import documented, from_flag_keywords, no_positional
 from spml_cache.options.report import ReportOptions
 from spml_cache.report.collect import Run, collect_runs
 from spml_cache.report.command import prepared, tabulate, write_figures, write_table
@@ -134,6 +134,7 @@ def report(*run_dirs, progress: bool = False, **keywords) -> ReportTable:
     """The report of the runs in `run_dirs` (run directories or folders of them; none: every run under `runs`) as
     a `ReportTable`: `spml-cache report` from Python. With `out`, the table is also written to that file (its
     format from `format` or the suffix), with `plots` the figures into that folder, as the command line does."""
+    no_positional("sc.report", (), progress)
     if run_dirs:
         if "run_dirs" in keywords:
             raise SpmlError("sc.report: run directories given twice: by position and as run_dirs=; give one")

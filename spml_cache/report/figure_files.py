@@ -14,30 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spml_cache.runs import replace_atomically
-from spml_cache.runtime.errors import SpmlError
 
-FORMATS = ("png", "pdf", "svg")
 DEFAULT_FORMAT = "png"
 DEFAULT_DPI = 300
-DPI_RANGE = (50, 600)  # above 600, a 24-inch figure is a 14,400-pixel-wide PNG: a vector format serves better
 MIN_POINTS = 8  # the smallest text of any figure (tests/figure_support.py checks every figure against it)
 _UNDATED = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
 
 
 @dataclass(frozen=True)
 class FigureFiles:
-    """The format and resolution of the figures' files, checked once."""
+    """The format and resolution of the figures' files (each checked by its option's declaration, options/report.py:
+    `FIGURE_FORMATS`, `DPI_RANGE`)."""
 
     format: str = DEFAULT_FORMAT
     dpi: int = DEFAULT_DPI
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise SpmlError(f"--figure-format {self.format}: use one of {', '.join(FORMATS)}")
-        low, high = DPI_RANGE
-        if not low <= self.dpi <= high:
-            raise SpmlError(f"--dpi {self.dpi}: use {low} to {high} (for any size, --figure-format pdf or svg:"
-                            " vector)")
 
     def path(self, folder: Path, stem: str) -> Path:
         return folder / f"{stem}.{self.format}"
