@@ -140,7 +140,7 @@ def kind_text(option: Option) -> str:
         return "KEY=VALUE text, a list of them, or a mapping"
     if option.switch or option.kind is bool:
         return "True or False"
-    what = {int: "whole number", float: "number", Path: "path", str: "text"}.get(option.kind, option.kind.__name__)
+    what = {int: "whole number", float: "number", Path: "path"}.get(option.kind, "text")
     if option.many:
         return f"{what}s: a list, one, or comma text" if option.kind in (int, float) else f"{what}s: a list"
     return what
@@ -156,6 +156,8 @@ def documented(door: Callable, *types: type[Options], positional: Sequence[str] 
                                           for name in extra],
                                    returns=inspect.signature(door).return_annotation)
     door.__doc__ = inspect.cleandoc(door.__doc__ or "") + "\n\n" + parameters_doc(*types, extra=extra)
+    door.declared = types  # what docs/python-api.md's reference is drawn from (scripts/python_api.py)
+    door.own_keywords = extra
     return door
 
 

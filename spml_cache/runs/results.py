@@ -103,6 +103,7 @@ class StageRun:
                 for key, raw in (self.results.get("losses") or {}).items()}
 
     def __getitem__(self, key: str) -> LossResult:
+        """`run["role"]`: the result of `key` (a loss, or `loss@rule`); an unknown one is one line with the closest."""
         if key not in self.losses:
             raise SpmlError(f"{self.run_dir}: {unknown_name('result', key, self.losses)}; it holds"
                             f" {', '.join(self.losses) or 'none'}")
@@ -110,10 +111,12 @@ class StageRun:
 
     @property
     def stage(self) -> str:
+        """`linear` or `finetune`."""
         return self.results.get("stage", "")
 
     @property
     def dataset(self) -> str:
+        """The dataset the run's cache is of (`voc`, ...)."""
         return self.results.get("dataset", "")
 
     @property
@@ -140,6 +143,7 @@ class FinetuneRun(StageRun):
 
     @property
     def init(self) -> dict:
+        """The head it started from: `mode` (best or imagenet), the linear `run`, `loss`, its config and val mAP."""
         return dict(self.results.get("init") or {})
 
 
