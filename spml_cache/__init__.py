@@ -1,4 +1,5 @@
-"""spml-cache: single-positive multi-label learning over a cached feature matrix of a frozen backbone.
+"""spml-cache: single-positive multi-label learning over a cached feature matrix of a frozen backbone (any: ResNet-50,
+the papers', by default).
 
 The Python face, `import spml_cache as sc` (docs/python-api.md): what the command line does, by the same names,
 checks and results. Each stage's keywords are its command's flags (`--batch-size` -> `batch_size`, `--from` ->

@@ -214,24 +214,17 @@ def value_count(matrix, value: int) -> int:
     return int(((matrix.values if is_sparse(matrix) else np.asarray(matrix)) == value).sum())
 
 
-def columns(matrix, low: int, high: int, dtype=np.uint8) -> np.ndarray:
-    """The classes `low:high` of a dense or sparse label matrix, as a dense block (of that class range only)."""
+def columns(matrix, low: int, high: int, dtype=np.uint8, rows: int | None = None) -> np.ndarray:
+    """The classes `low:high` of a dense or sparse label matrix (its first `rows` rows; None: all), as a dense block
+    (of that class range only)."""
     if is_sparse(matrix):
-        return matrix.columns(low, high, dtype=dtype)
-    return np.ascontiguousarray(np.asarray(matrix)[:, low:high]).astype(dtype, copy=False)
+        return matrix.columns(low, high, rows, dtype=dtype)
+    return np.ascontiguousarray(np.asarray(matrix)[:rows, low:high]).astype(dtype, copy=False)
 
 
 def rows_with(matrix, value: int) -> np.ndarray:
     """bool [N]: the rows of a dense or sparse label matrix holding `value` somewhere."""
     return matrix.rows_with(value) if is_sparse(matrix) else (np.asarray(matrix) == value).any(axis=1)
-
-
-def for_loss(observed, whole: bool) -> np.ndarray | None:
-    """Training observed labels as a loss is built with them (`train_observed`): a dense matrix as it is; a sparse
-    one made dense only for a loss that reads the `whole` matrix (per-example state, [N, C] anyway), else None."""
-    if is_sparse(observed):
-        return observed.to_dense(np.int8) if whole else None
-    return np.asarray(observed)
 
 
 def for_figures(matrix) -> np.ndarray | None:
@@ -315,26 +308,34 @@ def on_device(matrix, device):
     return torch.as_tensor(np.ascontiguousarray(matrix)).to(device)
 
 
-def block(matrix, rows, dtype, host_rows: np.ndarray | None = None):
-    """The dense `[B, C]` label block of `rows` (a tensor on the training device): gathered there from an
-    `on_device` tensor, or built on the host from a sparse matrix (from `host_rows` when the caller has them, so as
-    not to wait for the device) and moved to the device."""
+def gathers_on_device(matrix) -> bool:
+    """Whether `block` gathers this matrix's rows on the device (an `on_device` tensor), not from a sparse one."""
     import torch
 
-    if isinstance(matrix, torch.Tensor):
-        return matrix.index_select(0, rows)
+    return isinstance(matrix, torch.Tensor)
+
+
+def block(matrix, rows, dtype, host_rows: np.ndarray | None = None, out=None):
+    """The dense `[B, C]` label block of `rows` (a tensor on the training device): gathered there from an
+    `on_device` tensor (into `out` when given), or built on the host from a sparse matrix (from `host_rows` when the
+    caller has them, so as not to wait for the device) and moved to the device (a new tensor, whatever `out`)."""
+    import torch
+
+    if gathers_on_device(matrix):
+        return matrix.index_select(0, rows) if out is None else torch.index_select(matrix, 0, rows, out=out)
     wanted = host_rows if host_rows is not None else rows.cpu().numpy()
     return torch.from_numpy(matrix.rows(np.asarray(wanted), dtype)).to(rows.device)
 
 
 def observed_for_loss(observed, whole: bool):
-    """The training observed labels a loss is built with (`train_observed`), on the host: `for_loss` as a tensor."""
+    """The training observed labels a loss is built with (`train_observed`), a tensor on the host: a dense matrix
+    as it is; a sparse one made dense only for a loss that reads the `whole` matrix (per-example state, [N, C]
+    anyway), else None."""
     import torch
 
-    if isinstance(observed, torch.Tensor):
-        return observed.cpu()
-    found = for_loss(observed, whole)
-    return None if found is None else torch.from_numpy(found)
+    if is_sparse(observed):
+        return torch.from_numpy(observed.to_dense(np.int8)) if whole else None
+    return observed.cpu() if isinstance(observed, torch.Tensor) else torch.from_numpy(np.asarray(observed))
 
 
 def class_blocks(matrix) -> list[tuple[int, int]]:
@@ -344,13 +345,14 @@ def class_blocks(matrix) -> list[tuple[int, int]]:
     return [(low, min(low + width, matrix.shape[1])) for low in range(0, matrix.shape[1], width)]
 
 
-def _tensor_columns(matrix, low: int, high: int, device):
-    """The classes `low:high` as a tensor on `device`: sliced from a tensor, built from a numpy or sparse matrix."""
+def tensor_columns(matrix, low: int, high: int, device, rows: int | None = None):
+    """The classes `low:high` of the first `rows` rows (None: all) as a tensor on `device`: sliced from a tensor (a
+    view, where it is on `device` already), built from a numpy or sparse matrix."""
     import torch
 
     if isinstance(matrix, torch.Tensor):
-        return matrix[:, low:high].to(device)
-    return torch.from_numpy(columns(matrix, low, high)).to(device)
+        return matrix[:rows, low:high].to(device)
+    return torch.from_numpy(columns(matrix, low, high, rows=rows)).to(device)
 
 
 def decision_counts(predicted, labels, mask=None):
@@ -362,8 +364,8 @@ def decision_counts(predicted, labels, mask=None):
 
     parts = []
     for low, high in class_blocks(labels):
-        labelled = _tensor_columns(labels, low, high, predicted.device)
-        annotated = None if mask is None else _tensor_columns(mask, low, high, predicted.device)
+        labelled = tensor_columns(labels, low, high, predicted.device)
+        annotated = None if mask is None else tensor_columns(mask, low, high, predicted.device)
         parts.append(metrics.decision_counts(predicted[..., low:high], labelled, annotated))
     return torch.cat(parts, dim=-1)
 
@@ -387,8 +389,8 @@ def average_precision(scores, labels, mask=None):
 
     aps, scored = [], []
     for low, high in class_blocks(labels):
-        labelled = _tensor_columns(labels, low, high, scores.device)
-        annotated = None if mask is None else _tensor_columns(mask, low, high, scores.device)
+        labelled = tensor_columns(labels, low, high, scores.device)
+        annotated = None if mask is None else tensor_columns(mask, low, high, scores.device)
         aps.append(metrics.average_precision(scores[:, low:high], labelled, annotated))
         if mask is not None:
             scored.append(metrics.scored_classes(labelled, annotated))

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cwd, env: dict | None = None, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
-    """`python -m spml_cache ARGS` from `cwd`, the way a user types it, with this checkout importable."""
-    # The user's own SPML_* settings must not leak into tests; a test that wants one passes it in `env`.
+def cli_environment(env: dict | None = None) -> dict:
+    """The environment a command line runs in: this one without the user's SPML_* settings (a test that wants one
+    passes it), with this checkout importable; `env`'s values added (None: that variable removed)."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
     # Offline: no test downloads weights. Wide columns: rich tables print whole, so assertions can find cells.
     environment.update(PYTHONPATH=str(REPO), SPML_OFFLINE="1", COLUMNS="400")
@@ -21,8 +24,46 @@ def run_cli(*args: str, cwd, env: dict | None = None, timeout: float = 600, **po
             environment.pop(key, None)
         else:
             environment[key] = value
+    return environment
+
+
+def run_cli(*args: str, cwd, env: dict | None = None, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+    """`python -m spml_cache ARGS` from `cwd`, the way a user types it, with this checkout importable."""
     command = [sys.executable, "-m", "spml_cache", *args]
-    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout, **popen)
+    return subprocess.run(command, cwd=cwd, env=cli_environment(env), capture_output=True, text=True,
+                          timeout=timeout, **popen)
+
+
+def start_cli(*args: str, cwd, env: dict | None = None, ready, timeout: float = 300) -> subprocess.Popen:
+    """`python -m spml_cache ARGS` in a process group of its own (as a terminal starts a command, so that
+    `os.killpg` is a terminal's Ctrl-C), its output in `cwd`/out.txt and err.txt; returns once `ready()`, asserting
+    until then that it still runs. End it with `ended`."""
+    with open(Path(cwd) / "out.txt", "w") as out, open(Path(cwd) / "err.txt", "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=cli_environment(env),
+                                   stdout=out, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert process.poll() is None, (Path(cwd) / "err.txt").read_text()
+            assert time.monotonic() < deadline, f"not ready after {timeout} s"
+            time.sleep(0.02)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended: the assertion above says how
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process
+
+
+def ended(process: subprocess.Popen, cwd, timeout: float = 120) -> str:
+    """Wait for a `start_cli` command to end (its process group killed if it has not within `timeout`); its
+    stderr."""
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    return (Path(cwd) / "err.txt").read_text()
 
 
 def run_main(*args: str, cwd, monkeypatch, capsys) -> tuple[int, str]:

@@ -303,6 +303,37 @@ def test_a_stop_during_export_leaves_nothing_and_says_so(data, tmp_path, monkeyp
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+def test_every_part_of_an_export_reads_back_with_pyarrow_and_an_older_exports_null_fixed_lists_import(
+        data, tmp_path):
+    """Test's observed labels are null. An export wrote them as a null fixed-size list, which pyarrow before 26
+    cannot read from parquet ("Expected all lists to be of size=3 but index 1 had size=0": apache/arrow issue
+    35692; mlflow pins pyarrow below 26, so a tracker's install brought it back): now a plain list column that
+    any pyarrow reads, and an import never reads test's observed column, so exports made before still import."""
+    from spml_cache.extract import import_features
+
+    root, layout, _ = data
+    source = import_features(layout, dataset="csv", root=root, out=tmp_path / "source.h5").path
+    done = run_cli("export", str(source), "--out", str(tmp_path / "out"), cwd=tmp_path, env=environment(tmp_path))
+    assert done.returncode == 0, done.stderr
+    original = cache.load(source)
+    for index, name in enumerate(cache.SPLITS):
+        table = pq.read_table(tmp_path / "out" / "metadata" / f"metadata_{index}.parquet")
+        assert table.schema.field("observed").type == pa.list_(pa.int8())
+        observed = getattr(original, name).observed
+        assert table.column("observed").to_pylist() == ([None] * len(table) if observed is None else observed.tolist())
+    older = tmp_path / "out" / "metadata" / "metadata_2.parquet"  # test's part as exports before this one wrote it
+    table = pq.read_table(older)
+    position = table.schema.get_field_index("observed")
+    pq.write_table(table.set_column(position, "observed", pa.nulls(len(table), pa.list_(pa.int8(), len(CLASSES)))),
+                   older)
+    again = run_cli("import-features", str(tmp_path / "out"), "--out", str(tmp_path / "again.h5"), cwd=tmp_path,
+                    env=environment(tmp_path))
+    assert again.returncode == 0, again.stderr
+    imported = cache.load(tmp_path / "again.h5")
+    assert imported.test.observed is None and imported.test.ids == original.test.ids
+    np.testing.assert_array_equal(imported.test.labels, original.test.labels)
+
+
 def test_a_last4_cache_exported_comes_back_as_a_last4_cache(data, tmp_path):
     import h5py
 

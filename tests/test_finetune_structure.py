@@ -51,8 +51,8 @@ def test_the_keyword_form_splits_its_keywords_between_the_two_option_types(monke
     given = dict(init="best", from_run=Path("r"), cache=Path("c.h5"), dataset="voc", loss="an", weights="none",
                  resolution=64, epochs=3, lrs=(1e-4, 1e-5), batch_sizes=[4], seeds=2, head_lr_mult=10.0,
                  skip_missing=True, hparams={"ls_coef": 0.1}, fidelity="authors", decode="cpu", device="cpu", out="o",
-                 resume=Path("x"), workers=0, root="data", cache_dir="caches")
-    placement = {"device", "out", "resume", "workers", "root", "cache_dir", "log"}
+                 resume=Path("x"), workers=0, root="data", cache_dir="caches", trackers=("mlflow",))
+    placement = {"device", "out", "resume", "workers", "root", "cache_dir", "log", "trackers"}
     # every field of either type is a keyword (but `log`, a callable), and no keyword is both
     assert set(given) | {"log"} == {f.name for f in fields(FinetuneOptions)} | {f.name for f in fields(FinetunePlacement)}
     assert {f.name for f in fields(FinetunePlacement)} == placement

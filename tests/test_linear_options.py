@@ -42,8 +42,9 @@ def test_the_keyword_form_splits_its_keywords_between_the_two_types(monkeypatch)
     monkeypatch.setattr(linear_run, "_run_linear", lambda options, placement: seen.update(
         options=options, placement=placement))
     given = dict(cache=Path("c.h5"), losses=["an"], lrs=[1e-2], seeds=2, memory_budget=1024, resume=Path("r"),
-                 device="cpu", out=Path("o"), workers=3, graphs=False, compile_steps=True, cache_dir=Path("caches"))
-    placement = {"device", "out", "workers", "graphs", "compile_steps", "cache_dir", "console", "resume"}
+                 device="cpu", out=Path("o"), workers=3, graphs=False, compile_steps=True, cache_dir=Path("caches"),
+                 trackers=("tensorboard",))
+    placement = {"device", "out", "workers", "graphs", "compile_steps", "cache_dir", "console", "resume", "trackers"}
     assert {f.name for f in fields(LinearPlacement)} == placement
     assert not placement & {f.name for f in fields(LinearOptions)}  # no keyword is both
     spml_cache.linear.run_linear(**given)

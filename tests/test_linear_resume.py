@@ -5,14 +5,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import h5py
 import pytest
 import torch
-from cli_support import REPO, run_cli
+from cli_support import ended, run_cli, start_cli
 from linear_support import interrupted_run, quiet, write_synthetic_cache
 
 from spml_cache.linear import LinearOptions, run_linear
@@ -100,21 +97,10 @@ def test_ctrl_c_on_the_command_line_says_what_was_kept_and_goes_on(tmp_path):
     cache_path = write_synthetic_cache(tmp_path / "voc-resnet50-448.h5", train=1500, val=20, test=20)
     args = ["--cache", str(cache_path), "--loss", "an,role", "--seeds", "3", "--lr", "1e-2", "--batch-size", "4,8",
             "--epochs", "3", "--workers", "2"]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
-    env.update(PYTHONPATH=str(REPO), COLUMNS="400")
-    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "spml_cache", "linear", *args], cwd=tmp_path, env=env,
-                                   stdout=out, stderr=err, start_new_session=True)
-        try:
-            while not list(tmp_path.glob("runs/voc/*/jobs/*.pt")):  # the first of 12 parts, each seconds long
-                assert process.poll() is None, (tmp_path / "err.txt").read_text()
-                time.sleep(0.02)
-            os.killpg(process.pid, signal.SIGINT)
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    stderr = (tmp_path / "err.txt").read_text()
+    process = start_cli("linear", *args, cwd=tmp_path,  # ready: the first of 12 parts, each seconds long, kept
+                        ready=lambda: list(tmp_path.glob("runs/voc/*/jobs/*.pt")))
+    os.killpg(process.pid, signal.SIGINT)
+    stderr = ended(process, tmp_path)
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert process.returncode == 130, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]

@@ -14,7 +14,7 @@ values (each of its steps is at least as large as the real one, so it bounds the
 - lazy vs float64 Adam, 4 E u (peak + path): per epoch the lazy side adds to an entry three times (the epoch's
   advance, its batch step, the flush), each add rounding by at most u/2 of |theta|, and each added step comes
   from float32 moments that carry a few u of relative rounding (the replay itself is summed in float64 to
-  2^-30 relative, see `heads.REPLAY_TOL`). Seen: up to 1.5 E u (peak + path).
+  2^-30 relative, see `lazy_rows.REPLAY_TOL`). Seen: up to 1.5 E u (peak + path).
 - lazy vs float32 Adam, (4 E + T) u (peak + path): the above plus float32 Adam's own rounding, an add at each
   of its T steps and steps whose moments drift by up to ~u/2 per step (it decays v by float32(0.999)). Seen:
   up to 0.12 (E + T) u (peak + path); float32 Adam itself is as far from float64 Adam.

@@ -6,10 +6,10 @@
 clip-retrieval writes it, embedding-reader reads it; a part's metadata row k names the image of its embedding row
 k (by `image_path`, or by an `id` column). An export writes one part per split (0: train, 1: val, 2: test)
 whose parquet has `id` and `image_path` (the image's id, its path under the dataset root), `split`, `labels`
-(fixed-size list of uint8, the full labels), `observed` (int8, -1/0/1; null in test) and, for partial labels,
-`label_mask` (uint8, 1 where annotated), and `spml_cache.json` beside them: the cache's dataset, classes, path,
-backbone settings and protocol settings. An import reads such an export back as it was (`read_export`: its
-splits, labels and single positives; no images needed).
+(fixed-size list of uint8, the full labels), `observed` (list of int8, -1/0/1, one per class; null in test) and,
+for partial labels, `label_mask` (fixed-size list of uint8, 1 where annotated), and `spml_cache.json` beside them:
+the cache's dataset, classes, path, backbone settings and protocol settings. An import reads such an export back
+as it was (`read_export`: its splits, labels and single positives; no images needed).
 Parquet goes through pyarrow, the `parquet` extra.
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from spml_cache.cache.reading import load
 from spml_cache.cache.csr import SPARSE_MIN_CLASSES
-from spml_cache.cache.schema import COPY_BLOCK_ROWS, SPLITS, cache_id, plain
+from spml_cache.cache.schema import COPY_BLOCK_ROWS, OBSERVED_SPLITS, SPLITS, cache_id, plain
 from spml_cache.labels import SparseLabels, is_sparse, stack
 from spml_cache.runtime.disk import remove_stale_temporaries, require_room, temporary_path
 from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, check_stop, finished, stops_deferred
@@ -186,30 +186,36 @@ class Exported:
 
 
 def _label_rows(table_path: Path, name: str, column, num_classes: int, dtype, sparse: bool):
-    """A fixed-size list column as an [N, C] matrix (None where every row is null: test's observed)."""
+    """A list column of `num_classes` values per row as an [N, C] matrix (None where every row is null)."""
     if column.null_count == len(column) and len(column):
         return None
     values = column.flatten().to_numpy(zero_copy_only=False)
+    lengths = column.value_lengths().to_numpy(zero_copy_only=False) if hasattr(column, "value_lengths") else None
     allowed = (-1, 0, 1) if dtype == np.int8 else (0, 1)
-    if len(values) != len(column) * num_classes or not np.isin(values, allowed).all():
+    if (len(values) != len(column) * num_classes or (lengths is not None and (lengths != num_classes).any())
+            or not np.isin(values, allowed).all()):
         raise SpmlError(f"{table_path}: its {name} lists are not {num_classes} values in {allowed} per row; export"
                         " the cache again")
     matrix = values.astype(dtype).reshape(len(column), num_classes)
     return SparseLabels.from_dense(matrix) if sparse else matrix
 
 
-def _read_split_rows(table_path: Path, num_classes: int) -> dict:
-    """An export's metadata part read back: ids, labels, observed, label_mask, a block of rows at a time."""
+def _read_split_rows(table_path: Path, num_classes: int, observed: bool) -> dict:
+    """An export's metadata part read back a block of rows at a time: ids, labels, label_mask, and observed where
+    the split has single positives (test's null column is not read: older exports wrote it as a null fixed-size
+    list, which pyarrow before 26 cannot read back, "Expected all lists to be of size=C")."""
     _, pq = parquet()
     sparse = num_classes >= SPARSE_MIN_CLASSES
-    wanted = ["id", "labels", "observed", LABEL_MASK]
+    required = {"id", "labels", "observed"}
     try:
         file = pq.ParquetFile(table_path)
-        names = [name for name in wanted if name in file.schema_arrow.names]
-        blocks = list(file.iter_batches(batch_size=COPY_BLOCK_ROWS, columns=names))
+        present = set(file.schema_arrow.names)
+        names = [name for name in ("id", "labels", "observed", LABEL_MASK)
+                 if name in present and (observed or name != "observed")]
+        blocks = list(file.iter_batches(batch_size=COPY_BLOCK_ROWS, columns=names)) if required <= present else []
     except Exception as err:  # pyarrow's own errors: a damaged or foreign file
         raise SpmlError(f"{table_path} is not a readable parquet file ({type(err).__name__}: {err})") from None
-    if not {"id", "labels", "observed"} <= set(names):
+    if not required <= present:
         raise SpmlError(f"{table_path}: no id, labels and observed columns, which an export writes; export the"
                         " cache again, or import with --root DIR (the images' folder)")
     rows = {"ids": [str(v) for block in blocks for v in block.column("id").to_pylist()]}
@@ -237,7 +243,7 @@ def read_export(folder: Path) -> Exported:
     for index, (array_path, table_path) in enumerate(files):
         check_stop()
         array = _read_array(array_path)
-        rows = _read_split_rows(table_path, len(sidecar["classes"]))
+        rows = _read_split_rows(table_path, len(sidecar["classes"]), parts[index] in OBSERVED_SPLITS)
         if len(rows["ids"]) != len(array):
             raise SpmlError(f"{table_path}: {len(rows['ids'])} rows for the {len(array)} of {array_path.name}; a"
                             " part's metadata names its embeddings row for row: export the cache again")
@@ -261,6 +267,12 @@ def _fixed_lists(pa, rows: np.ndarray, value_type):
     return pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=value_type), rows.shape[1])
 
 
+def _lists(pa, rows: np.ndarray, value_type):
+    """[N, C] rows as a plain list column (pyarrow before 26 cannot read a null fixed-size list from parquet)."""
+    offsets = np.arange(len(rows) + 1, dtype=np.int32) * rows.shape[1]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(rows.reshape(-1), type=value_type))
+
+
 def _write_features(file, split) -> None:
     """The split's features as a float32 .npy, written with plain writes a block at a time: a full disk is an
     error here, where a memory map over a file whose blocks are not yet on the disk dies of SIGBUS."""
@@ -277,7 +289,7 @@ def _write_metadata(file, name: str, split) -> None:
     total, num_classes = len(split.ids), split.labels.shape[1]
     mask = getattr(split, LABEL_MASK, None)
     schema = pa.schema([("id", pa.string()), ("image_path", pa.string()), ("split", pa.string()),
-                        ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8(), num_classes)),
+                        ("labels", pa.list_(pa.uint8(), num_classes)), ("observed", pa.list_(pa.int8())),
                         *([(LABEL_MASK, pa.list_(pa.uint8(), num_classes))] if mask is not None else [])])
     with pq.ParquetWriter(file, schema) as writer:
         for start in range(0, max(total, 1), COPY_BLOCK_ROWS):  # labels made dense a block at a time
@@ -285,7 +297,7 @@ def _write_metadata(file, name: str, split) -> None:
             stop = min(start + COPY_BLOCK_ROWS, total)
             ids = split.ids[start:stop]
             observed = (pa.nulls(stop - start, schema.field("observed").type) if split.observed is None else
-                        _fixed_lists(pa, _dense_rows(split.observed, start, stop, np.int8), pa.int8()))
+                        _lists(pa, _dense_rows(split.observed, start, stop, np.int8), pa.int8()))
             masks = [] if mask is None else [_fixed_lists(pa, _dense_rows(mask, start, stop, np.uint8), pa.uint8())]
             writer.write_table(pa.table([pa.array(ids, pa.string()), pa.array(ids, pa.string()),
                                          pa.array([name] * (stop - start), pa.string()),

@@ -1,5 +1,6 @@
-"""Stage one: the frozen ResNet-50 over a dataset, once, into the HDF5 feature cache; or features computed
-elsewhere (the authors' published files, or the clip-retrieval layout) into the same cache.
+"""Stage one: a frozen backbone (any of backbones/, ResNet-50 by default) over a dataset, once, into the HDF5 feature
+cache; or features computed elsewhere (the authors' published files, or the clip-retrieval layout) into the same
+cache.
 
 Its doors are `run_extract(ExtractOptions, ExtractPlacement) -> ExtractReport` (`spml-cache extract`;
 `extract(dataset, root, **keywords)` is its keyword form) and `run_import(ImportOptions)` (`spml-cache import-features`; `import_features(folder, **keywords)` its keyword form).

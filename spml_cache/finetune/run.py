@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from spml_cache import losses, runs
+from spml_cache import losses, runs, trackers
 from spml_cache.finetune import checkpoints, images as data, parallel
 from spml_cache.finetune.labels import TrainLabels, loss_observed
 from spml_cache.finetune.model import FineTuneModel, initial_model
@@ -67,8 +67,9 @@ def run_finetune(options: FinetuneOptions, placement: FinetunePlacement = Finetu
         for note in setup.notes + ([f"resuming {placement.resume}"] if resumed is not None else []):
             say(note)
         run_dir = placement.resume if resumed is not None else checkpoints.create_run_dir(placement.out, setup)
-        # one process at a time in a run directory (rank 0 speaks for a torchrun group)
-        with locks.held(run_dir, f"run directory {run_dir}") if processes.main else contextlib.nullcontext():
+        # one process at a time in a run directory (rank 0 speaks for a torchrun group, and logs to --log's trackers)
+        with locks.held(run_dir, f"run directory {run_dir}") if processes.main else contextlib.nullcontext(), \
+                trackers.watching(placement.trackers if processes.main else (), run_dir, say):
             results = _run_and_keep(setup, run_dir, resumed is not None, say)
         return FinetuneRun(Path(run_dir), results) if processes.main else None
     finally:
@@ -110,7 +111,8 @@ def _run_and_keep(setup: Setup, run_dir: Path, resumed: bool, say) -> dict:
 def _build_loss(setup: Setup, seed: int, device: torch.device) -> losses.Loss:
     features, settings = setup.features, setup.settings
     # no text side to pass: a loss that reads one needs a CLIP cache, whose tower is not fine-tuned (start.py)
-    built = losses.build(settings.loss, num_classes=len(features.classes), dataset=features.dataset, num_heads=1,
+    built = losses.build(settings.loss, num_classes=len(features.classes), num_train=len(features.train),
+                         dataset=features.dataset, num_heads=1,
                          train_observed=loss_observed(settings.loss, features.train.observed), seed=seed,
                          fidelity=settings.options.fidelity, **settings.hparams)
     return built.to(device)

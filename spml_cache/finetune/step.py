@@ -31,11 +31,10 @@ class Training:
 
 def make_optimizer(model: FineTuneModel, loss_fn: losses.Loss, lr: float, head_lr_mult: float = 1.0):
     """Adam without weight decay: the trunk at lr, the head at head_lr_mult x lr, the loss's own parameters
-    (ROLE's theta) at their lr_mult x lr."""
+    (ROLE's theta) at their lr_mult x lr (`Loss.param_groups`)."""
     groups = [{"params": list(model.trunk.parameters()), "lr": lr},
               {"params": list(model.head.parameters()), "lr": lr * head_lr_mult}]
-    groups += [{"params": [p], "lr": lr * getattr(p, "lr_mult", 1.0)} for p in loss_fn.parameters()]
-    return torch.optim.Adam(groups, lr=lr, weight_decay=0.0)
+    return torch.optim.Adam(groups + loss_fn.param_groups(lr), lr=lr, weight_decay=0.0)
 
 
 def train_step(training: Training, images_share: list, flips, observed: torch.Tensor, labels: torch.Tensor | None,

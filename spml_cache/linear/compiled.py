@@ -10,8 +10,8 @@ compile, for one step an epoch) and the step of a loss without a closed form (au
 compiled graph without breaking it). A compiled step rounds differently from the eager one (fused loops, other
 vector math): the same heads up to float rounding, a placement like `--workers` (docs/benchmarks.md, "--compile").
 
-A compile costs seconds (inductor generates and builds C++ on the CPU) and saves nothing to ~125 us a step on
-two CPU cores, most for the losses with many elementwise terms (docs/benchmarks.md): a stack is compiled only
+A compile costs seconds (inductor generates and builds C++ on the CPU) and saves little per step, most for the
+losses with many elementwise terms (measured: docs/benchmarks.md, "`linear --compile`"): a stack is compiled only
 when it takes at least `MIN_STEPS` full steps in the run.
 """
 
@@ -26,11 +26,9 @@ import torch
 
 from spml_cache.runtime.errors import stops_at_once
 
-# Full steps a stack takes in the run (epochs x full batches per epoch) below which its step is left eager. On two
-# EPYC cores (docs/benchmarks.md, "--compile") a process's first compile took 9-10 s (inductor's start-up), later
-# graphs 1-2 s, and a compiled step saved nothing (an, focal) to ~125 us (role, gpr, asl): the best case pays a
-# process's first graph back past ~80,000 steps. The papers' VOC grid (14,275 steps at batch 8) stays eager,
-# COCO's (205,000 and 102,000) is compiled.
+# Full steps a stack takes in the run (epochs x full batches per epoch) below which its step is left eager: what
+# pays a process's first compile back in the best case measured (docs/benchmarks.md, "`linear --compile`"), so
+# that the papers' VOC grid stays eager and COCO's is compiled.
 MIN_STEPS = 100_000
 # torch.compile's backend: inductor, unless this names another, e.g. aot_eager (to check a compiled run's plumbing
 # and results without generating code, as the tests do: worker processes inherit it); such a backend compiles in

@@ -18,6 +18,7 @@ from spml_cache.cache import FeatureSet, StoredFeatures
 from spml_cache.labels import (
     SparseLabels,
     block,
+    gathers_on_device,
     nonzero_count,
     observed_for_loss,
     on_device,
@@ -122,14 +123,14 @@ class LinearData:
     def scores_at_once(self) -> bool:
         """Val and test are in memory and every class is scored at once: one batched scoring, as with dense
         labels (sparse ones made dense a split at a time)."""
-        return isinstance(self.eval_features, torch.Tensor) and self.class_block >= self.num_classes
+        return not isinstance(self.eval_features, RowSource) and self.class_block >= self.num_classes
 
     @property
     def dense_in_memory(self) -> bool:
         """Every array a dense tensor: what a captured CUDA graph can index (graphs.py)."""
-        arrays = (self.train_features, self.train_observed, self.train_labels, self.eval_features, self.val_targets,
-                  self.test_labels)
-        return all(isinstance(array, torch.Tensor) for array in arrays)
+        features_in_memory = not self.streams_train and not isinstance(self.eval_features, RowSource)
+        labels = (self.train_observed, self.train_labels, self.val_targets, self.test_labels)
+        return features_in_memory and all(gathers_on_device(matrix) for matrix in labels)
 
     @property
     def class_block(self) -> int:
@@ -150,21 +151,14 @@ class LinearData:
         batch = into or Batch(Batch.features_buffer(len(rows), self.train_features.shape[1], self.device),
                               torch.empty(0), None)
         if reader is None:
-            _gathered(self.train_features, rows, batch.rows)
+            torch.index_select(self.train_features, 0, rows, out=batch.rows)
         else:
             reader.features(rows, out=batch.rows)
-        observed = _gathered(self.train_observed, rows, into and into.observed, np.int8)
-        labels = _gathered(self.train_labels, rows, into and into.labels, np.uint8) if oracle else None
+        observed = block(self.train_observed, rows, np.int8, out=into and into.observed)
+        labels = block(self.train_labels, rows, np.uint8, out=into and into.labels) if oracle else None
         if observed is batch.observed and labels is batch.labels:
             return batch
         return Batch(batch.features, observed, labels)
-
-
-def _gathered(matrix, rows: torch.Tensor, out: torch.Tensor | None, dtype=None) -> torch.Tensor:
-    """`matrix`'s rows `rows`: gathered into `out` when both are tensors, else as `labels.block` builds them."""
-    if out is not None and isinstance(matrix, torch.Tensor):
-        return torch.index_select(matrix, 0, rows, out=out)
-    return matrix.index_select(0, rows) if dtype is None else block(matrix, rows, dtype)
 
 
 def _on_device(array, device: torch.device):

@@ -2,7 +2,7 @@
 weight, for a penalty; and the loss's own parameters), which `HeadMatrix.step` turns into the heads' gradient
 with one matrix product.
 
-A loss that states its gradient in closed form (`Loss.loss_and_grad`, losses/slopes.py) gives the value and the
+A loss that states its gradient in closed form (`Loss.loss_and_grad`, losses/terms.py) gives the value and the
 gradient in one pass and builds no autograd graph: its step runs about half the ops (docs/benchmarks.md, "Lean
 steps"). Any other loss (a plugin without one, a loss with trainable parameters such as ROLE's theta) is
 differentiated by `torch.autograd.grad` to the logits only. Heads share no computation either way: a NaN in one

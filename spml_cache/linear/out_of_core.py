@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from spml_cache import cache
+from spml_cache.labels import tensor_columns
 from spml_cache.metrics import average_precision
 from spml_cache.runtime import memory
 from spml_cache.runtime.errors import check_stop
@@ -217,13 +218,6 @@ def block_logits(heads, features: torch.Tensor, low: int, high: int) -> torch.Te
     return flat.view(len(features), heads.num_heads, high - low).transpose(0, 1)
 
 
-def target_block(targets, low: int, high: int, rows: int, device: torch.device) -> torch.Tensor:
-    """Labels `[rows, high - low]` (the first `rows` rows, classes `low:high`), dense or built from CSR."""
-    if isinstance(targets, torch.Tensor):
-        return targets[:rows, low:high]
-    return torch.from_numpy(targets.columns(low, high, rows)).to(device)
-
-
 def blocked_average_precision(heads: list, source, start: int, stop: int, targets, class_block: int,
                               num_classes: int, mask=None) -> torch.Tensor:
     """Per-class AP `[sum K, C]` of every head of the `HeadMatrix`es `heads` on the rows `start:stop` of `source`
@@ -234,28 +228,24 @@ def blocked_average_precision(heads: list, source, start: int, stop: int, target
     for low in range(0, num_classes, class_block):
         check_stop()  # a safe point: a block may read every row from the cache again
         high = min(low + class_block, num_classes)
-        if isinstance(source, torch.Tensor):
-            chunks = [source[i : min(i + 16384, stop)] for i in range(start, stop, 16384)]
-        else:
+        if isinstance(source, RowSource):
             chunks = source.chunks(start, stop)
+        else:
+            chunks = [source[i : min(i + 16384, stop)] for i in range(start, stop, 16384)]
         logits = [[] for _ in heads]
         for features in chunks:
             for index, matrix in enumerate(heads):
                 logits[index].append(block_logits(matrix, features, low, high))
         scores = torch.cat([torch.sigmoid(torch.cat(parts, dim=1)) for parts in logits])  # per matrix: engine._aps
         del logits
-        annotated = None if mask is None else target_block(mask, low, high, stop - start, device)
-        out.append(average_precision(scores, target_block(targets, low, high, stop - start, device), annotated))
+        annotated = None if mask is None else tensor_columns(mask, low, high, device, stop - start)
+        out.append(average_precision(scores, tensor_columns(targets, low, high, device, stop - start), annotated))
     return torch.cat(out, dim=-1)
 
 
 def dense_targets(targets, rows: int, device: torch.device) -> torch.Tensor | None:
     """All classes of the first `rows` rows of `targets` as a dense uint8 tensor (None stays None: no mask)."""
-    if targets is None:
-        return None
-    if isinstance(targets, torch.Tensor):
-        return targets[:rows]
-    return torch.from_numpy(targets.columns(0, targets.num_classes, rows)).to(device)
+    return None if targets is None else tensor_columns(targets, 0, targets.shape[1], device, rows)
 
 
 def load_within(path, budget: int, heads: int, device: torch.device, chunk_rows: int | None = None,

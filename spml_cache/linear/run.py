@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
-from spml_cache import losses as loss_registry, observation, runs
+from spml_cache import losses as loss_registry, observation, runs, trackers
 from spml_cache.cache import cache_id, find_cache, verify
 
 from spml_cache.linear.data import LinearData
@@ -71,7 +71,9 @@ def _run_linear(options: LinearOptions, placement: LinearPlacement) -> LinearRun
         budget = planned.jobs.settings.options.memory_budget
         binding = [memory.FLAG, memory.flag_text(budget)] if planned.budget_binds else []  # it shaped the run
         going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
-        with locks.held(run_dir, f"run directory {run_dir}"):  # one `linear` (or `--resume`) at a time
+        say = lambda line: _print_notes(placement.console, [line])  # noqa: E731
+        # one `linear` (or `--resume`) at a time; `--log`: its trackers see every epoch and the results
+        with locks.held(run_dir, f"run directory {run_dir}"), trackers.watching(placement.trackers, run_dir, say):
             try:
                 results = _train_in(run_dir, resume is not None, ranks, placement.console, planned.jobs)
             except (KeyboardInterrupt, PeerLost) as stop:

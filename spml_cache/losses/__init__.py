@@ -8,6 +8,7 @@ import torch
 
 from spml_cache.losses import plugins
 from spml_cache.losses.base import LOSSES, Loss, register
+from spml_cache.losses.loop import EpochWarning, train_logits
 from spml_cache.losses.overrides import Overrides, combinations, merged, varying_keys
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.plugins import Origin
@@ -31,8 +32,8 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
 )
 
 __all__ = [
-    "Loss", "Overrides", "build", "canonical", "combinations", "describe", "describe_table", "get", "merged", "names",
-    "register", "resolve_hparams", "varying_keys",
+    "EpochWarning", "Loss", "Overrides", "build", "canonical", "combinations", "describe", "describe_table", "get",
+    "merged", "names", "register", "resolve_hparams", "train_logits", "varying_keys",
 ]
 
 canonical = plugins.canonical  # the name a loss is known by (a plugin spec's class's `name`)

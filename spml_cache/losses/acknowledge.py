@@ -11,27 +11,10 @@ import math
 import torch
 
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.losses.base import (
-    Loss,
-    bce,
-    entropy,
-    mean_over_entries,
-    neg_log_1mp,
-    neg_log_p,
-    register,
-    rows_for_heads,
-)
-from spml_cache.losses.assume_negative import known_or_unobserved
-from spml_cache.losses.slopes import bce_terms, entropy_terms, logs_of, reduced
+from spml_cache.losses.base import Loss, register, rows_for_heads
 from spml_cache.runtime.registry import Param
 
 EM_ALPHA = {"voc": 0.2, "coco": 0.1, "nus": 0.1, "cub": 0.01}
-
-
-def _em_terms(logits: torch.Tensor, observed: torch.Tensor, unobserved_term: torch.Tensor,
-              eps: float | None) -> torch.Tensor:
-    known_term = torch.where(observed == 1, neg_log_p(logits, eps), neg_log_1mp(logits, eps))
-    return torch.where(observed == 0, unobserved_term, known_term)
 
 
 @register
@@ -49,12 +32,8 @@ class EntropyMaximization(Loss):
     per_head = ("alpha",)
     params = (Param.between("alpha", 0.0, math.inf, "[)"),)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        return mean_over_entries(_em_terms(logits, observed, -self.alpha * entropy(logits, self.log_eps), self.log_eps))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        logs = logs_of(logits, self.log_eps)
-        return reduced(*known_or_unobserved(observed, logs, entropy_terms(logits, logs, self.log_eps), -self.alpha))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(x.known_or(observed, -self.alpha * x.entropy))
 
 
 @register
@@ -127,19 +106,8 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
             self.pseudo_negative[head] |= chosen
             self.soft_target[head] = torch.where(chosen, torch.sigmoid(logits), self.soft_target[head])
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        pseudo_negative = rows_for_heads(self.pseudo_negative, index, logits)
-        soft_target = rows_for_heads(self.soft_target, index, logits).to(logits.dtype)
-        unobserved_term = torch.where(
-            pseudo_negative, self.beta * bce(logits, soft_target, self.log_eps), -self.alpha * entropy(logits, self.log_eps)
-        )
-        return mean_over_entries(_em_terms(logits, observed, unobserved_term, self.log_eps))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        pseudo_negative = rows_for_heads(self.pseudo_negative, index, logits)
-        soft_target = rows_for_heads(self.soft_target, index, logits).to(logits.dtype)
-        logs = logs_of(logits, self.log_eps)
-        pseudo = bce_terms(logits, soft_target, self.log_eps, logs)
-        unobserved = [torch.where(pseudo_negative, self.beta * labelled, -self.alpha * maximised)
-                      for labelled, maximised in zip(pseudo, entropy_terms(logits, logs, self.log_eps))]
-        return reduced(*known_or_unobserved(observed, logs, unobserved))
+    def equation(self, x, observed, *, labels=None, index=None):
+        pseudo_negative = rows_for_heads(self.pseudo_negative, index, x.logits)
+        soft_target = rows_for_heads(self.soft_target, index, x.logits).to(x.dtype)
+        unobserved = x.where(pseudo_negative, self.beta * x.bce(soft_target), -self.alpha * x.entropy)
+        return x.mean(x.known_or(observed, unobserved))

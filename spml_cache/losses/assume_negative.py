@@ -12,10 +12,8 @@ import math
 import torch
 
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.losses.base import (
-    Loss, as_tensor_like, bce, entropy, head_vector, mean_over_entries, neg_log_1mp, neg_log_p, register,
-)
-from spml_cache.losses.slopes import bce_terms, entropy_terms, logs_of, reduced
+from spml_cache.losses.base import Loss, as_tensor_like, head_vector, mean_over_entries, register
+from spml_cache.losses.terms import reduced
 from spml_cache.runtime.registry import Param
 
 
@@ -30,22 +28,13 @@ class AssumeNegative(Loss):
     description = "Assume negative: every label that is not the observed positive is a negative."
     reference = "Cole et al., CVPR 2021, Eq. 8; Table 1 row L_AN (Zhou et al., Eq. 1)"
 
-    def forward(self, logits, observed, *, labels=None, index=None):
+    def equation(self, x, observed, *, labels=None, index=None):
         # nl(p) where z = 1 and nl(1 - p) elsewhere: BCE against the target 1[z = 1], as one fused op
-        return mean_over_entries(bce(logits, (observed == 1).to(logits.dtype), self.log_eps))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        return reduced(*bce_terms(logits, (observed == 1).to(logits.dtype), self.log_eps))
+        return x.mean(x.bce((observed == 1).to(x.dtype)))
 
 
 def _smoothed_target(logits: torch.Tensor, observed: torch.Tensor, positive_target, negative_target) -> torch.Tensor:
     return torch.where(observed == 1, as_tensor_like(positive_target, logits), as_tensor_like(negative_target, logits))
-
-
-def _smoothed_bce(logits: torch.Tensor, observed: torch.Tensor, positive_target: float, negative_target: float,
-                  eps: float | None, reduce: bool = True):
-    terms = bce(logits, _smoothed_target(logits, observed, positive_target, negative_target), eps)
-    return mean_over_entries(terms) if reduce else terms
 
 
 @register
@@ -62,11 +51,8 @@ class AssumeNegativeLabelSmoothing(Loss):
     per_head = ("ls",)
     params = (Param.between("ls", 0.0, 1.0, "[)"),)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        return _smoothed_bce(logits, observed, 1.0 - self.ls, self.ls, self.log_eps)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        return reduced(*bce_terms(logits, _smoothed_target(logits, observed, 1.0 - self.ls, self.ls), self.log_eps))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(x.bce(_smoothed_target(x.logits, observed, 1.0 - self.ls, self.ls)))
 
 
 @register
@@ -82,14 +68,9 @@ class AssumeNegativeSmoothNegatives(Loss):
     per_head = ("ls",)
     params = (Param.between("ls", 0.0, 1.0, "[)"),)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        smoothed = _smoothed_bce(logits, observed, 1.0, self.ls, self.log_eps, reduce=False)
-        return mean_over_entries(torch.where(observed == -1, neg_log_1mp(logits, self.log_eps), smoothed))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        smoothed, slopes = bce_terms(logits, _smoothed_target(logits, observed, 1.0, self.ls), self.log_eps)
-        logs, known = logs_of(logits, self.log_eps), observed == -1
-        return reduced(torch.where(known, logs.nl_1mp, smoothed), torch.where(known, logs.d_nl_1mp, slopes))
+    def equation(self, x, observed, *, labels=None, index=None):
+        smoothed = x.bce(_smoothed_target(x.logits, observed, 1.0, self.ls))
+        return x.mean(x.where(observed == -1, x.nl_1mp, smoothed))
 
 
 @register
@@ -114,17 +95,9 @@ class WeakAssumeNegative(Loss):
                 raise SpmlError("loss 'wan': gamma=1/(C-1) needs at least 2 classes; pass --hp gamma=VALUE")
             self.set_hparam("gamma", 1.0 / (self.num_classes - 1))
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        negative = neg_log_1mp(logits, self.log_eps)
-        weight = torch.where(observed == -1, 1.0, as_tensor_like(self.gamma, logits))  # a known 0 weighs 1
-        terms = torch.where(observed == 1, neg_log_p(logits, self.log_eps), weight * negative)
-        return mean_over_entries(terms)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        logs, positive = logs_of(logits, self.log_eps), observed == 1
-        weight = torch.where(observed == -1, 1.0, as_tensor_like(self.gamma, logits))
-        return reduced(torch.where(positive, logs.nl_p, weight * logs.nl_1mp),
-                       torch.where(positive, logs.d_nl_p, weight * logs.d_nl_1mp))
+    def equation(self, x, observed, *, labels=None, index=None):
+        weight = torch.where(observed == -1, 1.0, as_tensor_like(self.gamma, x.logits))  # a known 0 weighs 1
+        return x.mean(x.where(observed == 1, x.nl_p, weight * x.nl_1mp))
 
 
 @register
@@ -184,23 +157,8 @@ class EntropyMinimization(Loss):
     per_head = ("alpha",)
     params = (Param.between("alpha", 0.0, math.inf, "[)"),)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        unobserved_term = self.alpha * entropy(logits, self.log_eps)
-        other_term = torch.where(observed == 1, neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps))
-        return mean_over_entries(torch.where(observed == 0, unobserved_term, other_term))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        logs = logs_of(logits, self.log_eps)
-        return reduced(*known_or_unobserved(observed, logs, entropy_terms(logits, logs, self.log_eps), self.alpha))
-
-
-def known_or_unobserved(observed: torch.Tensor, logs, unobserved: tuple, weight=None) -> tuple[torch.Tensor, ...]:
-    """Terms and slopes: `nl(p)` on observed positives, `nl(1-p)` on observed negatives, the `unobserved` (term,
-    slope) elsewhere, times `weight` if given (entmin's `alpha`, em's `-alpha`)."""
-    positive, missing = observed == 1, observed == 0
-    unobserved = unobserved if weight is None else [weight * value for value in unobserved]
-    return (torch.where(missing, unobserved[0], torch.where(positive, logs.nl_p, logs.nl_1mp)),
-            torch.where(missing, unobserved[1], torch.where(positive, logs.d_nl_p, logs.d_nl_1mp)))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(x.known_or(observed, self.alpha * x.entropy))
 
 
 @register

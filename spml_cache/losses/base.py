@@ -1,7 +1,9 @@
 """The one contract every loss follows (docs/losses.md, "Notation and common rules").
 
 A loss is a small `torch.nn.Module` whose `forward` builds the `[..., B, C]` matrix of per-entry terms and
-reduces it with `mean_over_entries` (sum / (B*C)), so one learning-rate grid serves every loss. Extra
+reduces it with `mean_over_entries` (sum / (B*C)), so one learning-rate grid serves every loss; a simple loss
+writes that once, as an `equation` of the blocks of `terms.Terms`, and gets `forward` and its closed-form
+gradient (`loss_and_grad`) from it. Extra
 trainable state (ROLE's `Theta`) is an `nn.Parameter` with an `lr_mult` attribute; per-example state that is
 not trained (pseudo-labels, corrections) is a buffer. State carries a leading head dimension `K` so that the
 trainer can stack heads; `logits` of shape `[B, C]` are one head.
@@ -13,45 +15,14 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
+from spml_cache.losses import loop
+from spml_cache.losses.terms import Terms
+# the terms every loss is written in, public here too (docs/your-own-loss.md)
+from spml_cache.losses.terms import bce, entropy, mean_over_entries, neg_log_1mp, neg_log_p  # noqa: F401
 from spml_cache.protocol import Fidelity  # how every loss is computed (the losses import it from here too)
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.registry import Param, Registry
-
-
-# `eps` below: None is the exact math (stable from logits, the package's default); a number is the authors' code's
-# numerics, -log(q + eps) on float32 probabilities, which saturates: past |x| of about 17 (eps 1e-7) or 12
-# (1e-5) the term stops changing and its gradient vanishes (docs/fidelity.md, "Saturation").
-
-
-def neg_log_p(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """nl(p) = -log(sigmoid(x)), stable for any logit; with `eps`, the authors' -log(sigmoid(x) + eps)."""
-    if eps is not None:
-        return -torch.log(torch.sigmoid(x) + eps)
-    return -F.logsigmoid(x)
-
-
-def neg_log_1mp(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """nl(1 - p) = -log(1 - sigmoid(x)) = log(1 + e^x), stable for any logit (one op: steps run ~100 of them);
-    with `eps`, the authors' -log(1 - sigmoid(x) + eps)."""
-    if eps is not None:
-        return -torch.log(1 - torch.sigmoid(x) + eps)
-    return F.softplus(x)
-
-
-def bce(x: torch.Tensor, target: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """Per-entry binary cross-entropy of logits `x` against a (soft) target in [0, 1] (broadcast to `x`):
-    `target * nl(p) + (1 - target) * nl(1 - p)`, as torch's one fused op (differentiable in the target too)."""
-    if eps is not None:
-        return target * neg_log_p(x, eps) + (1 - target) * neg_log_1mp(x, eps)
-    x, target = torch.broadcast_tensors(x, target)
-    return F.binary_cross_entropy_with_logits(x, target, reduction="none")
-
-
-def entropy(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """H(p) = -p log p - (1 - p) log(1 - p) of p = sigmoid(x), from logits (finite for any logit)."""
-    return bce(x, torch.sigmoid(x), eps)
 
 
 def head_vector(value):
@@ -75,12 +46,6 @@ def assign_(buffer: torch.Tensor, value) -> torch.Tensor:
     return buffer.copy_(value) if isinstance(value, torch.Tensor) else buffer.fill_(value)
 
 
-def mean_over_entries(terms: torch.Tensor) -> torch.Tensor:
-    """The reference reduction: sum of a `[..., B, C]` term matrix over (B, C), divided by B*C (one op: torch's
-    mean is that sum and division on the CPU, bit for bit)."""
-    return terms.mean(dim=(-2, -1))
-
-
 def rows_for_heads(state: torch.Tensor, index: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """The batch's rows of per-head state `[K, N_train, C]`, shaped like `logits` (`[K, B, C]`, or `[B, C]` if K=1)."""
     num_heads = state.shape[0]
@@ -97,7 +62,11 @@ def rows_for_heads(state: torch.Tensor, index: torch.Tensor, logits: torch.Tenso
 class Loss(torch.nn.Module):
     """Base class: metadata for `spml-cache losses`, hyperparameter resolution, input validation.
 
-    Subclasses set the class attributes and implement `forward(logits, observed, *, labels=None, index=None)`.
+    Subclasses set the class attributes and write the loss once, in one of two ways. A simple loss (its terms
+    built from the blocks of `losses.terms.Terms`: nl(p), nl(1 - p), BCE, the entropy, ...) writes
+    `equation(x, observed, *, labels=None, index=None)`, from which this class derives both `forward` (the
+    values, differentiated by autograd) and `loss_and_grad` (each block's values with their slopes: the closed
+    form). Any other loss implements `forward(logits, observed, *, labels=None, index=None)` itself.
 
     A training step (`forward`, its backward, `penalty`) must be replayable as a captured CUDA graph
     (docs/internals.md, "Graph-safe steps"): no host synchronisation, no tensor made from Python data, no
@@ -106,13 +75,13 @@ class Loss(torch.nn.Module):
     `row_params`, the `nn.Parameter`s indexed by training row on dim 1 (`[K, N_train, ...]`, ROLE's theta);
     `row_buffers`, the buffers of per-training-row state that `forward` reads or writes through `index`; and
     `penalises_weight`, True when `penalty` adds a term on the head's weight.
-    A loss whose gradient with respect to the logits is cheap to state may also define
-    `loss_and_grad(logits, observed, *, labels=None, index=None)`, returning `forward`'s value `[K]` and that
+    A loss that writes its own `forward` and whose gradient with respect to the logits is cheap to state may also
+    define `loss_and_grad(logits, observed, *, labels=None, index=None)`, returning `forward`'s value `[K]` and that
     gradient `[K, B, C]` from one pass (and `penalty_and_grad(weight)` likewise beside `penalty`): stage two
     then takes no autograd graph for the loss (`closed_form`). It must agree with autograd of `forward`
     (`check-loss` checks it in float64). A loss whose trainable parameters are all `row_params` returns a third
     item, `{name: gradient with respect to the rows index selects, [K, B, ...]}`; one with other trainable
-    parameters trains by autograd.
+    parameters trains by autograd. A built-in without a closed form says why in `no_closed_form`.
     Hyperparameters become attributes (`self.alpha`), resolved as: class `defaults`, then
     `dataset_defaults[dataset]`, then the caller's overrides. A default of `None` is derived at build time
     (from the class count, the dataset, ...); `derived` says how, for `spml-cache losses`, and the subclass
@@ -160,6 +129,9 @@ class Loss(torch.nn.Module):
     row_params: ClassVar[tuple[str, ...]] = ()
     row_buffers: ClassVar[tuple[str, ...]] = ()
     penalises_weight: ClassVar[bool] = False
+    # Why stage two differentiates this loss by autograd, where it states no closed form (`closed_form()` is False);
+    # every built-in either has one or says why (tests/test_losses_closed_form.py).
+    no_closed_form: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -176,6 +148,8 @@ class Loss(torch.nn.Module):
         **hparams: float,
     ) -> None:
         super().__init__()
+        # which epoch it was started for, for a loss that changes between epochs (loop.py: a loop must say so)
+        self.epoch_use = loop.EpochUse() if type(self).needs_start_epoch() else None
         self.fidelity = fidelity = Fidelity.check(fidelity)
         authors = fidelity is Fidelity.AUTHORS
         self.log_eps = self.authors_log_eps if authors else None  # what every log term passes on
@@ -278,19 +252,60 @@ class Loss(torch.nn.Module):
             raise SpmlError(f"loss '{self.name}' is an oracle: it needs the full labels (labels=...)")
         if self.state and index is None:
             raise SpmlError(f"loss '{self.name}' keeps per-example state: pass the batch's training-row ids (index=...)")
+        if self.epoch_use is not None and logits.requires_grad and torch.is_grad_enabled():  # a training call
+            self.epoch_use.training_call(self, logits.shape[-2])
         return super().__call__(logits, observed, labels=labels, index=index)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "start_epoch" in vars(cls):  # whatever the class's hook does, the epoch it was started for is noted
+            cls.start_epoch = loop.counted(vars(cls)["start_epoch"])
+
+    def forward(self, logits, observed, *, labels=None, index=None) -> torch.Tensor:
+        """The loss of each head `[K]` (a scalar for `[B, C]` logits): `equation` over plain tensors."""
+        return self.equation(Terms(logits, self.log_eps), observed, labels=labels, index=index)
+
+    def loss_and_grad(self, logits, observed, *, labels=None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s value `[K]` and its gradient with respect to the logits `[K, B, C]`: `equation` over its
+        blocks' values and slopes (no autograd graph)."""
+        value, slope = self.equation(Terms(logits, self.log_eps, slopes=True), observed, labels=labels, index=index)
+        return value, slope
+
+    def equation(self, x: Terms, observed, *, labels=None, index=None):
+        """A simple loss, written once: its value per head from the blocks of `x`, the batch's logits as `Terms`
+        (`x.mean(x.where(observed == 1, x.nl_p, x.nl_1mp))` is `an`). A loss that writes `forward` instead
+        needs none."""
+        raise NotImplementedError(f"loss '{self.name}' defines neither forward nor equation: write one of them"
+                                  " (docs/your-own-loss.md)")
 
     def start_epoch(self, epoch: int, num_epochs: int, train_logits: torch.Tensor | None = None) -> None:
         """Advance schedules and pseudo-labelling; called before the first batch of epoch `epoch` (1-indexed).
 
         `train_logits` (`[K, N_train, C]`, or `[N_train, C]` for one head) are the current model's logits on every
-        training row, i.e. after epoch `epoch - 1`; the trainer computes them only when `needs_train_logits`.
+        training row, i.e. after epoch `epoch - 1`; the trainer computes them only when `needs_train_logits`
+        (`losses.train_logits` in a loop of your own). A class that defines it `needs_start_epoch()`: its training
+        calls are refused before the first one, and warn once past an epoch's rows without the next (loop.py).
         """
 
     @classmethod
+    def needs_start_epoch(cls) -> bool:
+        """Whether the loss changes between epochs (its class defines `start_epoch`), so that a loop must call
+        `start_epoch` before each epoch's first batch."""
+        return _owner(cls, "start_epoch") is not Loss
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The loss's own trainable parameters (ROLE's theta) as torch optimiser param groups, each at its learning
+        rate: `lr` times the parameter's `lr_mult` (1 where it has none); [] for a loss that learns none. For a loop of
+        your own: `torch.optim.Adam([{"params": model.parameters(), "lr": lr}] + loss.param_groups(lr))`."""
+        return [{"params": [param], "lr": lr * getattr(param, "lr_mult", 1.0)} for param in self.parameters()]
+
+    @classmethod
     def closed_form(cls) -> bool:
-        """Whether `loss_and_grad` states the gradient of this class's `forward`: defined by the class that
-        defines `forward` or by one below it (a subclass that rewrites `forward` alone trains by autograd)."""
+        """Whether `loss_and_grad` states the gradient of this class's `forward`: both derived from an `equation`,
+        or `loss_and_grad` defined by the class that defines `forward` or by one below it (a subclass that rewrites
+        `forward` alone trains by autograd)."""
+        if _owner(cls, "forward") is Loss:
+            return _owner(cls, "equation") is not Loss
         return _defined_below(cls, "loss_and_grad", "forward")
 
     @classmethod
@@ -318,10 +333,15 @@ class Loss(torch.nn.Module):
         return ", ".join(f"{k}={v}" for k, v in self.hparams.items())
 
 
+def _owner(cls: type, method: str) -> type | None:
+    """The class of `cls`'s MRO whose `method` `cls` has (None: none defines it)."""
+    return next((klass for klass in cls.__mro__ if method in vars(klass)), None)
+
+
 def _defined_below(cls: type, method: str, of: str) -> bool:
     """Whether `cls` has `method`, from the class that defines `of` or from a subclass of it."""
-    owners = [klass for klass in cls.__mro__ if method in vars(klass)], [k for k in cls.__mro__ if of in vars(k)]
-    return bool(owners[0]) and issubclass(owners[0][0], owners[1][0])
+    owner = _owner(cls, method)
+    return owner is not None and issubclass(owner, _owner(cls, of))
 
 
 # Every built-in loss, in the order of docs/losses.md (the order the family modules are imported in).

@@ -50,7 +50,7 @@ def same_as_autograd(loss: Loss, data, rows, logits, weight, step) -> tuple[floa
         worst = max(worst, error.max().item() if error.numel() else 0.0)
         if not torch.allclose(got[finite], expected[finite], rtol=1e-6, atol=0):
             return worst, (f"loss_and_grad's {name} differs from autograd of forward by up to {worst:.1e} relative;"
-                           " state the derivative of forward's terms exactly (losses/slopes.py gives the built-ins'),"
+                           " state the derivative of forward's terms exactly (losses/terms.py gives the built-ins'),"
                            " or leave loss_and_grad out: stage two then uses autograd")
     if any(not torch.equal(value, written[key]) for key, value in loss.state_dict().items()):
         return worst, "loss_and_grad leaves the loss's state otherwise than forward does"

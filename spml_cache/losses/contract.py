@@ -7,6 +7,7 @@ the head's weight, and the gradient of their sum with respect to the logits and 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import BrokenExecutor
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from spml_cache.losses.base import Loss
 from spml_cache.losses.closed_form_contract import closed_step, same_as_autograd
+from spml_cache.losses.loop import EpochWarning
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.step_trace import first_difference, flat, record
 
@@ -173,7 +175,9 @@ def check_gradient(cls: type[Loss]) -> str:
 
     def value(z, recorded=None):  # from the same state each time: a loss that writes state is judged on one step
         loss.load_state_dict(kept)
-        with HeldFixed(recorded) as mode:
+        # one batch, many times over: not a new epoch begun without start_epoch (losses/loop.py)
+        with HeldFixed(recorded) as mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore", EpochWarning)
             return values_of(loss, data, rows, z.detach().requires_grad_(), weight).sum(), mode.recorded
 
     with HeldFixed() as mode:

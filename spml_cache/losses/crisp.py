@@ -22,7 +22,7 @@ import math
 import torch
 
 from spml_cache.losses.base import Loss, assign_, neg_log_1mp, neg_log_p, register
-from spml_cache.losses.slopes import logs_of
+from spml_cache.losses.terms import logs_of
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.registry import Param
 

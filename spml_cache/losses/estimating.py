@@ -13,7 +13,7 @@ import torch
 
 from spml_cache import datasets
 from spml_cache.losses.base import Loss, bce, head_vector, mean_over_entries, register, rows_for_heads
-from spml_cache.losses.slopes import bce_terms, logs_of, reduced
+from spml_cache.losses.terms import Sloped, Terms, bce_terms, logs_of
 from spml_cache.runtime.errors import SpmlError
 
 THETA_INIT_POSITIVE = 0.995  # Q at an observed positive
@@ -21,11 +21,15 @@ THETA_INIT_NEGATIVE = 0.005  # Q at an observed negative
 THETA_INIT_UNOBSERVED = (0.4, 0.6)  # Q at an unobserved label: Theta uniform between their logits
 
 
+def _gap(p: torch.Tensor, k) -> torch.Tensor:
+    """((1/B) sum_n sum_c p_nc - k) / C over the last two dims of `p` ([..., B, C] -> [...]): R_k's root."""
+    num_rows, num_classes = p.shape[-2:]
+    return (p.sum(dim=(-2, -1)) / num_rows - k) / num_classes
+
+
 def expected_positive_regularizer(p: torch.Tensor, k: float) -> torch.Tensor:
     """R_k(P) = ((1/B) sum_n sum_c p_nc - k)^2 / C^2 over the last two dims of `p` ([..., B, C] -> [...])."""
-    num_rows, num_classes = p.shape[-2:]
-    k_hat = p.sum(dim=(-2, -1)) / num_rows
-    return ((k_hat - k) / num_classes) ** 2
+    return _gap(p, k) ** 2
 
 
 def expected_positive_terms(p: torch.Tensor, k, weight=1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,9 +38,19 @@ def expected_positive_terms(p: torch.Tensor, k, weight=1.0) -> tuple[torch.Tenso
     the sigmoid's factors one at a time): ROLE's theta slope sums it with near-equal terms (`weight`: a number or
     one per head `[K]`)."""
     num_rows, num_classes = p.shape[-2:]
-    gap = (p.sum(dim=(-2, -1)) / num_rows - k) / num_classes
+    gap = _gap(p, k)
     coefficient = (weight * (2 * gap) / num_classes / num_rows).unsqueeze(-1).unsqueeze(-1)
     return gap**2, coefficient * (1 - p) * p
+
+
+def expected_positives(x: Terms, k, weight=None):
+    """R_k(P) of the batch's probabilities per head `[...]`, times `weight` (a number or one per head `[K]`)
+    where given, added unnormalised to a loss; with `x`'s slopes, its gradient with respect to the logits."""
+    if not x.slopes:
+        value = expected_positive_regularizer(x.p, k)
+        return value if weight is None else weight * value
+    value, slope = expected_positive_terms(x.p, k, 1.0 if weight is None else weight)
+    return Sloped(value if weight is None else weight * value, slope)
 
 
 def observed_label_terms(logits: torch.Tensor, observed: torch.Tensor, eps: float | None = None) -> torch.Tensor:
@@ -77,15 +91,11 @@ class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
     description = "Observed labels only, plus a penalty pulling the batch's mean predicted positive count to k."
     reference = "Cole et al., CVPR 2021, Sec. 5.3, L_EPR with R_k of Eq. 10; Table 1 row L_EPR"
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        regularizer = expected_positive_regularizer(torch.sigmoid(logits), head_vector(self.k))
-        return mean_over_entries(observed_label_terms(logits, observed)) + regularizer
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        p, target, known = torch.sigmoid(logits), (observed == 1).to(logits.dtype), observed != 0
-        value, grad = reduced(bce(logits, target) * known, (p - target) * known)  # observed_label_terms
-        regularizer, slopes = expected_positive_terms(p, head_vector(self.k))
-        return value + regularizer, grad + slopes
+    def equation(self, x, observed, *, labels=None, index=None):
+        # `exact`: without the authors' eps, as epr has always been computed here, though docs/fidelity.md lists
+        # -log(p + 1e-5) for it (Cole et al.'s code); left to a change of its own, which moves its authors results
+        observed_terms = x.exact.bce((observed == 1).to(x.dtype)) * (observed != 0)  # observed_label_terms
+        return x.mean(observed_terms) + expected_positives(x, head_vector(self.k))
 
 
 @register

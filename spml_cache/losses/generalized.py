@@ -14,16 +14,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from spml_cache.losses.base import Loss, assign_, mean_over_entries, neg_log_1mp, neg_log_p, register
-from spml_cache.losses.slopes import Logs, logs_of, reduced
+from spml_cache.losses.base import Loss, assign_, register
+from spml_cache.losses.terms import Sloped, Terms
 from spml_cache.runtime.registry import Param
 
 SCHEDULED = ("w", "b", "mu", "sigma")  # the values the schedules move, from `{key}0` to `{key}T`
-
-
-def generalized_ce(log_q: torch.Tensor, q: float) -> torch.Tensor:
-    """(1 - e^{q log_q}) / q: the GCE loss of a probability given as its log (`L2`, `L3` of eq. 14)."""
-    return -torch.expm1(q * log_q) / q
 
 
 @register
@@ -77,40 +72,25 @@ class GeneralizedRobust(Loss):
         assign_(self.mu, self.mu0 + (self.muT - self.mu0) * current)
         assign_(self.sigma, self.sigma0 + (self.sigmaT - self.sigma0) * current)
 
-    def missing_terms(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`v(p)` and GR's term on a missing label, `v (k L2 + (1 - k) L3)`, for every entry (AEVLP's `gpr`
-        reuses both)."""
-        p = torch.sigmoid(logits.detach())
+    def missing(self, x: Terms):
+        """`v(p)` and GR's term on a missing label, `v (k L2 + (1 - k) L3)`, for every entry (AEVLP's `gpr` reuses
+        both), `L2 = (1 - p^q2)/q2` towards positive and `L3 = (1 - (1-p)^q3)/q3` towards negative (eq. 14, GCE
+        losses of a probability given by its log); with `x`'s slopes, the term's slope `v (k dL2 + (1 - k) dL3)`
+        (`k`, `v` held fixed, as detached), `dL2 = -p^q2 (1 - p)`, `dL3 = (1 - p)^q3 p`."""
+        p = x.logs.p if x.slopes else torch.sigmoid(x.logits.detach())
         k = torch.sigmoid(self.w * p + self.b)  # soft pseudo-label: probability the missing label is positive
         v = torch.exp(-(p - self.mu).square() / (2 * self.sigma**2))
-        loss_2 = generalized_ce(F.logsigmoid(logits), self.q2)  # (1 - p^q2)/q2, towards positive
-        loss_3 = generalized_ce(F.logsigmoid(-logits), self.q3)  # (1 - (1-p)^q3)/q3, towards negative
-        return v, v * (k * loss_2 + (1 - k) * loss_3)
-
-    def missing_with_slopes(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Logs]:
-        """`missing_terms` with the missing term's slope, `v (k dL2 + (1 - k) dL3)` (`k`, `v` held fixed, as
-        detached), `dL2 = -p^q2 (1 - p)`, `dL3 = (1 - p)^q3 p`; and `logs_of(logits)` for the observed terms."""
-        logs = logs_of(logits, self.log_eps)
-        p = logs.p
-        if self.log_eps is None:  # the logs' own: -logsigmoid(x), softplus(x) = -logsigmoid(-x), sigmoid(-x)
-            log_p, log_1mp, q = -logs.nl_p, -logs.nl_1mp, -logs.d_nl_p
-        else:
-            log_p, log_1mp, q = F.logsigmoid(logits), F.logsigmoid(-logits), torch.sigmoid(-logits)
-        k = torch.sigmoid(self.w * p + self.b)
-        v = torch.exp(-(p - self.mu).square() / (2 * self.sigma**2))
+        if x.slopes and x.eps is None:  # the logs' own: -softplus(-x) = logsigmoid(x), -softplus(x), sigmoid(-x)
+            log_p, log_1mp, q = -x.logs.nl_p, -x.logs.nl_1mp, -x.logs.d_nl_p
+        else:  # exact whatever the fidelity: the authors' eps is in their nl terms alone
+            log_p, log_1mp = F.logsigmoid(x.logits), F.logsigmoid(-x.logits)
+            q = torch.sigmoid(-x.logits) if x.slopes else None
         power_2, power_3 = torch.expm1(self.q2 * log_p), torch.expm1(self.q3 * log_1mp)  # p^q2 - 1, (1-p)^q3 - 1
         missing = v * (k * (-power_2 / self.q2) + (1 - k) * (-power_3 / self.q3))
-        d_missing = v * (k * (-(power_2 + 1) * q) + (1 - k) * ((power_3 + 1) * p))
-        return v, missing, d_missing, logs
+        if not x.slopes:
+            return v, missing
+        return v, Sloped(missing, v * (k * (-(power_2 + 1) * q) + (1 - k) * ((power_3 + 1) * p)))
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        _, missing = self.missing_terms(logits)
-        nl_p, nl_1mp = neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps)
-        terms = torch.where(observed == 1, nl_p, torch.where(observed == 0, missing, nl_1mp))
-        return mean_over_entries(terms)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        _, missing, d_missing, logs = self.missing_with_slopes(logits)
-        positive, unknown = observed == 1, observed == 0
-        return reduced(torch.where(positive, logs.nl_p, torch.where(unknown, missing, logs.nl_1mp)),
-                       torch.where(positive, logs.d_nl_p, torch.where(unknown, d_missing, logs.d_nl_1mp)))
+    def equation(self, x, observed, *, labels=None, index=None):
+        _, missing = self.missing(x)
+        return x.mean(x.where(observed == 1, x.nl_p, x.where(observed == 0, missing, x.nl_1mp)))

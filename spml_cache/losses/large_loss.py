@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from spml_cache.losses.base import Fidelity, Loss, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads
-from spml_cache.losses.slopes import logs_of, reduced
+from spml_cache.losses.terms import logs_of, reduced
 from spml_cache.runtime.registry import Param
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from spml_cache.losses.base import Loss, as_tensor_like, bce, mean_over_entries, neg_log_1mp, neg_log_p, register
-from spml_cache.losses.slopes import bce_terms, logs_of, reduced
+from spml_cache.losses.base import Loss, as_tensor_like, register
 from spml_cache.runtime.registry import Param
 
 
@@ -25,11 +24,8 @@ class FullBCE(Loss):
     reference = "Cole et al., CVPR 2021, Eq. 5; Table 1 row L_BCE"
     oracle = True
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        return mean_over_entries(bce(logits, labels.to(logits.dtype), self.log_eps))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        return reduced(*bce_terms(logits, labels.to(logits.dtype), self.log_eps))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(x.bce(labels.to(x.dtype)))
 
 
 @register
@@ -47,14 +43,11 @@ class FullBCELabelSmoothing(Loss):
     params = (Param.between("ls", 0.0, 1.0, "[)"),)
     oracle = True
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        return mean_over_entries(bce(logits, self.target(logits, labels), self.log_eps))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(x.bce(self.target(x.logits, labels)))
 
     def target(self, logits, labels):
         return torch.where(labels == 1, as_tensor_like(1.0 - self.ls, logits), as_tensor_like(self.ls, logits))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        return reduced(*bce_terms(logits, self.target(logits, labels), self.log_eps))
 
 
 @register
@@ -73,12 +66,5 @@ class IgnoreUnobservedNegatives(Loss):
     reference = "Cole et al., CVPR 2021, Eq. 7; Table 1 row L_IUN"
     oracle = True
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        positive_term = neg_log_p(logits, self.log_eps)
-        negative_term = torch.where(labels == 0, neg_log_1mp(logits, self.log_eps), torch.zeros_like(logits))
-        return mean_over_entries(torch.where(observed == 1, positive_term, negative_term))
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        logs, positive, negative = logs_of(logits, self.log_eps), observed == 1, labels == 0
-        return reduced(torch.where(positive, logs.nl_p, torch.where(negative, logs.nl_1mp, 0.0)),
-                       torch.where(positive, logs.d_nl_p, torch.where(negative, logs.d_nl_1mp, 0.0)))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(x.where(observed == 1, x.nl_p, x.where(labels == 0, x.nl_1mp, 0.0)))

@@ -12,29 +12,28 @@ from __future__ import annotations
 import torch
 
 from spml_cache.losses.base import Loss, assign_, register, rows_for_heads
+from spml_cache.losses.terms import Sloped, Terms
 from spml_cache.metrics import average_precision
 from spml_cache.runtime.errors import SpmlError
 
 
-def soft_pair_loss(logits: torch.Tensor, targets: torch.Tensor, log_alpha: float, log_beta: float) -> torch.Tensor:
-    """Per image `[..., B]`: log(alpha + sum_j (1-t_j) e^{x_j}) + log(beta + sum_i t_i e^{-x_i}) - log alpha - log beta.
+def soft_pairs(x: Terms, targets: torch.Tensor, log_alpha, log_beta):
+    """Per image `[..., B]`: log(alpha + sum_j (1-t_j) e^{x_j}) + log(beta + sum_i t_i e^{-x_i}) - log alpha - log beta;
+    with `x`'s slopes, its gradient with respect to the logits `[..., B, C]`: each log-sum-exp's softmax weights on
+    the logits' entries, the negatives' minus the positives' (`-x` enters the positives' sum).
 
     Hard targets (t in {0, 1}) give OPML over P = {t = 1}, N = {t = 0}. The constants and the weights enter the
     log-sum-exp as logs, so nothing is exponentiated outside it; a weight of 0 is a log of -inf, which drops
     the entry from the sum and from the gradient.
     """
-    negatives, positives, shift = _pair_sums(logits, targets, log_alpha, log_beta)
-    return torch.logsumexp(negatives, dim=-1) + torch.logsumexp(positives, dim=-1) - shift
-
-
-def soft_pair_terms(logits: torch.Tensor, targets: torch.Tensor, log_alpha, log_beta):
-    """`soft_pair_loss` and its gradient with respect to the logits `[..., B, C]`: each log-sum-exp's softmax
-    weights on the logits' entries, the negatives' minus the positives' (`-x` enters the positives' sum)."""
-    negatives, positives, shift = _pair_sums(logits, targets, log_alpha, log_beta)
+    negatives, positives, shift = _pair_sums(x.logits, targets, log_alpha, log_beta)
     sum_negatives, sum_positives = torch.logsumexp(negatives, dim=-1), torch.logsumexp(positives, dim=-1)
+    value = sum_negatives + sum_positives - shift
+    if not x.slopes:
+        return value
     weights = [(sums[..., 1:] - total.unsqueeze(-1)).exp() for sums, total in
                ((negatives, sum_negatives), (positives, sum_positives))]
-    return sum_negatives + sum_positives - shift, weights[0] - weights[1]
+    return Sloped(value, weights[0] - weights[1])
 
 
 def _pair_sums(logits: torch.Tensor, targets: torch.Tensor, log_alpha, log_beta):
@@ -48,17 +47,6 @@ def _pair_sums(logits: torch.Tensor, targets: torch.Tensor, log_alpha, log_beta)
     return negatives, positives, shift
 
 
-def per_image_mean(values: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Per-image values `[..., B]` reduced like every loss: the batch sum over B*C."""
-    return values.sum(dim=-1) / (values.shape[-1] * num_classes)
-
-
-def per_image_reduced(values: torch.Tensor, slopes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`per_image_mean` of the values and the gradient of that mean, from per-image values' slopes `[..., B, C]`."""
-    num_entries = slopes.shape[-2] * slopes.shape[-1]
-    return values.sum(dim=-1) / num_entries, slopes / num_entries
-
-
 @register
 class ZLPR(Loss):
     """ZLPR (Su et al. 2022): log(1 + sum_{j in N} e^{x_j}) + log(1 + sum_{i in P} e^{-x_i}) per image."""
@@ -68,11 +56,8 @@ class ZLPR(Loss):
     description = "zero-bounded log-sum-exp & pairwise rank-based loss; OPML at alpha = beta = 1"
     reference = "Su et al. 2022 (ZLPR); the alpha = beta = 1 case of Li, Wang and Chen, Sec. III-B, Table III"
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        return per_image_mean(soft_pair_loss(logits, observed == 1, 0.0, 0.0), self.num_classes)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        return per_image_reduced(*soft_pair_terms(logits, observed == 1, 0.0, 0.0))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.per_image_mean(soft_pairs(x, observed == 1, 0.0, 0.0))
 
 
 @register
@@ -91,12 +76,8 @@ class OPML(Loss):
                          " its values survive")
     reconstructed = True
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        values = soft_pair_loss(logits, observed == 1, self.log_alpha, self.log_beta)
-        return per_image_mean(values, self.num_classes)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        return per_image_reduced(*soft_pair_terms(logits, observed == 1, self.log_alpha, self.log_beta))
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.per_image_mean(soft_pairs(x, observed == 1, self.log_alpha, self.log_beta))
 
 
 @register
@@ -126,6 +107,7 @@ class OPMLSoft(Loss):
     row_buffers = ("corrected_observed",)
     needs_train_logits = True
     reconstructed = True
+    no_closed_form = "its log-determinant's gradient is no simpler by hand"
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -163,7 +145,8 @@ class OPMLSoft(Loss):
         rows = rows_for_heads(self.corrected_observed, index, logits)
         class_eps = self.class_eps[0] if logits.dim() == 2 else self.class_eps.unsqueeze(1)
         targets = torch.where(rows == 1, 1.0, torch.where(rows == 0, class_eps, 0.0))
-        pairs = per_image_mean(soft_pair_loss(logits, targets, self.log_alpha, self.log_beta), self.num_classes)
+        x = Terms(logits)
+        pairs = x.per_image_mean(soft_pairs(x, targets, self.log_alpha, self.log_beta))
         probs = torch.sigmoid(logits)
         gram = probs @ probs.transpose(-2, -1) / self.num_classes
         gram = gram + self.delta * torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)

@@ -5,8 +5,7 @@ positive"; they are meant for rules that observe negatives too (`entry:P`, `unif
 
 from __future__ import annotations
 
-from spml_cache.losses.base import Loss, bce, mean_over_entries, register
-from spml_cache.losses.slopes import bce_terms, reduced
+from spml_cache.losses.base import Loss, register
 
 
 @register
@@ -19,11 +18,5 @@ class ObservedBCE(Loss):
     reference = ("Durand et al., CVPR 2019, Sec. 3.1: BCE over the known labels (its partial-BCE normalisation g"
                  " not applied: the house reduction sum / (B*C))")
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        known = observed != 0
-        return mean_over_entries(bce(logits, (observed == 1).to(logits.dtype), self.log_eps) * known)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        terms, slopes = bce_terms(logits, (observed == 1).to(logits.dtype), self.log_eps)
-        known = observed != 0
-        return reduced(terms * known, slopes * known)
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(x.bce((observed == 1).to(x.dtype)) * (observed != 0))

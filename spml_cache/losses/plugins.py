@@ -98,9 +98,9 @@ def _register(found: loader.Loaded) -> type[Loss]:
                         f" {NAME_MAX} (it is part of file names, which filesystems cap at 255 bytes)")
     if name in LOSSES:
         raise SpmlError(f"{KIND.named(spec)}: its name {name!r} is a built-in loss's; give the plugin another name")
-    if cls.forward is Loss.forward:  # torch's placeholder, which raises at the first step
+    if cls.forward is Loss.forward and cls.equation is Loss.equation:  # it would raise at the first step
         raise SpmlError(f"{KIND.named(spec)}: {cls.__name__} has no forward(logits, observed, *, labels=None,"
-                        f" index=None); define it ({GUIDE})")
+                        f" index=None) nor equation(x, observed, *, labels=None, index=None); define one ({GUIDE})")
     before = _LOADED.get(name)
     if before is not None and before[0] is not cls:
         raise SpmlError(f"{KIND.named(spec)}: the name {name!r} is taken by the plugin {before[1]['spec']}; give one"

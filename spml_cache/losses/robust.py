@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from spml_cache.losses.base import Fidelity, Loss, mean_over_entries, neg_log_1mp, neg_log_p, register
-from spml_cache.losses.slopes import focal_terms, power_slope, reduced, sigmoid_slope
+from spml_cache.losses.terms import Sloped, Terms, focal_terms, power_slope, reduced, sigmoid_slope
 from spml_cache.runtime.registry import Param
 
 
@@ -26,6 +26,16 @@ def focal_positive(x: torch.Tensor, g: float) -> torch.Tensor:
 def focal_negative(x: torch.Tensor, g: float) -> torch.Tensor:
     """p^g nl(1 - p)."""
     return torch.exp(g * F.logsigmoid(x)) * neg_log_1mp(x)
+
+
+def focal(x: Terms, positive: torch.Tensor, g):
+    """The focal positive term `(1-p)^g nl(p)` where `positive`, the focal negative `p^g nl(1-p)` elsewhere; with
+    `x`'s slopes, from one evaluation: the negative term at x is the positive one at -x (`focal_terms`)."""
+    if not x.slopes:
+        return torch.where(positive, focal_positive(x.logits, g), focal_negative(x.logits, g))
+    sign = positive * 2.0 - 1.0  # +-1 in 3 ops (a where of two numbers makes each a tensor)
+    terms, slopes = focal_terms(sign * x.logits, g)
+    return Sloped(terms, sign * slopes)
 
 
 @register
@@ -41,15 +51,8 @@ class Focal(Loss):
     per_head = ("g",)
     params = (Param.between("g", 0.0, math.inf, "[)"),)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        terms = torch.where(observed == 1, focal_positive(logits, self.g), focal_negative(logits, self.g))
-        return mean_over_entries(terms)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        # the negative term at x is the positive one at -x; +-1 in 3 ops (a where of two numbers makes each a tensor)
-        sign = (observed == 1) * 2.0 - 1.0
-        terms, slopes = focal_terms(sign * logits, self.g)
-        return reduced(terms, sign * slopes)
+    def equation(self, x, observed, *, labels=None, index=None):
+        return x.mean(focal(x, observed == 1, self.g))
 
 
 ASL_LOG_FLOOR = 1e-8  # what the ASL authors' code clamps probabilities to before a log

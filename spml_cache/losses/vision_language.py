@@ -13,13 +13,9 @@ import math
 import torch
 
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.losses.base import (
-    Fidelity, Loss, as_tensor_like, entropy, head_vector, mean_over_entries, neg_log_1mp, neg_log_p, register, rows_for_heads,
-)
-from spml_cache.losses.assume_negative import known_or_unobserved
-from spml_cache.losses.estimating import _ExpectedPositivesLoss, expected_positive_regularizer, expected_positive_terms
+from spml_cache.losses.base import Fidelity, Loss, as_tensor_like, head_vector, register, rows_for_heads
+from spml_cache.losses.estimating import _ExpectedPositivesLoss, expected_positives
 from spml_cache.losses.generalized import GeneralizedRobust
-from spml_cache.losses.slopes import entropy_terms, logs_of, reduced
 from spml_cache.runtime.registry import Param
 
 VLPL_ALPHA = {"voc": 0.2, "coco": 0.1, "nus": 0.1, "cub": 0.01}
@@ -75,21 +71,10 @@ class VisionLanguagePseudoLabels(Loss):
         pseudo = (scores > self.threshold) & (self.train_observed.cpu() == 0)
         self.register_buffer("pseudo_positive", _for_heads(pseudo, self.num_heads), persistent=False)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        pseudo = rows_for_heads(self.pseudo_positive, index, logits)
-        nl_p, nl_1mp = neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps)
-        pseudo_term = self.beta * (self.rho * nl_p + (1 - self.rho) * nl_1mp)
-        unobserved = torch.where(pseudo, pseudo_term, -self.alpha * entropy(logits, self.log_eps))
-        terms = torch.where(observed == 1, nl_p, torch.where(observed == -1, nl_1mp, unobserved))
-        return mean_over_entries(terms)
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        pseudo = rows_for_heads(self.pseudo_positive, index, logits)
-        logs = logs_of(logits, self.log_eps)
-        entropy_pair = entropy_terms(logits, logs, self.log_eps)
-        unobserved = [torch.where(pseudo, self.beta * (self.rho * on_p + (1 - self.rho) * on_1mp), -self.alpha * h)
-                      for on_p, on_1mp, h in zip((logs.nl_p, logs.d_nl_p), (logs.nl_1mp, logs.d_nl_1mp), entropy_pair)]
-        return reduced(*known_or_unobserved(observed, logs, unobserved))
+    def equation(self, x, observed, *, labels=None, index=None):
+        pseudo = rows_for_heads(self.pseudo_positive, index, x.logits)
+        pseudo_term = self.beta * (self.rho * x.nl_p + (1 - self.rho) * x.nl_1mp)
+        return x.mean(x.known_or(observed, x.where(pseudo, pseudo_term, -self.alpha * x.entropy)))
 
 
 def aevlp_pseudo_labels(similarity: torch.Tensor, crops: torch.Tensor | None, observed: torch.Tensor, *,
@@ -176,28 +161,14 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
         labels[observed != 0] = 0  # an observed label wins
         self.register_buffer("pseudo_label", _for_heads(labels, self.num_heads), persistent=False)
 
-    def forward(self, logits, observed, *, labels=None, index=None):
-        pseudo = rows_for_heads(self.pseudo_label, index, logits)
-        v, missing = self.missing_terms(logits)
-        nl_p, nl_1mp = neg_log_p(logits, self.log_eps), neg_log_1mp(logits, self.log_eps)
+    def equation(self, x, observed, *, labels=None, index=None):
+        pseudo = rows_for_heads(self.pseudo_label, index, x.logits)
+        v, missing = self.missing(x)
         weight = 1 - torch.minimum(torch.maximum(v, as_tensor_like(1 - self.lambda1, v)), as_tensor_like(1 - self.lambda2, v))
-        positive = weight * (self.rho * nl_p + (1 - self.rho) * nl_1mp)
-        unobserved = torch.where(pseudo == 1, positive, torch.where(pseudo == -1, v * nl_1mp, missing))
-        terms = torch.where(observed == 1, nl_p, torch.where(observed == -1, nl_1mp, unobserved))
-        regularizer = expected_positive_regularizer(torch.sigmoid(logits), head_vector(self.k))
-        return mean_over_entries(terms) + head_vector(self.reg) * regularizer
-
-    def loss_and_grad(self, logits, observed, *, labels=None, index=None):
-        pseudo = rows_for_heads(self.pseudo_label, index, logits)
-        v, missing, d_missing, logs = self.missing_with_slopes(logits)
-        weight = 1 - torch.minimum(torch.maximum(v, as_tensor_like(1 - self.lambda1, v)), as_tensor_like(1 - self.lambda2, v))
-        unobserved = [torch.where(pseudo == 1, weight * (self.rho * on_p + (1 - self.rho) * on_1mp),
-                                  torch.where(pseudo == -1, v * on_1mp, on_missing))
-                      for on_p, on_1mp, on_missing in zip((logs.nl_p, logs.d_nl_p), (logs.nl_1mp, logs.d_nl_1mp),
-                                                             (missing, d_missing))]
-        value, grad = reduced(*known_or_unobserved(observed, logs, unobserved))
-        regularizer, slopes = expected_positive_terms(logs.p, head_vector(self.k), head_vector(self.reg))
-        return value + head_vector(self.reg) * regularizer, grad + slopes
+        positive = weight * (self.rho * x.nl_p + (1 - self.rho) * x.nl_1mp)
+        unobserved = x.where(pseudo == 1, positive, x.where(pseudo == -1, v * x.nl_1mp, missing))
+        regularizer = expected_positives(x, head_vector(self.k), weight=head_vector(self.reg))
+        return x.mean(x.known_or(observed, unobserved)) + regularizer
 
 
 def _values_of(value) -> list[float]:

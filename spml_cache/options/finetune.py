@@ -16,6 +16,7 @@ from spml_cache.options.linear import BATCH_SIZES, LRS, seed_count
 from spml_cache.options.text import parse_list, read_hparams
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, GRID_LRS, Fidelity
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.trackers import TRACKERS_HELP, read_trackers
 
 DEFAULT_LRS = (1e-5, 1e-4)
 INITS = ("best", "imagenet")  # LinearInit (the default), or a fresh head on the ImageNet trunk
@@ -118,5 +119,6 @@ class FinetunePlacement(Placement):
                                  kind=Path)
     workers: int | None = option(None, "Image reader processes (default: 8 on a GPU, fewer on a CPU).", kind=int,
                                  check=at_least(0))
+    trackers: tuple[str, ...] | None = option(None, TRACKERS_HELP, flag="--log", read=read_trackers)
     cache_dir: Path | None = option(None, "Where --dataset's cache is looked for.", kind=Path, flag="")
     log: Callable[[str], None] = field(default=lambda line: None, compare=False)  # where notes go (rank 0's)

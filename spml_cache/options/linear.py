@@ -17,6 +17,7 @@ from spml_cache.options.text import RULES_HELP, parse_names, read_hparams, read_
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, GRID_WDS, LINEAR_EPOCHS, Fidelity
 from spml_cache.runtime import memory
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.trackers import TRACKERS_HELP, read_trackers
 
 
 # The grid's checks, for each stage that trains a grid (linear, finetune, the demo): at least one value, each
@@ -177,5 +178,6 @@ class LinearPlacement(Placement):
                                  " a batch size: COCO-sized grids); prints the compile time. The same heads up to"
                                  " float rounding. Not beside CUDA graphs: on a GPU add --no-graphs.",
                                  flag="--compile", switch=True)
+    trackers: tuple[str, ...] | None = option(None, TRACKERS_HELP, flag="--log", read=read_trackers)
     cache_dir: Path | None = option(None, "Where --dataset's cache is looked for.", kind=Path, flag="")
     console: Console | None = field(default=None, compare=False)  # where notes and progress go (None: progress's)

@@ -44,8 +44,9 @@ def title(metric: str) -> str:
 
 
 def seed_values(stored: StoredTest, top_k: int = metrics.TOP_K) -> dict[str, np.ndarray]:
-    """Each seed's F1 family (0..100, `[S]` per name) at the threshold and for the top `top_k` (`StoredTest.f1_family`:
-    the typed results of the Python face read it the same way)."""
+    """Each seed's F1 family (0..100, `[S]` per name) at the threshold and for the top `top_k`, from its stored test
+    scores against the run's test labels (`StoredTest.f1_family`: partial labels, annotated entries only; sparse
+    labels stay sparse)."""
     return stored.f1_family(top_k)
 
 

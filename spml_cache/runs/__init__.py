@@ -14,6 +14,7 @@ from spml_cache.runs.files import (
     replace_atomically,
     save_checkpoint,
     temporary_path,
+    watch_metrics,
     write_json,
     write_npz,
 )
@@ -42,6 +43,6 @@ __all__ = [
     "check_same_cache", "env_info", "file_stem", "finish_run", "is_complete", "jsonable", "load_checkpoint",
     "load_results", "load_run", "make_run_dir", "newest_run", "open_for_resume", "other_cache", "read_json", "read_linear_head",
     "read_metrics", "read_npz", "read_stored_test", "replace_atomically", "run_stamp", "safe_name",
-    "save_checkpoint", "scores_path", "start_run", "temporary_path", "write_json", "write_labels", "write_npz",
-    "write_scores",
+    "save_checkpoint", "scores_path", "start_run", "temporary_path", "watch_metrics", "write_json", "write_labels",
+    "write_npz", "write_scores",
 ]

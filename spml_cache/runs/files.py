@@ -10,6 +10,7 @@ import os
 import pickle
 import zipfile
 import zlib
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable
@@ -88,8 +89,10 @@ def read_json(path: Path | str, expect: type | None = None, fix: str = "") -> An
 
 
 def append_metrics(run_dir: Path | str, rows: Iterable[dict]) -> None:
-    """Append one JSON line per row to `metrics.jsonl` (one line per head per epoch)."""
-    lines = "".join(json.dumps(jsonable(row), allow_nan=False) + "\n" for row in rows)
+    """Append one JSON line per row to `metrics.jsonl` (one line per head per epoch); then hand the rows, as
+    written, to whatever watches the run directory's metrics (`watch_metrics`)."""
+    rows = [jsonable(row) for row in rows]
+    lines = "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows)
     path = Path(run_dir) / "metrics.jsonl"
     try:
         with open(path, "a", encoding="utf-8") as file:
@@ -98,6 +101,28 @@ def append_metrics(run_dir: Path | str, rows: Iterable[dict]) -> None:
         if DiskFull.caused(err):
             raise DiskFull(path) from None
         raise
+    for watcher in _WATCHERS.get(Path(run_dir).resolve(), ()):
+        watcher(rows)
+
+
+# The watchers of each run directory's metrics (trackers/: `--log`), by the directory's resolved path.
+_WATCHERS: dict[Path, list[Callable[[list[dict]], None]]] = {}
+
+
+@contextmanager
+def watch_metrics(run_dir: Path | str, watcher: Callable[[list[dict]], None]):
+    """Within the block, `watcher(rows)` after each `append_metrics` into `run_dir`, with the rows as written:
+    both stages write every epoch's lines through `append_metrics` (a resumed run first writes again those it
+    kept), so a watcher sees what `metrics.jsonl` holds, as it grows, and nothing else. It is called in the
+    writing thread and should only take the rows (a tracker's thread sends them)."""
+    key = Path(run_dir).resolve()
+    _WATCHERS.setdefault(key, []).append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS[key].remove(watcher)
+        if not _WATCHERS[key]:
+            del _WATCHERS[key]
 
 
 def read_metrics(run_dir: Path | str) -> list[dict]:

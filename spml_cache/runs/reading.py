@@ -72,10 +72,11 @@ class StoredTest:
     mask: object
 
     def f1_family(self, top_k: int = metrics.TOP_K) -> dict[str, np.ndarray]:
-        """Each seed's F1 family (0..100, `[S]` per name: CP, CR, CF1, OP, OR, OF1) at the 0.5 threshold and, as
-        `cf1@K`, for each image's `top_k` highest scores at or above it, from the scores against the test labels
-        (partial labels: annotated entries only; sparse labels stay sparse)."""
-        scores, values = torch.from_numpy(self.scores), {}
+        """Each seed's F1 family (0..100, `[S]` per name: `cp`, ..., `of1`) at the threshold and, as `cp@K`, ...,
+        for each image's top `top_k` (docs/protocol.md, "Decisions at a threshold"): against the run's test labels,
+        over the annotated entries of partial labels; sparse labels stay sparse."""
+        scores = torch.from_numpy(self.scores)
+        values = {}
         for k, suffix in ((None, ""), (top_k, f"@{top_k}")):
             counts = labels.decision_counts(metrics.predicted(scores, k), self.labels, self.mask)
             family, _ = metrics.f1_family(counts, self.mask is not None)
