@@ -15,63 +15,14 @@ Blocks of other languages (shell commands, TOML, a signature listing as `text`) 
 
 from __future__ import annotations
 
-import re
 import shutil
-import sys
-import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from cli_support import REPO
+from docs_support import REPO, SKIPPED, Block, fenced_blocks
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-FENCE = re.compile(r"^(\s*)```(\S*)[ \t]*(.*)$")
-SKIPPED = {"gpu": "needs a CUDA GPU", "network": "needs the network (the tests never download)"}
-
-
-@dataclass(frozen=True)
-class Block:
-    page: Path
-    line: int  # the opening fence's
-    words: tuple[str, ...]  # the info string's words after `python`
-    code: str
-
-    @property
-    def where(self) -> str:
-        return f"{self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page.name}:{self.line}"
-
-    @property
-    def file(self) -> str | None:
-        """The file this block is (`file=NAME.py`), or None: a block to run."""
-        return next((word.removeprefix("file=") for word in self.words if word.startswith("file=")), None)
-
-    @property
-    def skip(self) -> str | None:
-        """Why it is not run here, or None."""
-        if "gpu" in self.words and torch.cuda.is_available():
-            return None
-        return next((SKIPPED[word] for word in self.words if word in SKIPPED), None)
-
-
-def python_blocks(page: Path) -> list[Block]:
-    """Every fenced block of `page` whose language is `python`, its body dedented as far as its fence is (a block
-    inside a list item)."""
-    blocks, opened = [], None
-    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-        fence = FENCE.match(line)
-        if opened is None:
-            if fence is not None:
-                opened = (number, fence.group(2), tuple(fence.group(3).split()), [])
-        elif fence is not None and not fence.group(2) and not fence.group(3):
-            start, language, words, body = opened
-            if language == "python":
-                blocks.append(Block(page, start, words, textwrap.dedent("\n".join(body)) + "\n"))
-            opened = None
-        else:
-            opened[3].append(line)
-    return blocks
 
 
 def run_blocks(blocks: list[Block], folder: Path, monkeypatch) -> dict:
@@ -91,7 +42,7 @@ def run_blocks(blocks: list[Block], folder: Path, monkeypatch) -> dict:
     return namespace
 
 
-BLOCKS = [block for page in PAGES for block in python_blocks(page)]
+BLOCKS = [block for page in PAGES for block in fenced_blocks(page)]
 PREAMBLES = [block for block in BLOCKS if "preamble" in block.words]
 RUN = {page: [block for block in BLOCKS if block.page == page and "preamble" not in block.words and not block.skip]
        for page in PAGES}
@@ -135,7 +86,7 @@ def test_the_runner_finds_runs_skips_and_writes_what_the_convention_says(tmp_pat
         "```python network", "raise SystemExit('downloaded')", "```", "```python file=helper.py",
         "def twice(v):", "    return 2 * v", "```", "```python", "from helper import twice", "z = twice(y)", "```",
         "```text", "signature(a, b) -> c", "```", "```python", "raise ValueError('the docs drifted')", "```"]) + "\n")
-    blocks = python_blocks(page)
+    blocks = fenced_blocks(page)
     assert [(block.line, block.words, block.file) for block in blocks] == [
         (2, (), None), (10, (), None), (13, ("gpu",), None), (16, ("network",), None), (19, ("file=helper.py",),
                                                                                      "helper.py"),
