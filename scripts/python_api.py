@@ -86,9 +86,9 @@ def _short_signature(door) -> str:
     return f"({', '.join([*shown, '**keywords'])}){returned}"
 
 
-def function_reference(name: str, function) -> list[str]:
+def function_reference(name: str, function, heading: str = "###") -> list[str]:
     signature = str(inspect.signature(function)).replace("'", "")  # the annotations as written
-    lines = [f"### `sc.{name}{signature}`", "", summary(function.__doc__), ""]
+    lines = [f"{heading} `sc.{name}{signature}`", "", summary(function.__doc__), ""]
     return lines + _parameter_table(parameters(function.__doc__))
 
 
@@ -99,45 +99,65 @@ def _parameter_table(entries) -> list[str]:
             *(f"| `{name}` | {cell(kind)} | {cell(text)} |" for name, kind, text in entries), ""]
 
 
-def class_reference(name: str, kind: type) -> list[str]:
-    lines = [f"### `sc.{name}`", "", summary(kind.__doc__), ""]
+def class_reference(name: str, kind: type, heading: str = "###") -> list[str]:
+    lines = [f"{heading} `sc.{name}`", "", summary(kind.__doc__), ""]
     if dataclasses.is_dataclass(kind):
         shown = [field.name for field in dataclasses.fields(kind) if not field.name.startswith("_")]
         lines += [f"Fields: {', '.join(f'`{field}`' for field in shown)}.", ""]
     members = []
     for member, value in _members(kind):
-        text = summary(getattr(value, "fget", value).__doc__).split("\n\n")[0]
+        function = _function(value)
+        text = summary(function.__doc__).split("\n\n")[0]
         call = "" if isinstance(value, (property, _cached)) else _method_signature(value)
         members.append(f"| `{member}{call}` | {cell(text)} |")
-        for parameter, taken, said in parameters(getattr(value, "fget", value).__doc__):
+        for parameter, taken, said in parameters(function.__doc__):
             members.append(f"| &nbsp;&nbsp;`{parameter}` ({cell(taken)}) | {cell(said)} |")
     if members:
         lines += ["| member | what it is |", "|---|---|", *members, ""]
     return lines
 
 
+def _function(member):
+    """The function a member's docstring and signature are read from: a property's getter, a classmethod's own."""
+    return getattr(member, "fget", None) or getattr(member, "__func__", member)
+
+
 def _method_signature(method) -> str:
-    signature = inspect.signature(method)
-    shown = signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
+    signature = inspect.signature(_function(method))
+    shown = signature.replace(parameters=list(signature.parameters.values())[1:])  # without self or cls
     return str(shown).replace("'", "")
 
 
 def _members(kind: type):
-    """The public methods and properties `kind` and its bases of this package define, each once, in their order."""
+    """The public methods, class methods and properties `kind` and its bases of this package define, each once, in
+    their order; `__getitem__` and `__call__` among them (what `run["role"]` and `loss(...)` do). A base from
+    elsewhere's hook overridden without a docstring (torch's `extra_repr`) is that base's, not listed."""
     seen = {}
+    elsewhere = {member for owner in kind.__mro__ if not owner.__module__.startswith("spml_cache") for member in vars(owner)}
     for owner in reversed(kind.__mro__):
         if not owner.__module__.startswith("spml_cache"):
             continue
         for member, value in vars(owner).items():
-            public = not member.startswith("_") or member == "__getitem__"
-            if public and (inspect.isfunction(value) or isinstance(value, (property, _cached))):
-                seen[member] = value
+            public = not member.startswith("_") or member in ("__getitem__", "__call__")
+            member_kinds = (property, _cached, classmethod, staticmethod)
+            if not public or not (inspect.isfunction(value) or isinstance(value, member_kinds)):
+                continue
+            if member in elsewhere and not _function(value).__doc__:
+                continue
+            seen[member] = value
     return list(seen.items())
 
 
 def module_reference(name: str, module) -> list[str]:
-    first = summary(module.__doc__).split("\n\n")[0]
-    return [f"### `sc.{name}`", "", first, ""]
+    """A module of the face (`sc.losses`): its first paragraph, then each name of its `__all__`."""
+    lines = [f"### `sc.{name}`", "", summary(module.__doc__).split("\n\n")[0], ""]
+    for exported in getattr(module, "__all__", []):
+        value = getattr(module, exported)
+        if inspect.isclass(value):
+            lines += class_reference(f"{name}.{exported}", value, heading="####")
+        else:
+            lines += function_reference(f"{name}.{exported}", value, heading="####")
+    return lines
 
 
 _cached = __import__("functools").cached_property

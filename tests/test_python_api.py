@@ -55,9 +55,9 @@ BAD = {
     "import_features": {},
     "linear": dict(loss="rolee", lr="abc", wd="-1", batch_size="8,x", epochs=0, seeds="0", hp="delta", val_labels="noisy",
                    fidelity="paper", hp_grid="papers", observe="entry:2", memory_budget="lots", chunk_rows=0,
-                   workers=-1),
+                   workers=-1, log="tensorbord"),
     "finetune": dict(init="worst", loss="rolee", epochs=0, lr="x", batch_size=0, resolution=16, seeds=0,
-                     hp={"k": [1, 2]}, head_lr_mult=0, fidelity="x", decode="x", workers=-1),
+                     hp={"k": [1, 2]}, head_lr_mult=0, fidelity="x", decode="x", workers=-1, log=["mlflow", "x"]),
     "report": dict(format="xls", figure_format="gif", dpi=20, compare="an", pivot="dataset", metric="auc",
                    resamples=10),
     "make_demo_data": dict(train=0, test=0, size=8, seed="x"),
@@ -87,6 +87,24 @@ def test_a_misspelt_keyword_is_one_line_naming_the_door_and_the_keyword_meant(do
     misspelt = keyword[:-1] + keyword[-1] * 2  # `lrr`, `batch_sizee`
     line = refusal(door, **DOORS[door][1], **{misspelt: 1})
     assert line.startswith(f"sc.{door}: no keyword {misspelt!r}; did you mean {keyword}?"), line
+
+
+FIELD_NAMED = [(door, option.name, keyword) for door, (types, _) in DOORS.items()
+               for keyword, (_, option) in keyword_options(*types).items() if option.name != keyword]
+
+
+@pytest.mark.parametrize("door, field, keyword", FIELD_NAMED)
+def test_an_options_field_name_is_one_line_naming_its_keyword(door, field, keyword, tmp_path, monkeypatch):
+    """The fields of LinearOptions and the rest (`lrs`, `batch_sizes`, `hparams`, `trackers`), which the issue's user
+    tried first: the keyword meant is the field's own, not the nearest spelling (`trackers` is `log`, not `workers`)."""
+    monkeypatch.chdir(tmp_path)
+    line = refusal(door, **DOORS[door][1], **{field: 1})
+    assert line.startswith(f"sc.{door}: no keyword {field!r}; did you mean {keyword}?"), line
+
+
+def test_the_fields_named_otherwise_include_the_issues():
+    assert {("linear", "lrs", "lr"), ("linear", "batch_sizes", "batch_size"), ("linear", "hparams", "hp"),
+            ("linear", "trackers", "log"), ("finetune", "trackers", "log")} <= set(FIELD_NAMED)
 
 
 @pytest.mark.parametrize("door, keyword", EVERY_KEYWORD)

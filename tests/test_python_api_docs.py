@@ -5,6 +5,7 @@ until `python scripts/python_api.py --write` is run."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import re
@@ -45,13 +46,19 @@ def test_the_pages_reference_is_what_the_declarations_and_docstrings_give():
 
 
 def test_the_reference_is_drawn_from_the_declarations(monkeypatch):
-    """Not blind: a declaration's help, a docstring's parameter and a new public name each change what is generated."""
-    from spml_cache.linear.options import LinearOptions
+    """Not blind: a declaration's help, and a docstring's text, each change what is generated."""
+    from spml_cache.options import declared
+    from spml_cache.options.linear import LinearOptions
 
-    option = LinearOptions.declared()["epochs"]
-    monkeypatch.setattr(option, "help", "Epochs, as this test words them.", raising=False)
-    assert "| `epochs` | `--epochs` | whole number |" in python_api.reference()
-    assert "Epochs, as this test words them." in python_api.reference()
+    options = LinearOptions.declared()
+    reworded = dataclasses.replace(options["epochs"], help="Epochs, as this test words them.")
+    monkeypatch.setitem(declared._DECLARED, LinearOptions, {**options, "epochs": reworded})
+    monkeypatch.setattr(sc.LossResult.head, "__doc__", "The head, as this test words it.")
+    generated = python_api.reference()
+    assert "| `epochs` | `--epochs` | whole number |  | Epochs, as this test words them. |" in generated
+    assert "| `head() -> dict` | The head, as this test words it. |" in generated
+    page = PAGE.read_text(encoding="utf-8")
+    assert python_api.written(page, generated) != page
 
 
 def test_every_public_name_has_a_section_in_the_page_in_the_order_of_all():
@@ -85,7 +92,7 @@ def test_a_classs_every_public_member_has_a_docstring_naming_its_parameters(name
     kind = getattr(sc, name)
     assert python_api.summary(kind.__doc__), name
     for member, value in python_api._members(kind):
-        function = getattr(value, "fget", value)
+        function = python_api._function(value)
         assert python_api.summary(function.__doc__), f"{name}.{member}"
         if inspect.isfunction(function):
             _docstring_names_its_parameters(f"{name}.{member}", function)

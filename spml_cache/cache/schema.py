@@ -102,7 +102,8 @@ class FeatureSet:
         return {"train_similarity": self.similarity("train"), "train_crop_similarity": self.crop_similarity("train")}
 
     def crop_similarity(self, split: str) -> np.ndarray | None:
-        """float32 [N, G*G, C]: the same for each crop of the grid; None when the cache stores no crops."""
+        """float32 [N, G*G, C]: the same for each crop of the grid of `split`'s images; None when the cache stores
+        no crops."""
         crops = getattr(self, split).crop_embeddings
         return None if crops is None or self.text_embeddings is None else _cosine(crops, self.text_embeddings)
 

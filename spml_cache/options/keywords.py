@@ -42,13 +42,15 @@ def from_flag_keywords(door: str, keywords: Mapping, *types: type[Options], also
     """One object of each of `types` from keywords named as the command line's flags (`Option.keyword`: `lr`,
     `batch_size`, `hp`, `from_run`), each value what the flag takes (a list, or the flag's comma text), read and
     checked by its declaration with a bad value's line naming the keyword; a keyword no option has is one line
-    naming `door` and the closest keyword (of the options', and of `also`: the door's own, e.g. `progress`)."""
+    naming `door` and the keyword meant: the one of an option's field name (`lrs`, `trackers`: `lr`, `log`), else
+    the closest (of the options', and of `also`: the door's own, e.g. `progress`)."""
     by_keyword = keyword_options(*types)
+    by_field = {option.name: keyword for keyword, (_, option) in by_keyword.items()}  # `trackers` is `log`
     values: dict[type, dict] = {kind: {} for kind in types}
     for keyword, value in keywords.items():
         if keyword not in by_keyword:
             known = [*by_keyword, *also]
-            near = closest(keyword, known)
+            near = by_field.get(keyword) or closest(keyword, known)
             raise SpmlError(f"{door}: no keyword {keyword!r}" + (f"; did you mean {near}?" if near else "")
                             + f" (its keywords: {', '.join(known)})")
         kind, option = by_keyword[keyword]

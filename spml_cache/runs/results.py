@@ -47,6 +47,7 @@ class LossResult:
 
     @classmethod
     def of(cls, run_dir: Path, key: str, raw: dict) -> "LossResult":
+        """The result `key` of the run in `run_dir`, typed from `raw`, its entry in results.json's `losses`."""
         epochs = raw.get("best_epoch")
         return cls(key=key, selected=dict(raw.get("selected") or {}), val_map=raw.get("val_map"),
                    val_map_std=raw.get("val_map_std"), test_map=raw.get("test_map"),
