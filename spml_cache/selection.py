@@ -177,3 +177,32 @@ def loss_results(records: list[HeadRecord], selection: Selection | None, hparams
         "configs": configs,
         "seconds": seconds,
     }
+
+
+def diverged_after_selection(result: dict) -> int | None:
+    """The first epoch at which a head of the selected config (of any seed) diverged, read from a `results.json`
+    loss entry's `configs` (so a run written before this was asked is read alike), or None. Its numbers are then
+    those of an epoch before its loss turned non-finite: no converged result, never a loss's best."""
+    selected = result.get("selected")
+    if not selected:
+        return None
+    same = lambda config: (config["lr"], config.get("wd"), config["batch_size"], config.get("hparams") or {}) == (
+        selected["lr"], selected.get("wd"), selected["batch_size"], selected.get("swept") or {})
+    epochs = [config["diverged_epoch"] for config in result.get("configs") or []
+              if config.get("diverged_epoch") is not None and same(config)]
+    return min(epochs, default=None)
+
+
+def diverged_note(result: dict) -> str | None:
+    """What `diverged_after_selection` found, said: which heads diverged when, and what the numbers are."""
+    epoch = diverged_after_selection(result)
+    if epoch is None:
+        return None
+    selected, configs = result["selected"], result.get("configs") or []
+    if all(config.get("diverged_epoch") is not None for config in configs):
+        which = f"every head diverged (a non-finite loss or score), the selected ones at epoch {epoch}"
+    else:
+        which = (f"the selected heads (lr {selected['lr']:g}, batch {selected['batch_size']}) diverged (a non-finite"
+                 f" loss or score) at epoch {epoch}")
+    best = ",".join(str(best) for best in result.get("best_epoch") or [])
+    return f"{which}; its numbers are epoch {best}'s, from before: no converged result (try a lower --lr, or check the loss)"

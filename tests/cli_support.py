@@ -75,10 +75,14 @@ def run_main(*args: str, cwd, monkeypatch, capsys) -> tuple[int, str]:
     monkeypatch.setattr("sys.argv", ["spml-cache", *args])
     monkeypatch.setenv("COLUMNS", "400")  # one error line stays one line
     code = 0
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         cli.main()
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else 1
+    finally:  # main leaves signals ignored for the rest of the process it ends; this process goes on
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return code, capsys.readouterr().err
 
 

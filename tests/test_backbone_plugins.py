@@ -302,7 +302,8 @@ def test_a_backbone_failing_mid_run_is_one_line_naming_it_and_the_run_goes_on(da
         assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert re.fullmatch(rf"error: backbone {backbone} failed on a batch of train images \(the first: \S+\.jpg\):"
                             rf" {re.escape(said)}; fix it, then run the command again \(the {kept} images done are"
-                            rf" kept in {re.escape(str(partial))}\)", err.strip()), err
+                            rf" kept in {re.escape(str(partial))}, and go on with the fixed code where it gives the"
+                            r" last of them the same features\)", err.strip()), err
         assert sorted(path.name for path in (data / "cache").iterdir()) == [partial.name]
 
 
@@ -328,3 +329,36 @@ def test_a_cache_whose_every_image_was_left_out_is_never_sealed(data, monkeypatc
         " cache would have no train rows: check the images under --root, then run the command again with --force"
     ], err
     assert not partial.with_suffix("").exists()
+
+
+def test_a_backbone_fixed_after_it_failed_goes_on_from_the_images_done(data, monkeypatch, capsys):
+    """The fault's line says to fix the backbone and run the command again; the fix changes its file's hash, and the
+    same command was refused with a 500-character line of backbone-origin JSON ending "pass --force", which throws
+    the images done away (issue 56). A fix that leaves their features as they were keeps them; one that changes
+    them is refused in one readable line, the kept rows never mixed with another network's."""
+    backbone, module = "tinynets37:raises_later", data / "code" / "tinynets37.py"
+    code, err = extract_in_process(data, monkeypatch, capsys, backbone)
+    assert code == 1 and "(the 2 images done are kept in " in err, err
+    source = module.read_text()
+    unchanged = source.replace('raise RuntimeError("the weights server went away")', "return out")
+    changed = unchanged.replace("out = x.mean(dim=(2, 3))", "out = 2 * x.mean(dim=(2, 3))")
+    partial = data / "cache" / f"csv-tinynets37_raises_later-{SIDE}.h5.partial"
+    module.write_text(changed)  # a "fix" that is another network: the kept rows are not its
+    monkeypatch.delitem(sys.modules, "tinynets37")
+    code, err = extract_in_process(data, monkeypatch, capsys, backbone)
+    (line,) = err.strip().splitlines()
+    assert code == 1 and line.startswith(f"error: {partial} was started with other code of the backbone {backbone}"
+                                         " (sha256 "), line
+    assert line.endswith("which gives other features for the images done: restore that code to go on, or pass"
+                         " --force to start over (its 2 images are extracted again)") and "{" not in line, line
+    module.write_text(unchanged)  # the fix: the same features for every image, and no fault
+    monkeypatch.delitem(sys.modules, "tinynets37")
+    from spml_cache.extract import extract as extract_api  # the same command, through the door that returns its report
+
+    report = extract_api("csv", data, backbone=backbone, device="cpu", workers=0, batch_size=2)
+    assert report.resumed == 2 and report.status == "written"
+    assert any(note.startswith(f"the backbone {backbone}'s code changed since {partial} was started (sha256 ")
+               and note.endswith("it gives the same features for the last 2 images done, so the 2 done are kept")
+               for note in report.notes), report.notes
+    attrs = check_features(report.path)
+    assert json.loads(attrs["backbone_origin"])["sha256"] == hashlib.sha256(unchanged.encode()).hexdigest()

@@ -78,3 +78,24 @@ def test_demo_refuses_bad_flags_before_any_work(tmp_path):
     with pytest.raises(SpmlError, match="--lr is empty"):
         run_demo(tmp_path / "out", DemoSizes(lrs=()))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stop_after_the_demos_first_stage_still_stops_it(tmp_path, monkeypatch, capsys):
+    """Each stage's door says, once its work is written, that a stop has nothing left to stop (runtime/errors.py,
+    `finished`): inside the demo that held for the stages after it too, so a Ctrl-C during them was only recorded
+    (and a second one ended the demo as done). The demo says more work follows after each stage."""
+    import signal
+
+    from cli_support import run_main
+
+    import spml_cache.demo.run as demo
+
+    def linear_stopped_at_once(**_):
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # Ctrl-C as stage two starts
+        raise AssertionError("the stop was only recorded")
+
+    monkeypatch.setattr(demo, "run_linear", linear_stopped_at_once)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    code, err = run_main("demo", "--out", "out", "--train", "16", "--test", "8", "--size", "32", "--resolution", "32",
+                         "--epochs", "1", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err

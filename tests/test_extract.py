@@ -292,3 +292,30 @@ def test_cli_counts_only_the_images_kept_after_skipping_a_bad_one(tmp_path, weig
                      str(RESOLUTION), "--device", "cpu", "--workers", "0", "--on-bad-image", "skip", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "extracted 3 images in" in result.stdout and ", 1 left out" in result.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names the holder from Linux's /proc")
+def test_a_partial_file_another_program_reads_asks_to_close_it_not_to_throw_the_images_away(tmp_path, weights):
+    """HDF5 locks a file that a program has open for reading (h5py, HDFView) against writers: resuming then said
+    "delete it or pass --force", which extracts every kept image again (issue 56). The line names the program."""
+    rows = [(f"{k}.jpg", ["a", "b"][: 1 + k % 2], "test" if k >= 6 else "train") for k in range(9)]
+    write_csv_dataset(tmp_path, rows)
+    truncate(tmp_path / "images" / "7.jpg")
+    out = tmp_path / "out.h5"
+    with pytest.raises(SpmlError, match="cannot be decoded"):
+        extract("csv", tmp_path, out=out, **options(weights))
+    partial = cache.partial_path(out)
+    reader = subprocess.Popen([sys.executable, "-c", f"import h5py, sys; f = h5py.File({str(partial)!r}, 'r');"
+                               " print('open', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "open\n"
+        with pytest.raises(SpmlError) as refused:
+            extract("csv", tmp_path, out=out, on_bad_image="skip", **options(weights))
+    finally:
+        reader.communicate("")
+    name = os.path.basename(sys.executable)[:15]  # as /proc/PID/comm holds it
+    assert str(refused.value) == (f"cannot resume from {partial}: another program has it open (process {reader.pid}"
+                                  f" ({name})), and HDF5 keeps a file open for reading from being written: close it"
+                                  " there, then run the same command again (the 6 images done are kept)")
+    assert extract("csv", tmp_path, out=out, on_bad_image="skip", **options(weights)).resumed == 6

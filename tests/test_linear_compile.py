@@ -7,13 +7,16 @@ from step to step (no recompile), the last partial batch left eager, the loss wi
 eager, the line printed, and results within float rounding of an eager run."""
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch._dynamo.utils
 from rich.console import Console
 
-from cli_support import run_cli
+from cli_support import REPO, run_cli
 from linear_support import quiet, reordering_step, write_synthetic_cache
 from spml_cache.linear import compiled, run_linear
 from spml_cache.runtime.errors import SpmlError
@@ -81,3 +84,34 @@ def test_the_command_line_compiles_with_compile_and_prints_the_time_once(tmp_pat
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "compiled" in line]  # with the run's other notes
     assert len(lines) == 1 and lines[0].startswith("compiled the an step in ") and lines[0].endswith(" s (2 graphs)")
+
+
+def test_an_unknown_backend_in_the_variable_is_one_line_naming_it(tmp_path, tiny_cache):
+    """SPML_COMPILE_BACKEND=bogus failed the run's first loss in its worker: "a bug in spml-cache's an: please report
+    it" (issue 56). It is the variable's fault, said before anything is written."""
+    done = run_cli("linear", "--cache", str(tiny_cache), "--loss", "an", "--compile", "--epochs", "1",
+                   cwd=tmp_path, env={compiled.BACKEND_VARIABLE: "aot_eagr"})
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and line == (
+        "error: SPML_COMPILE_BACKEND=aot_eagr: unknown torch.compile backend 'aot_eagr' (did you mean aot_eager?);"
+        " unset it for inductor, the default, or name one of torch._dynamo.list_backends(exclude_tags=()) (aot_eager"
+        " checks a compiled run without generating code)"), line
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is a machine's without a GPU")
+def test_inductor_on_a_cpu_machine_with_a_cuda_toolkit_prints_nothing_of_cuda(tmp_path, tiny_cache):
+    """Inductor's build imports torch's extension helper, which warned "No CUDA runtime is found, using CUDA_HOME=..."
+    as the first line of a --compile run on a CPU machine with a CUDA toolkit (issue 56). A subprocess whose
+    MIN_STEPS is 1, so that inductor compiles this tiny run's steps; CUDA_HOME names a toolkit, as an installed
+    one would be found."""
+    code = ("import sys, spml_cache.linear.compiled as compiled; compiled.MIN_STEPS = 1; sys.argv[0] = 'spml-cache';"
+            " from spml_cache.cli import main; main()")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="400", CUDA_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code, "linear", "--cache", str(tiny_cache), "--loss", "an",
+                           "--compile", "--epochs", "1", "--lr", "1e-2", "--batch-size", "8"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "CUDA" not in done.stderr + done.stdout, done.stderr
+    assert done.stderr.splitlines()[0].startswith("compiled the an step in "), done.stderr

@@ -353,3 +353,42 @@ def test_a_name_longer_than_64_characters_is_refused_and_four_long_names_make_a_
     assert code == 0, err
     assert run_dir.name.startswith(f"linear-resnet50-{names[0]}+3_more-") and len(run_dir.name) < 255
     assert set(json.loads((run_dir / "results.json").read_text())["losses"]) == set(names)
+
+
+MODULE_LOSS = '''
+import torch
+
+from spml_cache.losses import Loss
+from spml_cache.losses.base import mean_over_entries, neg_log_1mp, neg_log_p
+
+
+class Beside(Loss):
+    name = "beside"
+    description = "assume negative, from a module in the folder the run began in"
+    reference = "tests/test_plugin_faults.py"
+    observed_negative = "a known 0"
+
+    def forward(self, logits, observed, *, labels=None, index=None):
+        return mean_over_entries(torch.where(observed == 1, neg_log_p(logits), neg_log_1mp(logits)))
+'''
+
+
+def test_a_module_plugin_from_the_folder_a_run_began_in_resumes_from_any_folder(tmp_path):
+    """`--loss mod:Class` finds mod.py in the current folder; config.json records that file and its hash, and
+    --resume loads the plugin from there in any folder (issue 56: "no module mod on the Python path")."""
+    began, elsewhere = tmp_path / "began", tmp_path / "elsewhere"
+    began.mkdir(), elsewhere.mkdir()
+    (began / "beside_loss.py").write_text(MODULE_LOSS)
+    cache_path = write_synthetic_cache(tmp_path / "voc.h5", train=40, val=16, test=20)
+    done = run_cli("linear", "--cache", str(cache_path), "--loss", "beside_loss:Beside", *TINY, cwd=began)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (began / "runs" / "voc").iterdir()
+    record = json.loads((run_dir / "config.json").read_text())["plugins"]["beside"]
+    assert record["kind"] == "module" and record["path"] == str(began / "beside_loss.py")
+    whole = json.loads((run_dir / "results.json").read_text())
+    (run_dir / "results.json").unlink()  # as a run killed before it wrote its results
+    done = run_cli("linear", "--resume", str(run_dir), cwd=elsewhere)
+    assert done.returncode == 0 and "changed" not in done.stderr, done.stderr  # the recorded file, as recorded
+    strip = lambda results: {key: {k: v for k, v in entry.items() if k != "seconds"}
+                             for key, entry in results["losses"].items()}
+    assert strip(json.loads((run_dir / "results.json").read_text())) == strip(whole)

@@ -335,14 +335,19 @@ def test_under_torchrun_the_line_is_also_the_error_file_torchrun_reports(tmp_pat
 # --- what a killed process leaves, and import-features' Ctrl-C (issue 48) ---------------------------------------
 
 
+def an_ended_process() -> subprocess.Popen:
+    """A process that has ended (and been reaped): its id is free on this machine."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    return ended
+
+
 def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_that_file(tmp_path):
     """SIGKILL during an atomic write (a run directory's files, report's figures and tables) leaves its hidden
     `.NAME.tmp-HOST-PID`, which no later run read but none removed either: the next write of NAME removes those of
     this machine's processes that no longer run (and those named before temporaries named their machine), and
     leaves a running one's and another machine's (on a shared disk its process id says nothing here)."""
-    ended = subprocess.Popen(["true"])
-    ended.wait()
-    here = disk.machine_name()
+    ended, here = an_ended_process(), disk.machine_name()
     killed = [tmp_path / f".figure.png.tmp-{here}-{ended.pid}", tmp_path / f".figure.png.tmp-{ended.pid}"]
     for path in killed:
         path.write_bytes(b"\x89PNG half")
@@ -350,7 +355,10 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_that_file(tm
     elsewhere = tmp_path / f".figure.png.tmp-{here}x-{ended.pid}"  # another machine's, under an id free here
     for path in (running, elsewhere):
         path.write_bytes(b"\x89PNG its own")
-    runs.replace_atomically(tmp_path / "figure.png", lambda file: file.write(b"\x89PNG whole"))
+    from spml_cache.runtime.disk import OtherMachinesTemporaries
+
+    with pytest.warns(OtherMachinesTemporaries, match=re.escape(elsewhere.name.split("-")[-2])):  # said (issue 56)
+        runs.replace_atomically(tmp_path / "figure.png", lambda file: file.write(b"\x89PNG whole"))
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["figure.png", running.name, elsewhere.name])
     assert runs.temporary_path(tmp_path / "figure.png").name == f".figure.png.tmp-{here}-{os.getpid()}"
 
@@ -439,3 +447,122 @@ def test_a_stop_after_the_run_is_written_is_no_interruption(tmp_path, tiny_cache
     assert code == 0 and "interrupted" not in err, err
     (run_dir,) = (tmp_path / "runs" / "voc").iterdir()
     assert (run_dir / "results.json").exists()
+
+
+# --- a stop after the last line is no stop (issue 56) -----------------------------------------------------------
+
+
+def signalled_after_its_last_line(args: list[str], last: str, cwd: Path, signum: int) -> tuple[int, list[str], str]:
+    """`spml-cache ARGS` from a subprocess, signalled (SIGINT: the terminal's whole group) a moment after it printed
+    the line starting with `last`: (exit code, the lines it printed, stderr)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SPML_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="400", SPML_OFFLINE="1")
+    with open(cwd / "err.txt", "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "spml_cache", *args], cwd=cwd, env=env,
+                                   stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    printed = []
+    for line in process.stdout:
+        printed.append(line.rstrip("\n"))
+        if line.startswith(last):
+            time.sleep(0.1)  # the interpreter winds down: torch's and h5py's teardown take a second here
+            os.killpg(process.pid, signum) if signum == signal.SIGINT else process.send_signal(signum)
+            break
+    printed += process.stdout.read().splitlines()
+    ended_within(process, STOPS_WITHIN)
+    return process.returncode, printed, (cwd / "err.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def finished_inputs(tmp_path_factory, tiny_cache):
+    """What each command below reads: demo images for extract, the authors' files for import-features, a run for
+    report."""
+    from test_import_features import write_authors_files
+
+    from spml_cache.demo.data import make_demo_data
+
+    folder = tmp_path_factory.mktemp("inputs")
+    make_demo_data(folder / "data", num_train=4, num_test=2, size=32)
+    write_authors_files(folder / "authors")
+    run = run_linear(cache=tiny_cache, out=folder / "runs", losses=["an"], lrs=[1e-2], batch_sizes=[8], epochs=1,
+                     console=quiet())
+    return folder, run.run_dir
+
+
+@pytest.mark.parametrize("command, signum", [("linear", signal.SIGINT), ("linear", signal.SIGTERM),
+                                             ("extract", signal.SIGTERM), ("import-features", signal.SIGINT),
+                                             ("report --plots", signal.SIGTERM)])
+def test_a_stop_after_the_last_line_ends_the_command_as_done(tmp_path, tiny_cache, finished_inputs, command, signum):
+    """A signal as the command winds down, its work written and its last line printed, killed it by that signal:
+    130 or 143 over a complete, printed result (a scheduler's SIGTERM at the end marked the job failed)."""
+    inputs, run_dir = finished_inputs
+    args, last = {
+        "linear": (["linear", "--cache", str(tiny_cache), "--loss", "an", "--epochs", "1"], "run directory: "),
+        "extract": (["extract", "voc", "--root", str(inputs / "data"), "--weights", "none", "--resolution", "32",
+                     "--workers", "0", "--out", "voc.h5"], "extracted "),
+        "import-features": (["import-features", str(inputs / "authors"), "--dataset", "voc", "--out", "voc.h5"],
+                            "wrote voc.h5 "),
+        "report --plots": (["report", str(run_dir), "--plots", "figures"], "wrote figures/voc_linear-label_recovery"),
+    }[command]
+    code, printed, stderr = signalled_after_its_last_line(args, last, tmp_path, signum)
+    assert code == 0 and "interrupted" not in stderr and "Traceback" not in stderr, (code, stderr)
+    assert printed[-1].startswith(last), printed  # the signal came after the last line
+
+
+def test_a_stop_while_report_prints_what_it_wrote_is_no_interruption(tmp_path, finished_inputs, monkeypatch, capsys):
+    """Every figure is written before report names them: a stop then has nothing to stop."""
+    from cli_support import run_main
+
+    from spml_cache.cli.text import CONSOLE
+
+    print_line, signalled = CONSOLE.print, []
+
+    def signalled_while_printing(text, *args, **kwargs):
+        if str(text).startswith("wrote") and not signalled:  # one signal: a second one ends the process at once
+            signalled.append(signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None))
+        return print_line(text, *args, **kwargs)
+
+    monkeypatch.setattr(CONSOLE, "print", signalled_while_printing)
+    code, err = run_main("report", str(finished_inputs[1]), "--plots", str(tmp_path / "figures"), cwd=tmp_path,
+                         monkeypatch=monkeypatch, capsys=capsys)
+    assert signalled and code == 0 and "interrupted" not in err, err
+    assert len(list((tmp_path / "figures").glob("*.png"))) == 3
+
+
+def test_another_machines_temporaries_are_said_once_and_never_removed_from_here(tmp_path):
+    """A writer killed on another node of a shared disk leaves `.NAME.tmp-HOST-PID`, which no process here may
+    judge (its id means nothing here) and nothing said (issue 56): the next write beside it says, once per folder,
+    where they are, how many, whose and how old, and the command that removes them once that machine runs none."""
+    from spml_cache.runtime.disk import OtherMachinesTemporaries
+
+    ended, here = an_ended_process(), disk.machine_name()
+    theirs = [tmp_path / f".results.json.tmp-{here}node7-{os.getpid()}", tmp_path / f".best.pt.tmp-{here}node7-42"]
+    for path in theirs:
+        path.write_bytes(b"half")
+    ours = tmp_path / f".results.json.tmp-{here}-{ended.pid}"
+    ours.write_bytes(b"half")
+    with pytest.warns(OtherMachinesTemporaries) as said:
+        runs.write_json(tmp_path / "results.json", {"complete": True})
+        runs.write_json(tmp_path / "results.json", {"complete": True})  # the same folder: said once
+    (warning,) = said
+    assert str(warning.message) == (
+        f"{tmp_path} holds 2 temporary files (.NAME.tmp-HOST-PID) that another machine ({here}node7) wrote, the newest"
+        " 0.0 h ago, which only that machine's next write of each file removes (a process killed there leaves one);"
+        f" once no spml-cache runs there, remove them: rm -rf {tmp_path}/.*.tmp-{here}node7-*")
+    assert sorted(tmp_path.iterdir()) == sorted([*theirs, tmp_path / "results.json"])  # ours removed, theirs left
+    command = str(warning.message).split("remove them: ")[1]
+    subprocess.run(command, shell=True, check=True)  # the command said removes theirs, and nothing else
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "results.json"]
+
+
+def test_the_command_line_says_another_machines_temporaries_in_one_warning_line(tmp_path):
+    from test_report import make_run
+
+    run = make_run(tmp_path / "runs", "voc", "linear", {"an": [60.0]}, stamp="20240101-000000")
+    (tmp_path / f".table.md.tmp-{disk.machine_name()}other-99").write_text("| half")
+    done = subprocess.run([sys.executable, "-m", "spml_cache", "report", str(run), "--out", "table.md"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "400"}, capture_output=True,
+                          text=True)
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 0 and line.startswith(f"warning: {tmp_path} holds 1 temporary file (.NAME.tmp-HOST-PID)"
+                                                    f" that another machine ({disk.machine_name()}other) wrote"), line
+    assert (tmp_path / "table.md").exists() and (tmp_path / f".table.md.tmp-{disk.machine_name()}other-99").exists()

@@ -19,6 +19,7 @@ from spml_cache.cache.columns import ROW_DATASETS, TEXT_GROUP
 from spml_cache.cache.csr import read, stored_shape, stored_sparse
 from spml_cache.cache.rule_masks import read_rules
 from spml_cache.labels import is_sparse
+from spml_cache.runtime import locks
 from spml_cache.runtime.errors import SpmlError
 
 REQUIRED_ATTRS = ("dataset", "classes", "num_classes")
@@ -371,3 +372,22 @@ def verify(features: FeatureSet) -> str | None:
         raise SpmlError(f"{features.path} was changed after it was written (its contents no longer match its"
                         " checksum): extract it again, or put the original back")
     return None
+
+
+def partial_not_writable(path: Path, err: OSError) -> SpmlError:
+    """Why the partial file cannot be opened for writing, with the fix. HDF5 locks a file that a program has open
+    for reading (h5py, HDFView) against any writer: closing that program keeps every image done, where deleting the
+    file or --force would extract them all again. (Another extraction is refused before, by its lock.)"""
+    if "unable to lock file" not in str(err):
+        return SpmlError(f"cannot resume from {path} ({err}): it is damaged; delete it or pass --force (its images"
+                         " are then extracted again)")
+    try:
+        with h5py.File(path, "r", locking=False) as file:
+            kept = sum(int(file[split]["done"][...].sum()) for split in SPLITS)
+        kept_text = f"the {kept} images done are kept"
+    except (OSError, KeyError):
+        kept_text = "what was done is kept"
+    holders = ", ".join(locks.opened_by(path)) or "an HDF5 reader: h5py, HDFView"
+    return SpmlError(f"cannot resume from {path}: another program has it open ({holders}), and HDF5 keeps a file"
+                     f" open for reading from being written: close it there, then run the same command again"
+                     f" ({kept_text})")

@@ -206,10 +206,7 @@ class PartialCache:
         try:
             file = h5py.File(path, "r+")
         except OSError as err:
-            raise SpmlError(
-                f"cannot resume from {path} ({err}): another extraction may be writing it; "
-                "otherwise delete it or pass --force"
-            ) from None
+            raise reading.partial_not_writable(path, err) from None
         if "bad" not in file["train"]:
             file.close()
             raise SpmlError(f"{path} was not written by an extraction; delete it or pass --force")

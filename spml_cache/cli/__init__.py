@@ -49,8 +49,15 @@ from spml_cache.options import (
 from spml_cache.options.demo import DemoData, DemoPlacement, DemoSizes
 from spml_cache.options.extract import ImportOptions
 from spml_cache.options.report import ReportOptions
-from spml_cache.runtime.errors import Interrupted, SpmlError, stop_requested, work_finished
+from spml_cache.runtime.errors import Interrupted, SpmlError, finished, stop_requested, work_finished
 from spml_cache.runtime.install import mismatched_torchvision
+
+
+def _command_returned(_result, **_flags) -> None:
+    """Every command's work is done once its function returns (its last line printed): a stop that comes as the
+    command line winds up has nothing to stop (`errors.finished`)."""
+    finished()
+
 
 app = typer.Typer(
     name="spml-cache",
@@ -61,6 +68,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    result_callback=_command_returned,
 )
 _debug = {"on": bool(os.environ.get("SPML_DEBUG"))}
 
@@ -135,6 +143,8 @@ def linear_command(options: LinearOptions, placement: LinearPlacement) -> None:
     if run is None:  # under torchrun, rank 0 reports for every process
         return
     console.print(linear.summary_table(run.results))
+    for note in linear.summary_notes(run.results):
+        console.print(Text(note, style="yellow"), soft_wrap=True)
     console.print(f"run directory: {escape(str(run.run_dir))}")
 
 
@@ -178,7 +188,7 @@ def main() -> None:
         _debug["on"] = True
         sys.argv[:] = [arg for i, arg in enumerate(sys.argv) if not (arg == "--debug" and i < len(before_separator))]
     no_type_for_flags()
-    with stopping_on_signals():
+    with stopping_on_signals(ending_the_process=True):
         try:
             with warnings.catch_warnings():
                 warnings.showwarning = one_line_warning

@@ -29,7 +29,7 @@ from spml_cache.linear import run_linear
 from spml_cache.options.demo import DemoSizes
 from spml_cache.runs import best_loss
 from spml_cache.runtime.devices import resolve_device
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, more_work
 
 TRUNK_SEED = 0  # a random trunk is drawn from torch's global generator: seed it, so the demo repeats
 # Stage three, shown rather than converged: one epoch at the small lr LinearInit fine-tunes with.
@@ -84,12 +84,14 @@ def run_demo(out: Path | str = "demo", sizes: DemoSizes = DemoSizes(), *, device
         torch.manual_seed(TRUNK_SEED)
         extracted = extract("voc", data_root, out=cache_path, weights=weights, resolution=resolution,
                             device=device, force=True)
+    more_work()  # each stage's door says its work is done: the demo's is not
     console.print(f"[bold]3/5[/bold] training linear heads with every loss ({escape(str(extracted.path))})")
     run = run_linear(cache=extracted.path, losses="all", lrs=lrs, batch_sizes=batch_sizes, epochs=epochs,
                      device=device, out=out / "runs", console=console)
     best = best_loss(run.results["losses"])
     if best is None:
         raise SpmlError("every single-positive loss diverged in the demo's linear stage: nothing to fine-tune")
+    more_work()
     console.print(f"[bold]4/5[/bold] fine-tuning end to end from the best single-positive head ({escape(best)}), "
                   f"{FINETUNE['epochs']} epoch")
     with warnings.catch_warnings():
@@ -98,6 +100,7 @@ def run_demo(out: Path | str = "demo", sizes: DemoSizes = DemoSizes(), *, device
                          device=device, out=out / "runs", workers=0,
                          log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
                          **FINETUNE)
+    more_work()
     console.print(f"[bold]5/5[/bold] report and plots ({escape(str(out / 'runs'))})")
     plots = _report([run.run_dir, Path(tuned["run_dir"])], out / "plots", console)
     result = DemoResult(out=out, weights=weights, cache=extracted.path, run_dir=run.run_dir, plots=plots,

@@ -134,6 +134,16 @@ def _bad_image(paths, partial, split, rows, error) -> SpmlError:
     )
 
 
+class _NoBar:
+    """The progress of a run without a label (a few rows checked again): nothing shown."""
+
+    def advance(self, count: int) -> None:
+        pass
+
+
+_NO_BAR = _NoBar()
+
+
 @dataclass(frozen=True, kw_only=True)
 class BatchRun:
     """How the trunk runs over the images: the backbone's `preprocess`, `width` (the columns of a trunk output
@@ -150,7 +160,7 @@ class BatchRun:
     device: torch.device
     precision: str
     skip_bad: bool
-    label: str
+    label: str  # "": no progress shown
     backbone: str
     pad_batches: bool | None = None
     feed_thread: bool | None = None
@@ -195,7 +205,7 @@ def run_batches(partial, paths, trunk, run: BatchRun) -> int:
     rows_out = writer.RowWriter(partial, trunk, paths=paths, reduced=dtype != torch.float32, backbone=run.backbone,
                                 normalise=preprocess.normalise)
     batch = None  # (split, rows) of the batch the trunk runs on
-    with progress_bar(run.label, total=total, unit="img") as bar:
+    with progress_bar(run.label, total=total, unit="img") if run.label else nullcontext(_NO_BAR) as bar:
         advance = lambda count: count and bar.advance(count)  # noqa: E731 (a plain bar reprints on 0)
         try:
             if feed_thread:

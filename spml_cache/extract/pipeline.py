@@ -39,12 +39,12 @@ import torchvision
 
 import spml_cache
 from spml_cache import backbones, cache, datasets, protocol
-from spml_cache.extract import shards, writer
+from spml_cache.extract import recheck, shards, writer
 from spml_cache.extract.batches import BatchRun, run_batches
 from spml_cache.runtime import locks
 from spml_cache.extract.plan import (
-    estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings, require_writable,
-    settings_attrs,
+    backbone_code_change, estimated_size, output_path, plan_rows, refuse_foreign_file, refuse_other_settings,
+    require_writable, settings_attrs,
 )
 from spml_cache.cache.csr import resolve_format
 from spml_cache.extract.rules import RuleStore
@@ -144,10 +144,11 @@ def run_extract(options: ExtractOptions, placement: ExtractPlacement) -> Extract
     if plan.path.exists() and not placement.force:
         return _reported(_up_to_date(plan), plan.shard)
     shards.refuse_other_layouts(plan.path, plan.shard, placement.force)
-    resume = plan.resume
-    if resume:
+    resume, code_changed = plan.resume, None
+    if resume:  # a plugin backbone's code may have changed (fixed after it failed): checked on the rows kept
         refuse_other_settings(plan.partial_file, plan.settings, plan.own, "was started", "start over",
-                              plan.label_format)
+                              plan.label_format, but=("backbone_origin",))
+        code_changed = backbone_code_change(plan.partial_file, plan.settings)
     if placement.dry_run:
         return _reported(_dry_run(plan), plan.shard)
     trunk = backbones.build(plan.described)  # before creating anything: weights are the likeliest thing to be missing
@@ -155,6 +156,10 @@ def run_extract(options: ExtractOptions, placement: ExtractPlacement) -> Extract
     with locks.held(plan.writing, f"the cache {plan.writing}"):  # one writer: a second `--force` would swap its file
         partial, text = _open(plan, trunk, resume)
         try:
+            if code_changed is not None:
+                plan.report.notes.append(recheck.keep_or_refuse(partial, _paths(plan), trunk, _batch_run(plan),
+                                                                code_changed))
+                partial.file.attrs["backbone_origin"] = plan.settings["backbone_origin"]  # what goes on now
             _run(plan, partial, trunk)
             final = None if plan.shard else _seal(plan, partial)
         except (OSError, RuntimeError) as err:
@@ -278,17 +283,11 @@ def _open(plan: _Plan, trunk, resume: bool):
 def _run(plan: _Plan, partial, trunk) -> None:
     """Every row this process has not done yet, batch by batch, into the partial file; the report counts them.
     Ctrl-C keeps what is done and says how to go on."""
-    report, shard, placement = plan.report, plan.shard, plan.placement
+    report, shard = plan.report, plan.shard
     report.resumed, bad_before = partial.num_done(), partial.num_bad()
-    paths = {name: [plan.images.path(image_id) for image_id in plan.own[name].ids] for name in cache.SPLITS}
     computing = time.perf_counter()
     try:
-        report.extracted = run_batches(partial, paths, trunk, BatchRun(
-            preprocess=plan.described.preprocess, width=plan.described.row_width, batch_size=placement.batch_size,
-            workers=default_workers(plan.device) if placement.workers is None else placement.workers,
-            device=plan.device, precision=plan.precision, skip_bad=plan.options.on_bad_image == "skip",
-            label=f"extract {plan.images.dataset}", backbone=plan.described.backbone,
-            pad_batches=placement.pad_batches, feed_thread=placement.feed_thread, decode=plan.decode))
+        report.extracted = run_batches(partial, _paths(plan), trunk, _batch_run(plan))
     except KeyboardInterrupt:
         if shard and not shard.main:
             raise SystemExit(130) from None  # rank 0 says what was kept
@@ -299,6 +298,21 @@ def _run(plan: _Plan, partial, trunk) -> None:
     report.seconds = time.perf_counter() - computing
     report.left_out = partial.num_bad() - bad_before
     report.recomputed = partial.recomputed()
+
+
+def _paths(plan: _Plan) -> dict[str, list[Path]]:
+    """The image file of each row this process computes, per split."""
+    return {name: [plan.images.path(image_id) for image_id in plan.own[name].ids] for name in cache.SPLITS}
+
+
+def _batch_run(plan: _Plan) -> BatchRun:
+    placement = plan.placement
+    return BatchRun(
+        preprocess=plan.described.preprocess, width=plan.described.row_width, batch_size=placement.batch_size,
+        workers=default_workers(plan.device) if placement.workers is None else placement.workers,
+        device=plan.device, precision=plan.precision, skip_bad=plan.options.on_bad_image == "skip",
+        label=f"extract {plan.images.dataset}", backbone=plan.described.backbone,
+        pad_batches=placement.pad_batches, feed_thread=placement.feed_thread, decode=plan.decode)
 
 
 def _seal(plan: _Plan, partial) -> Path:

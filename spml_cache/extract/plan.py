@@ -69,10 +69,25 @@ def _same(a, b) -> bool:
     return json.dumps(cache.plain(a), sort_keys=True) == json.dumps(cache.plain(b), sort_keys=True)
 
 
-def _same_setting(key: str, stored, now) -> bool:
-    if key == "backbone_origin" and stored and now:  # a record in an earlier version's keys reads as today's
-        return Origin.read(cache.plain(stored)).change(Origin.read(now)) is None
-    return _same(stored, now)
+def _setting_change(key: str, stored, now) -> str | None:
+    """How setting `key` differs between the file (`stored`) and this run, in words, or None."""
+    if key == "backbone_origin" and stored and now:
+        change = _origin_change(stored, now)
+        return None if change is None else f"the backbone's code (backbone_origin): {change}"
+    return None if _same(stored, now) else f"{key}: {stored!r} in the file, {now!r} now"
+
+
+def _origin_change(stored, now) -> str | None:
+    """What differs between two plugin records (a record in an earlier version's keys reads as today's)."""
+    return Origin.read(cache.plain(stored)).change(Origin.read(now))
+
+
+def backbone_code_change(path: Path, settings: dict) -> str | None:
+    """How the plugin backbone's code now differs from the code that started the file at `path`, or None."""
+    stored, now = cache.read_header(path)[0].get("backbone_origin"), settings.get("backbone_origin")
+    if stored and now:
+        return _origin_change(stored, now)
+    return _setting_change("backbone_origin", stored, now)  # a plugin then and none now, or the other way
 
 
 NEVER_REPLACED = "pick another --out (a cache is never written over a file that is not one, not even with --force)"
@@ -96,8 +111,9 @@ def refuse_foreign_file(path: Path) -> None:
 
 
 def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.SplitRows], was: str, fix: str,
-                          label_format: str | None = None) -> None:
-    difference = settings_difference(path, settings, rows, label_format)
+                          label_format: str | None = None, but: tuple[str, ...] = ()) -> None:
+    """Refuse the file at `path` when it differs from this run in anything (`but` the settings named there)."""
+    difference = settings_difference(path, settings, rows, label_format, but)
     if difference is not None:
         raise SpmlError(
             f"{path} {was} with other settings ({difference}): pass --force to {fix}, or pick another --out"
@@ -105,14 +121,15 @@ def refuse_other_settings(path: Path, settings: dict, rows: dict[str, cache.Spli
 
 
 def settings_difference(path: Path, settings: dict, rows: dict[str, cache.SplitRows],
-                        label_format: str | None = None) -> str | None:
+                        label_format: str | None = None, but: tuple[str, ...] = ()) -> str | None:
     """What differs between the cache (or partial file) at `path` and this run, or None. `label_format`: dense
     or sparse, how this run stores the label matrices (None: either will do)."""
     attrs, found = cache.read_header(path)
     attrs["decoder"] = recorded_decoder(attrs)  # a cache from before the attr: its device's (images.py)
     for key in SETTINGS:
-        if not _same_setting(key, attrs.get(key), settings.get(key)):
-            return f"{key}: {attrs.get(key)!r} in the file, {settings.get(key)!r} now"
+        change = None if key in but else _setting_change(key, attrs.get(key), settings.get(key))
+        if change is not None:
+            return change
     stored = format_of(found["train"].labels)
     if label_format is not None and stored != label_format:
         return f"--labels: {stored} in the file, {label_format} now"

@@ -175,7 +175,8 @@ def backbone_failed(backbone: str, failure: TrunkFailed, first: Path, split: str
     """The one line a backbone failing on a batch is: what it did, on which images, and the rows kept."""
     return SpmlError(f"backbone {backbone} failed on a batch of {split} images (the first: {first}): it {failure};"
                      f" fix it, then run the command again (the {partial.num_done()} images done are kept in"
-                     f" {cache.partial_path(partial.final)})")
+                     f" {cache.partial_path(partial.final)}, and go on with the fixed code where it gives the last"
+                     " of them the same features)")
 
 
 def checked_rows(call, rows: int, width: int) -> torch.Tensor:

@@ -17,14 +17,16 @@ when it takes at least `MIN_STEPS` full steps in the run.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from spml_cache.runtime.errors import stops_at_once
+from spml_cache.runtime.errors import SpmlError, stops_at_once, unknown_name
 
 # Full steps a stack takes in the run (epochs x full batches per epoch) below which its step is left eager: what
 # pays a process's first compile back in the best case measured (docs/benchmarks.md, "`linear --compile`"), so
@@ -37,7 +39,22 @@ BACKEND_VARIABLE = "SPML_COMPILE_BACKEND"
 
 
 def backend_name() -> str:
-    return os.environ.get(BACKEND_VARIABLE) or "inductor"
+    """`BACKEND_VARIABLE`'s backend, checked to be one torch.compile knows (in one line naming the variable, at
+    the run's plan: a worker meeting it would fail the run's first loss, as if the loss were at fault), or
+    inductor."""
+    name = os.environ.get(BACKEND_VARIABLE) or "inductor"
+    if name != "inductor":
+        _check_backend(name)
+    return name
+
+
+@functools.cache
+def _check_backend(name: str) -> None:
+    known = torch._dynamo.list_backends(exclude_tags=())  # the debugging ones too: aot_eager, eager
+    if name not in known:
+        raise SpmlError(f"{BACKEND_VARIABLE}={name}: {unknown_name('torch.compile backend', name, known)}; unset it"
+                        " for inductor, the default, or name one of torch._dynamo.list_backends(exclude_tags=())"
+                        " (aot_eager checks a compiled run without generating code)")
 
 
 def full_steps(epochs: int, rows: int, batch_size: int) -> int:
@@ -99,3 +116,6 @@ def _allow_a_graph_per_stack() -> None:
     config.accumulated_recompile_limit = max(getattr(config, "accumulated_recompile_limit", 0), 1024)
     # imported here: inductor's import costs a second, paid with --compile alone
     importlib.import_module("torch._inductor.config").compile_threads = 1
+    # Inductor's C++ build imports torch's extension helper, which warns "No CUDA runtime is found" where a CUDA
+    # toolkit is installed without a GPU: the first line a CPU run printed, about nothing the run uses.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

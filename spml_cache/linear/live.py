@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from spml_cache.runtime.progress import live
+from spml_cache.selection import diverged_after_selection, diverged_note
 
 
 def _mean_std(result: dict, key: str) -> str:
@@ -47,9 +48,21 @@ def summary_table(results: dict, title: str = "linear heads: best config per los
         table.add_row(
             escape(name), _mean_std(result, "val_map"), _mean_std(result, "test_map"), lr_text(selected),
             str(selected["batch_size"]), *([hparams_text(selected.get("swept", {}))] if swept else []),
-            ",".join(str(e) for e in result["best_epoch"]), f"{result['seconds']:.1f} s",
+            _best_epochs(result), f"{result['seconds']:.1f} s",
         )
     return table
+
+
+def _best_epochs(result: dict) -> str:
+    """`3` or `1,2` (per seed), and `(diverged at 2)` where the selected heads diverged after them."""
+    diverged = diverged_after_selection(result)
+    return ",".join(str(e) for e in result["best_epoch"]) + (f" (diverged at {diverged})" if diverged else "")
+
+
+def summary_notes(results: dict) -> list[str]:
+    """The lines under the summary table: each loss whose selected heads diverged, named (`selection.diverged_note`)."""
+    notes = [(name, diverged_note(result)) for name, result in results["losses"].items()]
+    return [f"{name}: {note}" for name, note in notes if note is not None]
 
 
 class LiveTable:
@@ -94,9 +107,10 @@ class LiveTable:
         if selected is None:
             self.rows[loss] = [state, "-", "-", "every head diverged"]
         else:
-            epochs = ",".join(str(epoch) for epoch in result["best_epoch"])
             swept = hparams_text(selected.get("swept", {}), ", ")
-            config = f"lr {lr_text(selected)}, batch {selected['batch_size']}, {swept}epoch {epochs}"
+            epochs, diverged = ",".join(str(epoch) for epoch in result["best_epoch"]), diverged_after_selection(result)
+            config = f"lr {lr_text(selected)}, batch {selected['batch_size']}, {swept}epoch {epochs}" + (
+                f", diverged at epoch {diverged}" if diverged else "")
             val, test = _mean_std(result, "val_map"), _mean_std(result, "test_map")
             self.rows[loss] = [state, val, test, config]
         self._show(f"{loss}: {state}, val mAP {self.rows[loss][1]}, test mAP {self.rows[loss][2]}"

@@ -119,6 +119,8 @@ def load_recorded(recorded: dict | None, *, run_dir: Path | str, strict: bool,
     for name, record in (recorded or {}).items():
         was = Origin.read(record)
         if name not in _LOADED:
+            if was.kind == "module" and not loader.findable(was.spec):  # beside the folder the run began in
+                loader.on_path_again(was)
             cls = find(was.spec) if was.kind == loader.ENTRY_POINT else load(was.spec)
             if name not in _LOADED:  # the class there is named anew: the recorded loss is gone
                 raise SpmlError(f"{run_dir}: its loss plugin {name} is gone ({was.spec} now names {cls.name!r});"

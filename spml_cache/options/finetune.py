@@ -16,7 +16,7 @@ from spml_cache.options.linear import BATCH_SIZES, LRS, seed_count
 from spml_cache.options.text import parse_list, read_hparams
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, GRID_LRS, Fidelity
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.trackers import TRACKERS_HELP, read_trackers
+from spml_cache.options.trackers import TRACKERS_HELP, read_trackers
 
 DEFAULT_LRS = (1e-5, 1e-4)
 INITS = ("best", "imagenet")  # LinearInit (the default), or a fresh head on the ImageNet trunk

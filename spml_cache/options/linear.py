@@ -17,7 +17,7 @@ from spml_cache.options.text import RULES_HELP, parse_names, read_hparams, read_
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, GRID_WDS, LINEAR_EPOCHS, Fidelity
 from spml_cache.runtime import memory
 from spml_cache.runtime.errors import SpmlError
-from spml_cache.trackers import TRACKERS_HELP, read_trackers
+from spml_cache.options.trackers import TRACKERS_HELP, read_trackers
 
 
 # The grid's checks, for each stage that trains a grid (linear, finetune, the demo): at least one value, each

@@ -63,6 +63,33 @@ class Resamples:
         return torch.from_numpy(self.counts.T.astype(np.float32))
 
 
+def bytes_needed(count: int, num_rows: int, num_classes: int, most_positives: int, metric: str) -> int:
+    """About the memory at its peak of `count` resamples of `num_rows` test images and one result's `metric` on
+    them (`most_positives`: the positives of the test set's largest class), counted from the arrays made. Drawing:
+    the counts in int32 and their uint8 transpose (5 bytes per image and resample) beside a block of int64 draws
+    and their bincount (16 bytes an entry, `DRAW_ROWS` entries at most). Then mAP: the counts in uint8 and as
+    `dense` sums them (3 per image), each class's AP and has-positive (9 per class), and one block of classes'
+    running sums and ratios (30 bytes per positive, `GROUP_ENTRIES` or one class's positives per resample at
+    most); the F1 family: the counts in uint8 and as float32 `weights` (5 per image), each class's counts and
+    ratios (14 float64 per class). docs/benchmarks.md sets it beside the peaks measured."""
+    drawing = count * 5 * num_rows + 16 * min(count * num_rows, DRAW_ROWS)
+    if metric.partition("@")[0] == "map":
+        scoring = count * (3 * num_rows + 9 * num_classes) + 30 * max(GROUP_ENTRIES, count * most_positives)
+    else:
+        scoring = count * (5 * num_rows + 14 * 8 * num_classes)
+    return max(drawing, scoring)
+
+
+def most_that_fit(room: int, num_rows: int, num_classes: int, most_positives: int, metric: str) -> int:
+    """The most resamples whose `bytes_needed` is within `room` bytes (0: not even one)."""
+    low, high = 0, max(1, room)  # a resample takes a byte at least
+    while low < high:  # bytes_needed grows with the count
+        middle = (low + high + 1) // 2
+        fits = bytes_needed(middle, num_rows, num_classes, most_positives, metric) <= room
+        low, high = (middle, high) if fits else (low, middle - 1)
+    return low
+
+
 GROUP_ENTRIES = 1 << 18  # (runs with a positive) x resamples per block of classes: arrays of 1-2 MB, in cache
 
 

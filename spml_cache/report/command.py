@@ -21,7 +21,7 @@ from spml_cache.report.tables import Table, build_table, by_metric
 from spml_cache.report.terminal import print_comparisons, print_notes, print_table
 from spml_cache.runs import replace_atomically
 from spml_cache.runtime.devices import single_threaded
-from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.errors import SpmlError, finished
 
 
 def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console | None = None) -> None:
@@ -45,7 +45,9 @@ def report_command(options: ReportOptions, console: Console) -> None:
     else:
         write_table(table, fmt, options.output, console)
     if options.plots_dir is not None:
-        for path in write_figures(table, runs, options, files, console):
+        written = write_figures(table, runs, options, files, console)
+        finished()  # every figure is written: a stop now has nothing to stop
+        for path in written:
             console.print(f"wrote {escape(str(path))}")
 
 

@@ -9,15 +9,41 @@ two independent draws of the test set.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from spml_cache import labels as label_matrix
+from spml_cache.options.report import DEFAULT_RESAMPLES, MIN_RESAMPLES
 from spml_cache.report import bootstrap
 from spml_cache.report.measures import StoredTests, left_out_note, title
 from spml_cache.runs import StoredTest
 from spml_cache.runtime.errors import SpmlError
+from spml_cache.runtime.memory import DEFAULT_SHARE, describe, room_left
+
+
+def check_room(count: int, stored: StoredTest, metric: str) -> None:
+    """Refuse, before allocating, `count` resamples of `stored`'s test images that would not fit in the memory left
+    to this process (a limit on it counted: `memory.room_left`), naming the most that would."""
+    shape = (len(stored.labels), stored.labels.shape[1], _most_positives(stored.labels), metric)
+    need, free = bootstrap.bytes_needed(count, *shape), room_left()
+    room = int(DEFAULT_SHARE * free)  # the rest for the process's other arrays
+    if need <= room:
+        return
+    fit = bootstrap.most_that_fit(room, *shape)
+    head = (f"--resamples {count:,}: the bootstrap of {shape[0]:,} test images ({shape[1]:,} classes) would take"
+            f" about {describe(need)} of memory, and {describe(free)} is free to this process")
+    if fit < MIN_RESAMPLES:
+        raise SpmlError(f"{head}: free some memory, or leave out --ci and --compare")
+    raise SpmlError(f"{head}: give --resamples {fit // 1000 * 1000 or fit:,} or fewer ({DEFAULT_RESAMPLES:,}, the"
+                    " default, is enough for a 95% interval)")
+
+
+def _most_positives(labels) -> int:
+    """The positives of the largest class (dense or sparse labels, a bounded block of classes at a time)."""
+    return max(int((label_matrix.columns(labels, low, high) > 0).sum(axis=0).max(initial=0))
+               for low, high in label_matrix.class_blocks(labels))
 
 
 class Resampling:
@@ -36,6 +62,7 @@ class Resampling:
         if (cell.run, cell.key) not in self.values:
             rows = len(stored.labels)
             if rows not in self.resamples:
+                check_room(self.count, stored, self.metric)
                 self.resamples[rows] = bootstrap.Resamples.draw(rows, self.count)
             self.values[cell.run, cell.key] = bootstrap.resampled(stored, self.metric, self.resamples[rows])
         return self.values[cell.run, cell.key]
@@ -59,6 +86,25 @@ def add_intervals(table, resampling: Resampling) -> None:
     table.resamples = resampling.count
     if lacking and left_out_note(lacking) not in table.notes:
         table.notes.append(left_out_note(lacking))
+    note_few_resamples(table, resampling)
+
+
+def note_few_resamples(table, resampling: Resampling) -> None:
+    """A note on each test split too small for its resamples to differ: N images have C(2N - 1, N) distinct
+    resamples (multisets of N of them), 10 for 3 images, so resamples beyond those repeat them, and the intervals
+    and p-values rest on a handful of values (p = 1 from a split of 3 images says nothing)."""
+    for rows in sorted(resampling.resamples):
+        distinct = math.comb(2 * rows - 1, rows) if rows else 1
+        if distinct >= resampling.count:
+            continue
+        labels = sorted({label for _, cells in table.rows for label, cell in cells.items() if cell.key
+                         and (stored := resampling.tests.get(cell.run, cell.key)) is not None
+                         and len(stored.labels) == rows})
+        note = (f"{', '.join(labels)}: the test split has {rows} images, so only {distinct:,} distinct resamples of"
+                f" it exist and the {resampling.count:,} drawn repeat them: its intervals and p-values say little"
+                " (they need a larger test split)")
+        if note not in table.notes:
+            table.notes.append(note)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +168,7 @@ def compare(table, pair: tuple[str, str], resampling: Resampling) -> list[Compar
     if not found:
         raise SpmlError(f"--compare {first},{second}: no column of the table has both; name two losses of one"
                         " dataset and stage")
+    note_few_resamples(table, resampling)
     return found
 
 

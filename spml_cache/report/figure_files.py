@@ -10,7 +10,10 @@ SVG leave out their creation date, so the same runs give the same files.
 
 from __future__ import annotations
 
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from spml_cache.runs import replace_atomically
@@ -39,3 +42,51 @@ class FigureFiles:
         with rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
             replace_atomically(path, lambda file: figure.savefig(
                 file, format=self.format, dpi=self.dpi, metadata=_UNDATED.get(self.format)))
+
+
+
+@contextmanager
+def names_as_text():
+    """Within it (or a function it decorates) matplotlib makes every text it is given to be drawn as written: a `$`
+    in a class, loss or dataset name is a dollar sign, never the start of mathtext (a class `$5-$10` was drawn
+    "5 - 10", and one named `$\\frac{1}{0$` raised mathtext's ParseException and left no figure). The mathtext
+    matplotlib's own tick formatters write (10^2 on a log axis) is drawn as such by `report_figure`'s figures,
+    which every drawing here makes. Without matplotlib it does nothing: the figures' own check says what to
+    install."""
+    try:
+        from matplotlib import rc_context
+    except ImportError:
+        yield
+        return
+    with rc_context({"text.parse_math": False}):  # read by each text as it is made
+        yield
+
+
+# What matplotlib's own formatters write as tick labels and offsets where they use mathtext: `$\mathdefault{...}$`.
+FORMATTERS_MATH = re.compile(r"\$\\mathdefault\{.*\}\$", re.DOTALL)
+
+
+@cache
+def report_figure():
+    """matplotlib's Figure whose texts are drawn as written (`names_as_text`), the mathtext of matplotlib's own
+    tick formatters apart, at every layout and drawing (a tick's label is set anew from its formatter at each)."""
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
+
+    def as_written(figure) -> None:
+        for axes in figure.axes:
+            for axis in (axes.xaxis, axes.yaxis):
+                axis.get_ticklabels(which="both")  # the ticks as they are drawn now: made, their texts set
+        for text in figure.findobj(Text):
+            text.set_parse_math(bool(FORMATTERS_MATH.fullmatch(text.get_text())))
+
+    class ReportFigure(Figure):
+        def tight_layout(self, *args, **kwargs):
+            as_written(self)
+            return super().tight_layout(*args, **kwargs)
+
+        def draw(self, renderer):
+            as_written(self)
+            return super().draw(renderer)
+
+    return ReportFigure

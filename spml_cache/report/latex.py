@@ -25,8 +25,8 @@ def escape(text: str) -> str:
     return _SPECIAL.sub(lambda found: SPECIAL[found.group(0)], text)
 
 
-TYPESET = CellStyle(missing="--", spread=r" $\pm$ ", below_start=r" $\downarrow$", swept="{key} = {value:g}",
-                    between=", ", name=escape)
+TYPESET = CellStyle(missing="--", spread=r" $\pm$ ", below_start=r" $\downarrow$", diverged=r" $^\dagger$",
+                    swept="{key} = {value:g}", between=", ", name=escape)
 
 
 def cell_tex(cell: Cell | None) -> str:

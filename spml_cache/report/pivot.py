@@ -16,7 +16,7 @@ import numpy as np
 
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import DATASET_LABELS
-from spml_cache.report.figure_files import MIN_POINTS, FigureFiles
+from spml_cache.report.figure_files import MIN_POINTS, FigureFiles, names_as_text
 from spml_cache.report.layout import GLYPH_EM, legend_below, wrapped
 from spml_cache.report.measures import title
 from spml_cache.report.tables import ZERO_SHOT, Table
@@ -49,6 +49,7 @@ def _cache_suffix(label: str) -> str:
     return found.group(0) if found else ""
 
 
+@names_as_text()
 def plot_backbones(Figure, table: Table, out_dir: Path, files: FigureFiles = FigureFiles()) -> Path:
     """`<dataset>-loss_by_backbone.<format>`: each loss's test mAP (mean, with its std over seeds) per backbone, one
     marker per backbone on the loss's row; the best loss of each backbone circled."""

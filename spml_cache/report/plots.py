@@ -32,7 +32,7 @@ from spml_cache.metrics import mean_average_precision
 from spml_cache.options.report import parse_compare
 from spml_cache.report import observed_fraction, val_curves
 from spml_cache.report.collect import Run, collect_runs, in_spec_order, oracle_losses, select_newest
-from spml_cache.report.figure_files import MIN_POINTS, FigureFiles
+from spml_cache.report.figure_files import MIN_POINTS, FigureFiles, names_as_text, report_figure
 from spml_cache.report.layout import legend_below, under_suptitle, wrapped
 from spml_cache.runs import read_npz, scores_path
 from spml_cache.runtime.errors import SpmlError
@@ -48,10 +48,10 @@ WHY_SKIPPED = {"per_class_ap": "needs both losses of --compare in one column, wi
 def require_matplotlib():
     """The Figure class, or a clear error: the table works without matplotlib, the figures do not."""
     try:
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401
     except ImportError:
         raise SpmlError("--plots needs matplotlib: python -m pip install matplotlib (or leave out --plots)") from None
-    return Figure
+    return report_figure()  # names drawn as written
 
 
 def write_plots(run_dirs: list[Path], out_dir: Path, *, compare=None, console: Console | None = None,
@@ -72,6 +72,7 @@ def plot_runs(runs: list[Run], out_dir: Path, *, compare=None, console: Console 
     return [path for path, _ in figures]
 
 
+@names_as_text()
 def draw_runs(runs: list[Run], *, compare=None, console: Console | None = None) -> list[tuple[str, object]]:
     """[(file stem, figure)] of every figure of `runs`: per column, those its data allows."""
     Figure = require_matplotlib()

@@ -24,6 +24,7 @@ from spml_cache.report.collect import (
 )
 from spml_cache.report.measures import MAP, every_metric, title as metric_title, top_k_of
 from spml_cache.report.paper import PAPERS, paper_number
+from spml_cache.selection import diverged_after_selection
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Cell:
     key: str = ""  # the result's key in its run's files (`loss@rule` under a rule other than single)
     metrics: dict | None = None  # {metric: [mean, std or None]}, None where n/a (report/measures.py)
     interval: list | None = None  # [low, high]: the table metric's 95% bootstrap interval over the test images
+    diverged: int | None = None  # the epoch its selected heads diverged, after the one reported: never the best
 
     @property
     def diff(self) -> float | None:
@@ -76,7 +78,8 @@ def _cell(run: Run, loss: str) -> Cell:
     selected = result.get("selected") or {}
     swept = {**(selected.get("swept") or {}), **({"wd": selected["wd"]} if "wd" in selected else {})}  # linear --wd
     return Cell(mean=mean, std=None if std is None or mean is None else float(std), seeds=seeds, run=run.path,
-                swept=swept or None, start=None if start is None else float(start), key=run.key(loss))
+                swept=swept or None, start=None if start is None else float(start), key=run.key(loss),
+                diverged=diverged_after_selection(result))
 
 
 def build_table(runs: list[Run], *, paper: bool = False) -> Table:
@@ -121,12 +124,13 @@ def _swept_decays(run: Run) -> list[float]:
 
 
 def mark_best(columns: list[Column], rows: list, oracles: set[str]) -> None:
-    """Star each column's best single-positive cell by its mean (oracles and n/a cells excluded)."""
+    """Star each column's best single-positive cell by its mean (oracles, n/a and diverged cells excluded)."""
     for column in columns:
         candidates = [cells[column.label] for loss, cells in rows if loss not in oracles and column.label in cells
                       and cells[column.label].mean is not None]
         for cell in candidates:
             cell.best = False
+        candidates = [cell for cell in candidates if cell.diverged is None]
         if candidates:
             max(candidates, key=lambda c: c.mean).best = True
 
@@ -168,6 +172,7 @@ class CellStyle:
     missing: str = "-"  # no run for this loss and column
     spread: str = " ± "  # before the seeds' standard deviation
     below_start: str = " ↓"  # a fine-tuned result below its epoch 0
+    diverged: str = " †"  # a result whose heads diverged after it
     swept: str = "{key}={value:g}"  # one selected hyperparameter
     between: str = " "  # between two of them
     name: Callable[[str], str] = str  # a hyperparameter's name as written
@@ -186,6 +191,7 @@ def cell_text(cell: Cell | None, style: CellStyle = PLAIN) -> str:
     text = f"{cell.mean:.2f}" + (f"{style.spread}{cell.std:.2f}" if cell.std is not None else "")
     text += f" [{cell.interval[0]:.2f}, {cell.interval[1]:.2f}]" if cell.interval else ""
     text += style.below_start if cell.below_start else ""
+    text += style.diverged if cell.diverged is not None else ""
     swept = [style.swept.format(key=style.name(key), value=value) for key, value in shown_swept(cell).items()]
     return text + (" (" + style.between.join(swept) + ")" if swept else "")
 
@@ -228,6 +234,9 @@ def footnotes(table: Table) -> list[str]:
     notes += table.notes
     notes += [f"↓ {loss}, {label}: fine-tuning ended below its start (test mAP {cell.start:.2f} before any step,"
               " epoch 0)" for loss, cells in table.rows for label, cell in cells.items() if cell.below_start]
+    notes += [f"† {loss}, {label}: its selected heads diverged (a non-finite loss or score) at epoch {cell.diverged},"
+              " after the epoch reported: no converged result, never marked best (try a lower --lr, or check the"
+              " loss)" for loss, cells in table.rows for label, cell in cells.items() if cell.diverged is not None]
     used = sorted({cell.source for _, cells in table.rows for cell in cells.values() if cell.source})
     if used:
         notes.append(f"paper numbers: {'; '.join(used)}")

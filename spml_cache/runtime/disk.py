@@ -6,15 +6,20 @@ writer of the same name removes them.
 A process id means something on its own machine only, and a folder on a shared disk (the nodes of a torchrun job,
 a cluster's home) can hold a temporary of a process running elsewhere under an id that is free here: so a
 temporary carries its machine's name, and only this machine's are judged. One without a machine's name (written
-before names carried it) is judged by its id here, as it was then.
+before names carried it) is judged by its id here, as it was then. Another machine's left beside a name being
+written is said once per folder (a warning: where, how many, whose, how old, and the command that removes them
+once that machine's process is known to have ended), never removed from here.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import socket
+import time
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -71,18 +76,56 @@ def process_runs(pid: int) -> bool:
 def stale_temporaries(folder: Path, name: str) -> list[Path]:
     """The temporaries of `name` in `folder` (`.<name>.tmp-<host>-<pid>`, files or folders) written on this machine
     by a process that has ended (another machine's are left to it)."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(?:([A-Za-z0-9]+)-)?(\d+)")
+    return sorted(entry for entry, host, pid in _temporaries(folder, name)
+                  if host in (None, machine_name()) and not process_runs(pid))
+
+
+def _temporaries(folder: Path, name: str | None) -> list[tuple[Path, str | None, int]]:
+    """(path, machine or None, process id) of each temporary of `name` (None: of any name) in `folder`."""
+    named = ".+" if name is None else re.escape(name)
+    pattern = re.compile(rf"\.{named}\.tmp-(?:([A-Za-z0-9]+)-)?(\d+)")
     try:
         entries = list(Path(folder).iterdir())
     except OSError:  # no folder yet, or one this process cannot list: nothing of its own is there
         return []
-    return sorted(entry for entry in entries if (match := pattern.fullmatch(entry.name))
-                  and match.group(1) in (None, machine_name()) and not process_runs(int(match.group(2))))
+    return [(entry, match.group(1), int(match.group(2))) for entry in entries
+            if (match := pattern.fullmatch(entry.name))]
+
+
+class OtherMachinesTemporaries(UserWarning):
+    """Temporaries another machine's processes left in a folder this process writes in (`say_other_machines`)."""
+
+
+_TOLD: set[str] = set()  # the folders whose other machines' temporaries were said, once per process
+
+
+def say_other_machines(folder: Path, name: str) -> None:
+    """Warn, once per folder, where `folder` holds a temporary of `name` that another machine wrote, of every
+    temporary other machines wrote there: their processes cannot be seen from here, so they are left, and said (a
+    writer killed on a node of a shared disk leaves one that only that node's next write of the file removes)."""
+    folder = Path(folder).resolve()  # where, said whole: the same folder from another node's working folder
+    if str(folder) in _TOLD or all(host in (None, machine_name()) for _, host, _ in _temporaries(folder, name)):
+        return
+    _TOLD.add(str(folder))
+    others = sorted((entry, host) for entry, host, _ in _temporaries(folder, None)
+                    if host not in (None, machine_name()))
+    hosts = sorted({host for _, host in others})
+    try:
+        age = max(0.0, time.time() - max(entry.lstat().st_mtime for entry, _ in others)) / 3600
+    except OSError:  # removed meanwhile: its machine's process is alive, or another writer took it
+        return
+    removal = " ".join(shlex.quote(f"{folder}/.") + f"*.tmp-{host}-*" for host in hosts)
+    warnings.warn(OtherMachinesTemporaries(
+        f"{folder} holds {len(others)} temporary file{'' if len(others) == 1 else 's'} (.NAME.tmp-HOST-PID) that"
+        f" {'another machine' if len(hosts) == 1 else 'other machines'} ({', '.join(hosts)}) wrote, the newest"
+        f" {age:.1f} h ago, which only that machine's next write of each file removes (a process killed there"
+        f" leaves one); once no spml-cache runs there, remove them: rm -rf {removal}"), stacklevel=3)
 
 
 def remove_stale_temporaries(folder: Path, name: str) -> list[Path]:
     """Remove the temporaries of `name` in `folder` left by processes that have ended; returns those removed (one
     that cannot be removed is left, unnamed: the write that follows does not depend on it)."""
+    say_other_machines(folder, name)
     removed = []
     for entry in stale_temporaries(folder, name):
         try:

@@ -94,6 +94,13 @@ def finished() -> None:
     _stop.update(by=None, finished=True)
 
 
+def more_work() -> None:
+    """A stage whose door said `finished` was one step of the command (the demo runs stage after stage): a stop asks
+    again to stop, and one asked for meanwhile, only recorded, is taken here."""
+    _stop["finished"] = False
+    check_stop()
+
+
 def work_finished() -> bool:
     """Whether the command's work is done and written (`finished`): a stop asked for since changes nothing."""
     return _stop["finished"]

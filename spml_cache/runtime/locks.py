@@ -83,3 +83,19 @@ def _lock(path: Path, what: str):
         if current:
             return file
         file.close()
+
+
+def opened_by(path: Path) -> list[str]:
+    """`process PID (NAME)` of each other process that has `path` open (Linux's /proc; those of other users this
+    process may not look into are not seen): whom a refusal to write it asks to close it."""
+    target, found = os.path.realpath(path), []
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        pid = int(fds.parent.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if any(os.readlink(fd) == target for fd in fds.iterdir()):
+                found.append(f"process {pid} ({(fds.parent / 'comm').read_text().strip()})")
+        except OSError:  # ended meanwhile, or another user's
+            continue
+    return found

@@ -8,6 +8,7 @@ import ctypes.util
 import os
 import re
 import resource
+from pathlib import Path
 
 from spml_cache.runtime.errors import SpmlError
 
@@ -37,6 +38,10 @@ def free_memory(device) -> int:
         import torch  # here: the command line parses sizes before the heavy imports
 
         return int(torch.cuda.mem_get_info(device)[0])
+    return _available_ram()
+
+
+def _available_ram() -> int:
     try:
         with open("/proc/meminfo") as info:
             for line in info:
@@ -45,6 +50,46 @@ def free_memory(device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def room_left() -> int:
+    """Bytes this process may still allocate in RAM: the machine's available memory, or less where a limit is set
+    on the process (an address-space rlimit: `ulimit -v`, `prlimit`) or on its cgroup (`memory.max`: a container's,
+    a scheduler's job)."""
+    room = _available_ram()
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        room = min(room, limit - _mapped())
+    for limit_file, usage_file in _cgroup_files():
+        try:
+            limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit():  # cgroup v2 writes "max" for none
+            room = min(room, int(limit) - int(usage))
+    return max(room, 0)
+
+
+def _mapped() -> int:
+    """This process's mapped address space now, bytes (what an address-space rlimit counts)."""
+    return _statm(0)
+
+
+def _cgroup_files() -> list[tuple[str, str]]:
+    """(limit, usage) files of this process's memory cgroup: v2's unified hierarchy, else v1's memory controller."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            found.append((f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"))
+        elif "memory" in controllers.split(","):
+            found.append((f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
+                          f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes"))
+    return found
 
 
 def budget(given: str | int | None, device) -> int:
@@ -64,9 +109,14 @@ def flag_text(size: int) -> str:
 
 def resident() -> int:
     """This process's resident memory now, bytes (0 where /proc is missing)."""
+    return _statm(1)
+
+
+def _statm(field: int) -> int:
+    """Field `field` of /proc/self/statm (0: the mapped size, 1: the resident one) in bytes; 0 where it is missing."""
     try:
         with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return int(statm.read().split()[field]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
 
@@ -113,7 +163,7 @@ def keep_within() -> None:
 
 def describe(size: int) -> str:
     """Bytes as '1.2 GB' (powers of two)."""
-    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+    for unit, scale in (("TB", 2**40), ("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
         if size >= scale:
             return f"{size / scale:.1f} {unit}"
     return f"{size} B"

@@ -238,11 +238,29 @@ def missing(origin: Origin, kind: Kind) -> str | None:
     where = split(origin.spec)[0]
     if origin.kind == "file" and not Path(where).is_file():
         return f"its file {where} is gone: restore it"
-    if origin.kind != "file" and not findable(origin.spec):
+    if origin.kind != "file" and not (findable(origin.spec) or on_path_again(origin)):
         folder = f"{Path(origin.path).parent}" if origin.path else "the folder that holds it"
         return (f"its module {where} is not on the Python path here: run from {folder}, or add that folder to"
                 " PYTHONPATH")
     return None
+
+
+def on_path_again(origin: Origin) -> bool:
+    """A recorded `module:Name` that is not on the Python path here, made importable from the folder its recorded
+    file lies under (a run resumed from another folder than the one beside its plugin module, or a cache's plugin
+    backbone used from elsewhere), that folder put last on the path; whether it was. The module keeps its name, and
+    its contents are the record's to check (`Origin.change`)."""
+    if origin.kind != "module" or not origin.path or not origin.module or not Path(origin.path).is_file():
+        return False
+    file, parts = Path(origin.path), origin.module.split(".")
+    named = file.parent if file.name == "__init__.py" else file.with_suffix("")  # the module's own path, dotted
+    if named.parts[-len(parts):] != tuple(parts):
+        return False  # the record's file is not that module's (moved, or a path entry of its own)
+    root = str(Path(*named.parts[:-len(parts)]))
+    if root not in sys.path:
+        sys.path.append(root)
+        importlib.invalidate_caches()
+    return findable(origin.spec)
 
 
 @contextmanager
