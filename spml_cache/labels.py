@@ -379,10 +379,11 @@ def scored_classes(labels, mask) -> np.ndarray | None:
                            for low, high in class_blocks(labels)])
 
 
-def average_precision(scores, labels, mask=None):
+def average_precision(scores, labels, mask=None, points=None):
     """Per-class AP `[C]` and mAP (0..100) of `scores [N, C]` against a split's labels (and label mask, partial
     labels: 1 where annotated; None where every label is known), dense or sparse, a block of classes at a time
-    (`metrics.average_precision` scores each class on its own, so the result does not depend on the blocks)."""
+    (`metrics.average_precision` scores each class on its own, so the result does not depend on the blocks);
+    `points=11`: VOC 2007's interpolated AP."""
     import torch
 
     from spml_cache import metrics
@@ -391,7 +392,7 @@ def average_precision(scores, labels, mask=None):
     for low, high in class_blocks(labels):
         labelled = tensor_columns(labels, low, high, scores.device)
         annotated = None if mask is None else tensor_columns(mask, low, high, scores.device)
-        aps.append(metrics.average_precision(scores[:, low:high], labelled, annotated))
+        aps.append(metrics.average_precision(scores[:, low:high], labelled, annotated, points))
         if mask is not None:
             scored.append(metrics.scored_classes(labelled, annotated))
     ap = torch.cat(aps)

@@ -1,8 +1,9 @@
 """The metric of the SPML papers: per-class average precision and mAP, with scikit-learn's semantics.
 
 `average_precision` is `sklearn.metrics.average_precision_score` for every class and every leading (head)
-index at once, on the scores' device; `mean_average_precision` is the papers' mAP (0-100, the mean over all
-classes, a class without positives counting 0). Partial labels (a `mask`, 1 where an entry is annotated) are
+index at once, on the scores' device (or, `points=11`, VOC 2007's interpolated AP); `mean_average_precision` is the
+papers' mAP (0-100, the mean over all classes, a class without positives counting 0); `label_ranking_precision` is
+each image's label ranking average precision. Partial labels (a `mask`, 1 where an entry is annotated) are
 scored over their annotated entries only, and their mAP is the mean over the classes with an annotated positive
 (`scored_classes`). docs/protocol.md, "The metric".
 """
@@ -66,7 +67,7 @@ def _sorted_keys(scores: torch.Tensor, positive: torch.Tensor, unannotated: torc
 
 
 def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray,
-                      mask: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+                      mask: torch.Tensor | np.ndarray | None = None, points: int | None = None) -> torch.Tensor:
     """Per-class average precision (0..1) of `scores [..., N, C]` against 0/1 `labels [N, C]`: `[..., C]`.
 
     sklearn's `average_precision_score` for every class and every leading (head) index at once:
@@ -75,6 +76,7 @@ def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray,
     A column with a NaN score has AP NaN (a diverged head stays visible). Labels > 0 count as positive.
     Computed on the scores' device; float64 result. With a `mask` ([N, C], nonzero where the label is
     annotated), each class is scored over its annotated entries only, as if the others were not there.
+    `points=11`: VOC 2007's interpolated AP instead (`interpolated`).
     """
     scores = _as_tensor(scores).detach()
     labels = _as_tensor(labels).to(scores.device)
@@ -98,6 +100,8 @@ def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray,
     # sklearn evaluates precision at distinct thresholds only: at a cut after the last of a run of tied scores.
     is_cut = torch.ones(keys.shape, dtype=torch.bool, device=device)
     torch.ne(keys[..., 1:], keys[..., :-1], out=is_cut[..., :-1])
+    if points is not None:
+        return _unless_diverged(interpolated(true_pos, is_cut, positive.sum(-1), points), scores)
     gained = torch.mul(true_pos, is_cut)
     del is_cut
     at_last_cut = torch.empty_like(true_pos)
@@ -119,9 +123,66 @@ def average_precision(scores: torch.Tensor, labels: torch.Tensor | np.ndarray,
 
     num_positives = positive.sum(-1, dtype=torch.float64)
     ap = torch.where(num_positives > 0, recall_weighted / num_positives.clamp(min=1), 0.0)
+    return _unless_diverged(ap, scores)
+
+
+def _unless_diverged(ap: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """`ap [..., C]` with NaN where a class's column of `scores [..., N, C]` holds a NaN (amax propagates it)."""
     if scores.is_floating_point():
-        ap = torch.where(torch.isnan(scores.amax(dim=-2)), torch.nan, ap)  # amax propagates NaN
+        ap = torch.where(torch.isnan(scores.amax(dim=-2)), torch.nan, ap)
     return ap
+
+
+def interpolated(true_pos: torch.Tensor, is_cut: torch.Tensor, num_positives: torch.Tensor,
+                 points: int = 11) -> torch.Tensor:
+    """VOC 2007's interpolated AP (Everingham et al., IJCV 2010, Sec. 4.2), as DINOv3's `map_voc2007` takes it
+    from torchmetrics' precision-recall curve: the mean over the recall levels r = 0, 1/10, ..., 1 of the highest
+    precision at any distinct score threshold whose recall is at least r, the curve's point (recall 0, precision 1)
+    included, so the level 0 counts 1. `true_pos [..., C, N]`: the positives among the top n scores (n = 1..N);
+    `is_cut`: True at the last of a run of tied scores (a threshold); `num_positives [C]`. A level is reached where
+    (points - 1) * TP >= level * P, in integers: exactly at recall k/10, as torchmetrics' float32 recall and
+    `torch.linspace(0, 1, 11)` meet there. A class without positives: 0."""
+    ranks = torch.arange(1, true_pos.shape[-1] + 1, device=true_pos.device, dtype=torch.float64)
+    precision = torch.where(is_cut, true_pos / ranks, 0.0)  # a rank inside a run of ties is no threshold
+    best_from = precision.flip(-1).cummax(-1).values.flip(-1)  # the highest precision at each rank or further down
+    positives = num_positives.to(torch.int64).unsqueeze(-1)
+    total = torch.ones(true_pos.shape[:-1], dtype=torch.float64, device=true_pos.device)  # level 0
+    for level in range(1, points):  # recall only grows down the ranking: its first rank at the level, or past it
+        first = (true_pos * (points - 1) < level * positives).sum(-1, keepdim=True).clamp(max=true_pos.shape[-1] - 1)
+        total += best_from.gather(-1, first).squeeze(-1)
+    return torch.where(positives.squeeze(-1) > 0, total / points, 0.0)
+
+
+def label_ranking_precision(scores: torch.Tensor | np.ndarray, labels: torch.Tensor | np.ndarray,
+                            mask: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+    """Each image's label ranking average precision (0..1), float64 `[..., N]`, of `scores [..., N, C]` against 0/1
+    `labels [N, C]`; their mean is scikit-learn's `label_ranking_average_precision_score` (MTEB's multi-label
+    probe). Per image: the mean over its positive labels j of (positives scoring at least s_j) / (labels scoring at
+    least s_j), ties counted above (scikit-learn's "max" rank); an image with no positive, or with every label
+    positive, scores 1, as scikit-learn has it. With a `mask`, over each image's annotated labels only. An image
+    with a NaN score is NaN."""
+    scores = _as_tensor(scores).detach()
+    labels = _as_tensor(labels).to(scores.device)
+    if scores.ndim < 2 or tuple(scores.shape[-2:]) != tuple(labels.shape):
+        raise SpmlError(f"scores {tuple(scores.shape)} do not match labels {tuple(labels.shape)}: expected [..., N, C]")
+    positive = labels > 0
+    annotated = None if mask is None else _as_tensor(mask).to(scores.device) != 0
+    if annotated is not None:
+        positive = positive & annotated
+    # _sorted_keys sorts each row of its `[..., C, N]` output: fed the transpose, each image's labels, best first
+    keys = _sorted_keys(scores.transpose(-1, -2), positive, None if annotated is None else ~annotated)
+    hits = keys & 1
+    found = hits.cumsum(-1)  # positives among the image's top n labels
+    keys >>= 1  # the scores' order alone: equal keys are tied labels (an unannotated one equals none annotated)
+    ranked = torch.searchsorted(keys, keys, right=True)  # labels scoring at least as high, ties counted
+    precision = found.gather(-1, ranked - 1).double() / ranked
+    count = positive.sum(-1)
+    labelled = torch.full_like(count, positive.shape[-1]) if annotated is None else annotated.sum(-1)
+    value = (precision * hits).sum(-1) / count.clamp(min=1)
+    value = torch.where((count == 0) | (count == labelled), 1.0, value)
+    if scores.is_floating_point():
+        value = torch.where(torch.isnan(scores).any(dim=-1), torch.nan, value)
+    return value
 
 
 def scored_classes(labels: torch.Tensor | np.ndarray, mask: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from itertools import combinations
 from unittest import mock
 
-MIN_POINTS = 8.0
+MIN_POINTS = 7.0
 SLACK_PX = 0.5  # extents are rounded to pixels: touching boxes may share half of one
 
 

@@ -48,6 +48,17 @@ def raises():
     raise RuntimeError("no weights here")
 
 
+def fetches():  # offline, as torch.hub's download fails: urllib's error around the resolver's
+    import socket, urllib.error
+    raise urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution"))
+
+
+def fetches_unless_none(weights=None):
+    if weights != "none":
+        fetches()
+    return make()
+
+
 class Faulty(torch.nn.Module):
     # The channel means, then a fault: NaN rows (nan), or from its third call (the first is the width check, the
     # second the first batch) an error (raises) or rows twice as wide (widens).
@@ -179,7 +190,12 @@ def test_an_entry_point_extracts_and_the_cache_records_its_distribution(data):
     ("tinynets37:not_tuple", [], "returned Identity, not a tuple of three"),
     ("tinynets37:not_module", [], "its model is a str, not a torch.nn.Module"),
     ("tinynets37:wrong_width", [], "maps a [1, 3, R, R] batch to (1, 3), not (1, 4)"),
-    ("tinynets37:raises", [], "calling it raised RuntimeError: no weights here"),
+    ("tinynets37:raises", [], "calling it raised RuntimeError: no weights here; fix the callable"),
+    ("tinynets37:fetches", [], "calling it raised URLError: <urlopen error [Errno -3] Temporary failure in name"
+     " resolution>; it found no network (fetching its weights?): give the callable a weights parameter, which"
+     " --weights none reaches as 'none'"),
+    ("tinynets37:fetches_unless_none", [], "it found no network (fetching its weights?): --weights PATH if it reads"
+     " a local file, or --weights none (random features, to try the pipeline)"),
     ("tinynets37:make", ["--weights", "w.pth"], "takes no weights argument"),
     ("tinynets37:make", ["--resolution", "64"], "takes no resolution argument"),
     ("tinynets37:make", ["--features", "last4"], "is a plugin backbone (its callable gives one vector); use"
@@ -194,6 +210,13 @@ def test_a_broken_plugin_is_one_line_naming_it_and_nothing_is_written(data, monk
     assert code == 1 and said in err and backbone.split(":")[0] in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (data / "cache").exists() or not any((data / "cache").iterdir())
+
+
+def test_the_way_out_named_to_an_offline_plugin_works(data, monkeypatch):
+    from spml_cache import backbones
+
+    monkeypatch.syspath_prepend(str(data / "code"))
+    assert backbones.describe("tinynets37:fetches_unless_none", weights="none").feature_dim == 3
 
 
 def test_a_resolution_the_callable_takes_is_passed_to_it(data, monkeypatch):

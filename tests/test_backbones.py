@@ -143,7 +143,7 @@ def test_timm_weights_missing_offline_are_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(SpmlError, match="not in the hub cache .*HF_HUB_OFFLINE is set.*--weights PATH") as error:
+    with pytest.raises(SpmlError, match="not in the hub cache .* with HF_HUB_OFFLINE set .*--weights PATH") as error:
         backbones.build(backbones.describe("timm:resnet10t", "pretrained", 32))
     assert "\n" not in str(error.value) and "--weights none" in str(error.value)
 

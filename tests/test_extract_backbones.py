@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,32 @@ def test_timm_and_torchvision_backbones_write_their_own_caches(data):
     with h5py.File(data / "cache" / "csv-resnet18-32.h5") as file:
         assert file["test"]["features"].shape == (4, 512) and "text" not in file
         assert list(file["train"]) == ["done", "features", "ids", "labels", "observed"]
+
+
+# The hub unreachable (a closed local port), its backoff's waits (1 + 2 + 4 + 8 + 8 s per file tried) made instant.
+UNREACHABLE_HUB = """import runpy, sys
+import huggingface_hub.utils._http as http
+http.time.sleep = lambda seconds: None
+sys.argv[0] = "spml-cache"
+runpy.run_module("spml_cache", run_name="__main__")
+"""
+
+
+def test_timm_weights_from_an_unreachable_hub_are_one_line_naming_spml_offline(data, tmp_path):
+    """Without SPML_OFFLINE, timm asks the hub, which retries each file five times and logs every try; what the
+    user sees is the one line, saying how long it tried and that SPML_OFFLINE=1 stops at once."""
+    (tmp_path / "launch.py").write_text(UNREACHABLE_HUB)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SPML_", "HF_"))}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="400", SPML_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"),
+               HF_ENDPOINT="http://127.0.0.1:9")
+    done = subprocess.run([sys.executable, str(tmp_path / "launch.py"), "extract", "csv", "--root", str(data),
+                           "--backbone", "timm:resnet10t", "--resolution", "32", "--device", "cpu", "--workers", "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: timm:resnet10t: its pretrained weights") and "Retrying" not in done.stdout
+    assert re.search(r"could not be fetched after \d+ s of the hub's retries \(SPML_OFFLINE=1 stops at once\)", line)
+    assert "--weights none" in line
 
 
 def test_clip_backbone_writes_image_and_text_embeddings(data, tmp_path):

@@ -25,10 +25,11 @@ from PIL import Image
 from rich.console import Console
 from sklearn.metrics import average_precision_score
 
-from spml_cache import cache, extract, finetune, linear, losses, metrics, runs
+from spml_cache import cache, extract, finetune, linear, losses, metrics, runs, selection
 from spml_cache.backbones.checkpoints import RandomWeightsWarning
 from spml_cache.demo import data as demo_data
 from spml_cache.finetune import images as data, parallel
+from spml_cache.finetune import run as finetune_run
 from spml_cache.finetune.model import initial_model
 from spml_cache.finetune.settings import FinetuneOptions, resolve
 from spml_cache.finetune.start import role_theta_handover
@@ -183,6 +184,25 @@ def test_epoch_0_scores_the_start_as_the_linear_run_did(world, cli_run):
             f" {start['test_map']:.2f}") in cli_run.stdout
     assert tuned["below_start"] == (tuned["test_map"] < start["test_map"])
     assert ("below its start" in cli_run.stdout) == tuned["below_start"]
+    best = -float("inf")  # each trained epoch's line: "best so far" only where it is, epoch 0 counted
+    for line in cli_run.metrics[1:]:
+        said = next(text for text in cli_run.stdout.splitlines() if f"epoch {line['epoch']}/2: train loss" in text)
+        selected, best = line["val_map"] > best, max(best, line["val_map"])
+        assert said.endswith("(best so far)") == (selected and line["val_map"] >= start["val_map"]), said
+        assert said.endswith(f"below the starting model's val mAP {start['val_map']:.2f})") == (
+            selected and line["val_map"] < start["val_map"]), said
+
+
+def test_an_epoch_below_the_start_is_not_called_the_best_so_far():
+    """Fine-tuning selects among its trained epochs (epoch 0, the start, is never taken): the first epoch is the
+    best of them, but below a better start it is not the best so far (the demo said so after epoch 0's 44.82)."""
+    record = selection.HeadRecord(loss="an", lr=1e-5, batch_size=8, seed=0, start={"val_map": 44.82, "test_map": 38.6})
+    record.add_epoch(1, 0.48, 12.75, 10.17, np.zeros(3))
+    assert finetune_run.best_note(record, 1) == " (the best trained epoch so far; below the starting model's val mAP 44.82)"
+    record.add_epoch(2, 0.40, 50.0, 41.0, np.zeros(3))
+    assert (finetune_run.best_note(record, 2), finetune_run.best_note(record, 1)) == (" (best so far)", "")
+    record.add_epoch(3, 0.38, 49.0, 40.0, np.zeros(3))
+    assert finetune_run.best_note(record, 3) == ""  # not selected: nothing said
 
 
 def sklearn_map(scores: np.ndarray, labels: np.ndarray) -> float:

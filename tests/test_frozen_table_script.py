@@ -53,7 +53,7 @@ def test_a_real_run_ends_in_the_pivot_table_and_its_figure(tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.h5")) == ["csv-resnet18.h5", "csv-resnet18_last4.h5"]
     table = (tmp_path / "frozen-csv.md").read_text().splitlines()
     assert table[0].split("|")[1:-1] == [" loss ", " resnet18 ", " resnet18+last4 "]
-    assert {row.split("|")[1].strip() for row in table[2:4]} == {"an", "role"}
+    assert {row.split("|")[1].strip() for row in table[2:4]} == {"AN", "ROLE"}  # as the papers name them
     # the weight decays swept, said once per column; a cell names its selected one where it is not 0
     assert "weight decay selected per loss from 0, 0.001 (--wd); a cell names it where it is not 0" in "\n".join(table)
     assert all(cell.strip() and "wd=0)" not in cell for row in table[2:4] for cell in row.split("|")[2:4])

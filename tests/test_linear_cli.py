@@ -1,15 +1,16 @@
 """`spml-cache linear` as a user types it, and every kind of bad input it must refuse before writing anything."""
 
 import json
+import shutil
 from pathlib import Path
 
 import h5py
 import pytest
 import torch
 
-from cli_support import run_cli
+from cli_support import run_cli, run_main
 from linear_support import write_synthetic_cache
-from spml_cache import cli, losses
+from spml_cache import cache, cli, losses
 from spml_cache.linear import run_linear
 from spml_cache.runtime.errors import SpmlError
 
@@ -136,6 +137,26 @@ def test_caches_that_cannot_be_used(tmp_path, tiny_cache):
         (tmp_path / f"voc-resnet50-{resolution}.h5").write_bytes(tiny_cache.read_bytes())
     with pytest.raises(SpmlError, match="several caches for 'voc'.*--cache"):
         run_linear(dataset="voc", cache_dir=tmp_path, losses="an", out=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dataset_sees_every_cache_of_it_whatever_its_name(tmp_path, tiny_cache, monkeypatch, capsys):
+    """`import-features ... --out cache/voc-imported.h5` (its help's example) or a cache renamed beside the one
+    extract wrote: `--dataset voc` refuses to choose, naming both; a cache of another dataset, or a file that is no
+    HDF5, is no cache of voc."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    shutil.copy(tiny_cache, folder / "voc-resnet50-448.h5")
+    write_synthetic_cache(folder / "theirs.h5", train=8, val=4, test=4, classes=3, dim=4, dataset="coco")
+    (folder / "notes.h5").write_text("not HDF5")
+    assert cache.find_cache(None, "voc", folder) == folder / "voc-resnet50-448.h5"
+    for other, listed in (("voc-imported.h5", "voc-imported.h5, voc-resnet50-448.h5"),  # seen by its name,
+                          ("mine.h5", "mine.h5, voc-imported.h5, voc-resnet50-448.h5")):  # by its attrs
+        shutil.copy(tiny_cache, folder / other)
+        code, err = run_main("linear", "--dataset", "voc", "--loss", "an", cwd=tmp_path, monkeypatch=monkeypatch,
+                             capsys=capsys)
+        assert (code, err.strip()) == (1, f"error: several caches for 'voc' in cache/ ({listed}): pick one with"
+                                          " --cache PATH")
     assert not (tmp_path / "runs").exists()
 
 

@@ -238,12 +238,14 @@ def test_cli_losses_json(tmp_path):
     assert "theta" in by_name["role"]["state"]
     for row in rows:
         assert set(row) == {
-            "name", "description", "reference", "defaults", "dataset_defaults", "state", "oracle",
+            "name", "display_name", "description", "reference", "defaults", "dataset_defaults", "state", "oracle",
             "needs_train_logits", "reconstructed", "needs_similarity", "authors", "paper_grid", "per_head",
             "observed_negative", "origin", "error",
         }
         assert row["origin"] is None and row["error"] is None  # a built-in loss: no plugin origin, and it loads
     assert by_name["vlpl"]["needs_similarity"] is True and by_name["crisp"]["needs_similarity"] is False
+    assert [by_name[name]["display_name"] for name in ("an_ls", "em_apl", "ll_r", "opml_sp")] == [
+        "AN-LS", "EM+APL", "LL-R", "OPML-SP"]
     assert by_name["ll_r"]["paper_grid"]["values"] == {"delta": [0.001, 0.002, 0.003, 0.004, 0.005]}
     assert "issue 8" in by_name["ll_r"]["paper_grid"]["source"] and by_name["an"]["paper_grid"] is None
     assert by_name["gr"]["authors"] == {"log_eps": 1e-7, "early_stop": ["drop", 2.0], "drop_last": False,

@@ -30,7 +30,7 @@ from spml_cache.options.declared import ANY
 from spml_cache.options.demo import DemoData
 from spml_cache.options.extract import ImportOptions
 from spml_cache.options.keywords import keyword_options
-from spml_cache.options.report import ReportOptions
+from spml_cache.options.report import MAP, RANKINGS, ReportOptions
 from spml_cache.runtime.errors import SpmlError
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -58,8 +58,8 @@ BAD = {
                    workers=-1, log="tensorbord"),
     "finetune": dict(init="worst", loss="rolee", epochs=0, lr="x", batch_size=0, resolution=16, seeds=0,
                      hp={"k": [1, 2]}, head_lr_mult=0, fidelity="x", decode="x", workers=-1, log=["mlflow", "x"]),
-    "report": dict(format="xls", figure_format="gif", dpi=20, compare="an", pivot="dataset", metric="auc",
-                   resamples=10),
+    "report": dict(format="xls", figure_format="gif", figure_width="wide", dpi=20, compare="an", pivot="dataset",
+                   metric="auc", resamples=10),
     "make_demo_data": dict(train=0, test=0, size=8, seed="x"),
 }
 
@@ -343,7 +343,7 @@ def test_the_report_tables_cells_and_each_runs_f1_family_agree(two_runs, monkeyp
         assert row["mean"] == result.test_map
         family = result.f1_family()
         assert {name: list(value) for name, value in family.items()} == {
-            name: value for name, value in row["metrics"].items() if name != "map"}
+            name: value for name, value in row["metrics"].items() if name not in (MAP, *RANKINGS)}  # the rankings aside
 
 
 def test_the_report_as_a_dataframe(two_runs):
@@ -369,6 +369,10 @@ def test_the_report_plots_are_the_command_lines(two_runs, tmp_path):
     assert all(path.suffix == ".svg" for path in written)
     with pytest.raises(SpmlError, match=r"^dpi 5: "):
         sc.report(two_runs / "runs").plots(tmp_path / "x", dpi=5)
+    with pytest.raises(SpmlError, match=r"^figure_width 1: use 2 to 24 inches"):
+        sc.report(two_runs / "runs").plots(tmp_path / "x", figure_width=1)
+    column = sc.report(two_runs / "runs").plots(tmp_path / "column", figure_format="svg", figure_width="column")
+    assert all(f'width="{3.3 * 72:g}pt"' in path.read_text()[:2000] for path in column)  # as printed: 3.3 in
 
 
 # --- quiet unless asked --------------------------------------------------------------------------------------

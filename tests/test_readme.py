@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 
 from cli_support import REPO
@@ -68,30 +70,40 @@ def code_blocks(text: str) -> list[str]:
     return [block.strip() for block in re.findall(r"```\w*\n(.*?)```", re.sub(r"\n +", "\n", text), flags=re.S)]
 
 
+TEST_LINE = 'python -m pip install -e ".[dev]" && python -m pytest'
+VENV = ["python3 -m venv .venv", ". .venv/bin/activate"]  # a machine's line starts so, and ends with the demo
+
+
 def test_a_newcomer_meets_install_then_the_demo_then_the_pipeline_and_the_tests_last():
     titles = re.findall(r"^## (.+)$", README, flags=re.M)
     assert titles[:3] == ["Install", "Try it: the demo", "The pipeline"]
     assert titles[-1] == "Development"
-    # the test line, verbatim, only there (.ci/run runs exactly it)
-    assert [b for b in code_blocks(README) if "pytest" in b] == ['python -m pip install -e ".[dev]" && python -m pytest']
-    assert "python -m pytest" in section("Development") and "pytest" not in README.split("\n## The pipeline\n")[0]
+    # the test line, verbatim, beside the install lines and in Development, and what .ci/run runs, as a line of it
+    assert [b for b in code_blocks(README) if "pytest" in b] == [TEST_LINE, TEST_LINE]
+    assert TEST_LINE in code_blocks(section("Install")) and TEST_LINE in code_blocks(section("Development"))
+    assert TEST_LINE in (REPO / ".ci" / "run").read_text().splitlines()
     assert code_blocks(section("Try it: the demo"))[0] == "spml-cache demo"
 
 
-def test_the_install_asks_gpu_or_cpu_before_the_first_line_to_paste_each_with_its_size():
+def test_the_install_asks_gpu_or_cpu_before_one_line_per_machine_to_the_demo_each_with_its_size():
     install = section("Install")
     assert install.index("GPU or CPU?") < install.index("```")
-    gpu, cpu = code_blocks(install)
-    assert gpu == "python -m pip install -e ."
-    assert "\n" not in cpu  # one line to copy
+    gpu, cpu, tests = code_blocks(install)
+    assert tests == TEST_LINE
+    for line in (gpu, cpu):  # one line to copy: a new venv, the install, the demo
+        steps = line.split(" && ")
+        assert "\n" not in line and steps[:2] == VENV and steps[-1] == "spml-cache demo", line
+    assert gpu.split(" && ")[2:-1] == ["python -m pip install -e ."]
     # torch and torchvision from PyTorch's CPU wheel index first, then the project's own install, which keeps them
-    words = shlex.split(cpu)
+    torch_step, project_step = cpu.split(" && ")[2:-1]
+    words = shlex.split(torch_step)
     assert words[:4] == ["python", "-m", "pip", "install"] and {"torch", "torchvision"} <= set(words[4:8])
     assert words[words.index("--index-url") + 1] == CPU_INDEX
-    assert cpu.endswith(f"&& {gpu}")
+    assert project_step == "python -m pip install -e ."
+    assert "/.venv/" in (REPO / ".gitignore").read_text().splitlines()  # made in the clone, never committed
     # each line followed by its venv's size, a figure docs/benchmarks.md's install section gives too
     after_gpu = install.split(gpu, 1)[1].split(cpu, 1)[0]
-    after_cpu = install.split(cpu, 1)[1]
+    after_cpu = install.split(cpu, 1)[1].split(tests, 1)[0]
     measured = BENCHMARKS.split("## Install size", 1)[1].split("\n## ", 1)[0]
     for text in (after_gpu, after_cpu):
         size = re.search(r"(\d+(?:\.\d)?) GB", text).group(1)
@@ -111,3 +123,14 @@ def test_the_cpu_wheels_satisfy_the_projects_torch_requirements():
     torch_requirements = [r for r in project["dependencies"] if re.match(r"torch(vision)?\b", r)]
     assert {re.match(r"[a-z]+", r).group(0) for r in torch_requirements} == {"torch", "torchvision"}
     assert not any("+cu" in r or "nvidia" in r for r in project["dependencies"])
+
+
+def test_the_suite_says_its_pass_count_as_the_readme_and_the_quiet_form_run_it(tmp_path):
+    # under the project's own pytest settings (pyproject.toml's addopts), as `python -m pytest` and `pytest -q` run
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    for quiet in ([], ["-q"]):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir",
+                               str(tmp_path), "-p", "no:cacheprovider", "-n", "0", *quiet, str(tmp_path / "test_one.py")],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert re.match(r"=* ?1 passed in ", done.stdout.strip().splitlines()[-1]), (quiet, done.stdout)

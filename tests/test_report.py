@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -108,7 +109,8 @@ def test_terminal_table_lists_every_loss_and_marks_best(runs):
     console = Console(file=io.StringIO(), width=200)
     report.print_report([runs], console=console)
     text = console.file.getvalue()
-    assert "bce (oracle)" in text and "85.00 ± 0.82" in text and "87.00 ± 0.82 *" in text
+    assert "BCE (oracle)" in text and "85.00 ± 0.82" in text and "87.00 ± 0.82 *" in text
+    assert "│ AN " in text and "│ ROLE " in text and "│ an " not in text  # the papers' names, not the registry's
     assert "90.00 *" not in text
 
 
@@ -143,6 +145,8 @@ def test_file_formats_round_trip(runs, tmp_path, fmt):
         header, rows = parse_markdown(text)
         column = header.index("VOC linear")
         by_loss = {row[0].replace(" (oracle)", ""): row for row in rows}
+        assert sorted(by_loss) == ["AN", "BCE", "ROLE"]  # the papers' names in Markdown; CSV and JSON keep the registry's
+        by_loss = {loss: by_loss[losses.display_name(loss)] for loss in expected}
         for loss, (mean, std, published) in expected.items():
             cell = by_loss[loss][column]
             assert cell.startswith("**") == (loss == "role")
@@ -155,6 +159,7 @@ def test_file_formats_round_trip(runs, tmp_path, fmt):
         payload = json.loads(text)
         rows = {row["loss"]: row for row in payload["rows"]}
         assert rows["bce"]["oracle"] and not rows["an"]["oracle"]
+        assert (rows["bce"]["display_name"], rows["role"]["display_name"]) == ("BCE", "ROLE")
         for loss, (mean, std, published) in expected.items():
             cell = rows[loss]["cells"]["VOC linear"]
             assert (cell["mean"], cell["paper"], cell["seeds"]) == (pytest.approx(mean), published, 3)
@@ -286,7 +291,8 @@ def test_many_losses_val_curves_one_panel_per_family(tmp_path):
     # the first panel: the best 4 single-positive losses by test mAP (ll_r 79 > splc 78 > hill 77 > asl 76),
     # best first, and the best oracle (iun 62 > bce_ls 61 > bce 60)
     legend = assert_labelled(panels[0])
-    assert [text.split(":")[0] for text in legend] == ["#1 ll_r", "#2 splc", "#3 hill", "#4 asl", "iun"]
+    assert [text.split(":")[0] for text in legend] == ["#1 LL-R", "#2 SPLC", "#3 Hill", "#4 ASL", "IUN"]  # as the
+    registry = {losses.display_name(name): name for name in names}  # papers name them; back to the registry's
     shown, panel_families = [], []
     for axes in panels:
         legend = assert_labelled(axes)
@@ -295,7 +301,7 @@ def test_many_losses_val_curves_one_panel_per_family(tmp_path):
         assert len({to_hex(line.get_color()) for line in lines}) == len(lines), axes.get_title()  # distinct colours
         assert axes.get_ylim() == panels[0].get_ylim() and axes.get_xlim() == panels[0].get_xlim()
         if axes is not panels[0]:
-            in_panel = [text.split(":")[0].split()[-1] for text in legend]
+            in_panel = [registry[re.sub(r"^#\d+ ", "", text.split(":")[0])] for text in legend]
             panel_families.append({collect.loss_family(name) for name in in_panel})
             shown += in_panel
     assert shown == names  # every loss once, in spec order,
@@ -330,8 +336,8 @@ def test_every_panel_of_the_other_figures_has_labels_and_legend(runs):
         assert [text.split(",")[0] for text in legend] == ["true negatives", "true positives"]
         assert axes.get_ylim() == histograms[0].get_ylim()
     top, bottom = figures["per_class_ap"].get_axes()
-    assert [text.split(" (")[0] for text in assert_labelled(top)] == ["an", "role"]
-    assert assert_labelled(bottom) == ["role better", "an better"]
+    assert [text.split(" (")[0] for text in assert_labelled(top)] == ["AN", "ROLE"]
+    assert assert_labelled(bottom) == ["ROLE better", "AN better"]
     (recovery,) = figures["label_recovery"].get_axes()
     assert assert_labelled(recovery) == ["train mAP vs full labels", "test mAP"]
 

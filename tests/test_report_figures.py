@@ -25,8 +25,8 @@ def test_paper_and_difference_only_beside_columns_with_published_numbers(tmp_pat
     text = to_markdown(report.build_table(report.collect_runs([tmp_path]), paper=True))
     header, rows = parse_markdown(text)
     assert header == ["loss", "VOC linear", "paper", "Δ", "VOC fine-tuned"]
-    assert {row[0]: row[1:] for row in rows} == {"an": ["**85.00**", "84.2", "+0.80", "-"],  # Cole et al. Table 1
-                                                 "l1r": ["80.00", "", "", "**81.00**"]}
+    assert {row[0]: row[1:] for row in rows} == {"AN": ["**85.00**", "84.2", "+0.80", "-"],  # Cole et al. Table 1
+                                                 "L1R": ["80.00", "", "", "**81.00**"]}
 
 
 def lines_holding(text: str, names: list[str]) -> dict[str, bool]:
@@ -40,7 +40,7 @@ def test_losses_names_stay_whole_in_tables_at_80_columns(tmp_path):
     console = Console(file=io.StringIO(), width=80)
     report.print_report([tmp_path], paper=True, console=console)
     oracles = {"bce", "bce_ls", "iun"}
-    shown = [f"{name} (oracle)" if name in oracles else name for name in names]
+    shown = [f"{losses.display_name(name)} (oracle)" if name in oracles else losses.display_name(name) for name in names]
     assert all(len(line) <= 80 for line in console.file.getvalue().splitlines())
     assert lines_holding(console.file.getvalue(), shown) == dict.fromkeys(shown, True)
     keys = ["an", "bce_observed@largest", "an_ls_neg@entry:0.1", "role@uniform:pos=1,neg=all"]
@@ -121,10 +121,10 @@ def test_a_loss_whose_curve_repeats_another_is_drawn_dotted_and_says_whose(tmp_p
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     figure = drawn_figures(tmp_path, "VOC linear")["val_curves"]
     (axes,) = figure.axes
-    styles = {line.get_label().split(":")[0].split()[-1]: (line.get_linestyle(), line.get_label())
-              for line in axes.get_lines()}
-    assert styles["opml"][0] == ":" and styles["opml"][1].endswith("same curve as zlpr")
-    assert styles["zlpr"][0] == "-" and styles["an"][0] == "-" and "same curve" not in styles["an"][1]
+    styles = {line.get_label().split(":")[0].split()[-1]: (line.get_linestyle(), " ".join(line.get_label().split()))
+              for line in axes.get_lines()}  # a legend entry may be wrapped to its panel's width
+    assert styles["OPML"][0] == ":" and styles["OPML"][1].endswith("same curve as ZLPR")
+    assert styles["ZLPR"][0] == "-" and styles["AN"][0] == "-" and "same curve" not in styles["AN"][1]
     assert "dotted: the same curve as an earlier loss" in figure.get_suptitle().replace("\n", " ")
     curves = {"a": ([1, 2], [3.0, 4.0]), "b": ([1, 2], [3.0, 4.5]), "c": ([1, 2], [3.0, 4.0])}
     assert val_curves.repeats(curves) == {"c": "a"}  # c repeats a exactly; b differs at its last epoch
@@ -135,7 +135,7 @@ def test_the_observed_fraction_figure_names_the_losses_it_leaves_out():
     curves = {name: [(0.1, 40.0 + i), (0.5, 50.0 + i)] for i, name in enumerate(names)}
     figure = observed_fraction._figure(plots.require_matplotlib(), "VOC linear", curves)
     title = figure.axes[0].get_title().replace("\n", " ")
-    best_last = names[::-1]  # the highest mAP at the largest fraction first
+    best_last = [losses.display_name(name) for name in names[::-1]]  # the highest mAP at the largest fraction first
     assert f"the best {observed_fraction.SHOWN} of 14 losses at P = 0.5" in title
     assert title.endswith(f"(left out: {', '.join(best_last[observed_fraction.SHOWN:])})")
     assert [line.get_label() for line in figure.axes[0].get_lines()] == best_last[:observed_fraction.SHOWN]

@@ -14,7 +14,10 @@ import pytest
 import torch
 from cli_support import one_error_line, run_cli
 from rich.console import Console
-from sklearn.metrics import average_precision_score, precision_recall_fscore_support
+from sklearn.metrics import (
+    average_precision_score, label_ranking_average_precision_score, precision_recall_curve,
+    precision_recall_fscore_support,
+)
 
 from spml_cache import report, runs
 from spml_cache.labels import SparseLabels
@@ -32,6 +35,20 @@ def fake_scores(seed: int, labels: np.ndarray, signal: float, seeds: int = 2) ->
 def sklearn_map(scores, labels):
     return 100 * np.mean([average_precision_score(labels[:, c], scores[:, c]) if labels[:, c].any() else 0.0
                           for c in range(labels.shape[1])])
+
+
+def restated_map11(scores, labels):
+    """VOC 2007's 11-point mAP as DINOv3's map_voc2007 takes it from a precision-recall curve: per class, the mean
+    over r = 0, 0.1, ..., 1 of the highest precision on the curve (its point (recall 0, precision 1) included) at a
+    recall of r or more; a class without a positive counting 0."""
+    aps = []
+    for c in range(labels.shape[1]):
+        if not labels[:, c].any():
+            aps.append(0.0)
+            continue
+        precision, recall, _ = precision_recall_curve(labels[:, c], scores[:, c])
+        aps.append(np.mean([precision[recall * 10 >= level - 1e-9].max() for level in range(11)]))
+    return 100 * float(np.mean(aps))
 
 
 def sklearn_cf1(scores, labels, top_k=None):
@@ -112,8 +129,11 @@ def test_file_formats_carry_every_metric(world, fmt):
         in_process(tmp_path / "runs", metric="cf1@2", fmt=fmt, output=tmp_path / f"t.{fmt}")
     text = (tmp_path / f"t.{fmt}").read_text()
     names = measures.every_metric(2)
-    assert names == ["map", "cp", "cr", "cf1", "op", "or", "of1", "cp@2", "cr@2", "cf1@2", "op@2", "or@2", "of1@2"]
+    assert names == ["map", "map11", "lrap", "cp", "cr", "cf1", "op", "or", "of1", "cp@2", "cr@2", "cf1@2", "op@2",
+                     "or@2", "of1@2"]
     expected = {"map": np.mean([sklearn_map(s, labels) for s in scores["role"]]),
+                "map11": np.mean([restated_map11(s, labels) for s in scores["role"]]),
+                "lrap": np.mean([100 * label_ranking_average_precision_score(labels, s) for s in scores["role"]]),
                 "cf1": np.mean([sklearn_cf1(s, labels) for s in scores["role"]]),
                 "cf1@2": np.mean([sklearn_cf1(s, labels, 2) for s in scores["role"]])}
     if fmt == "json":
@@ -131,11 +151,12 @@ def test_file_formats_carry_every_metric(world, fmt):
         for name, value in expected.items():
             assert float(row[f"VOC linear {name}"]) == pytest.approx(value, abs=1e-6), name
     else:
-        assert "| loss | mAP | CP | CR | CF1 | OP | OR | OF1 | CP (top 2) |" in text
-        (row,) = [line for line in text.splitlines()[text.splitlines().index("| loss | mAP | CP | CR | CF1 | OP | OR"
-                  " | OF1 | CP (top 2) | CR (top 2) | CF1 (top 2) | OP (top 2) | OR (top 2) | OF1 (top 2) |"):]
-                  if line.startswith("| role |")]
-        assert row.split("|")[5].strip().startswith(f"{expected['cf1']:.2f} ± ")  # | role | mAP | CP | CR | CF1
+        header = ("| loss | mAP | mAP (VOC07 11-point) | LRAP | CP | CR | CF1 | OP | OR | OF1 | CP (top 2) | CR (top 2)"
+                  " | CF1 (top 2) | OP (top 2) | OR (top 2) | OF1 (top 2) |")
+        (row,) = [line for line in text.splitlines()[text.splitlines().index(header):] if line.startswith("| ROLE |")]
+        cells = [cell.strip() for cell in row.split("|")[2:-1]]  # | role | mAP | mAP (11-point) | LRAP | CP | CR | CF1
+        for name, at in (("map11", 1), ("lrap", 2), ("cf1", 5)):
+            assert cells[at].startswith(f"{expected[name]:.2f} ± "), name
 
 
 def test_ci_restated_from_the_resamples_written_out(world):
@@ -170,6 +191,32 @@ def test_metric_ci_and_compare_from_a_subprocess(world):
     (line,) = [line for line in same.splitlines() if line.startswith("VOC linear: an_ls - an")]
     assert "= +0.00 mAP" in line and "[+0.00, +0.00]" in line and "p = 1;" in line
     assert line.endswith("the interval contains 0: the test set's noise can explain the difference")
+
+
+@pytest.mark.parametrize("metric", ["map11", "lrap"])
+def test_the_other_rankings_and_their_intervals_restated_from_the_resamples_written_out(world, metric):
+    tmp_path, labels, scores = world
+    restated = {"map11": restated_map11,
+                "lrap": lambda s, y: 100 * label_ranking_average_precision_score(y, s)}[metric]
+    table, printed = in_process(tmp_path / "runs", metric=metric, ci=True, resamples=100)
+    cell = {loss: cells["VOC linear"] for loss, cells in table.rows}["role"]
+    values = [restated(s, labels) for s in scores["role"]]
+    assert (cell.mean, cell.std) == (pytest.approx(np.mean(values), abs=1e-9), pytest.approx(np.std(values), abs=1e-9))
+    drawn = np.random.default_rng(0).integers(0, 60, size=(100, 60))
+    resampled = [np.mean([restated(s[rows], labels[rows]) for s in scores["role"]]) for rows in drawn]
+    assert cell.interval == pytest.approx(list(np.quantile(resampled, [0.025, 0.975])), abs=1e-9)
+    title = {"map11": "mAP (VOC07 11-point)", "lrap": "LRAP"}[metric]
+    assert f"Test {title} at the selected epoch (mean ± std over seeds; [95% bootstrap" in printed
+
+
+def test_lrap_compared_from_a_subprocess(world):
+    tmp_path, labels, scores = world
+    done = run_cli("report", "--metric", "lrap", "--compare", "role,an", "--resamples", "200", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lrap = {loss: [100 * label_ranking_average_precision_score(labels, s) for s in scores[loss]] for loss in scores}
+    difference = np.mean(lrap["role"]) - np.mean(lrap["an"])
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("VOC linear: role - an = ")]
+    assert line.startswith(f"VOC linear: role - an = {difference:+.2f} LRAP, 95% interval over the test images [")
 
 
 def test_compare_is_paired_and_restated(world):
@@ -220,7 +267,9 @@ def test_old_runs_report_map_and_name_what_is_unavailable(tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--metric", "f2"], "error: --metric f2: use map, cp, cr, cf1, op, or, of1, or one of those with @K"),
+    (["--metric", "f2"], "error: --metric f2: use map, map11, lrap, cp, cr, cf1, op, or, of1, or one of cp, cr, cf1,"
+                         " op, or, of1 with @K"),
+    (["--metric", "map11@3"], "error: --metric map11@3: use map"),
     (["--metric", "cf1@0"], "error: --metric cf1@0: use map"),
     (["--resamples", "50"], "error: --resamples 50: a 95% interval needs at least 100 resamples"),
     (["--paper", "--metric", "cf1"], "error: --paper: the papers publish mAP only"),

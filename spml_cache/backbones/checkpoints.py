@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import pickle
 import re
 import socket
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,6 +21,23 @@ from spml_cache.runtime.errors import SpmlError
 DOWNLOAD_TIMEOUT_S = 20.0
 # The last way out of every "weights not here" error: features from a random trunk still run the whole pipeline.
 WEIGHTS_NONE = "or --weights none (random features, to try the pipeline)"
+
+
+@contextmanager
+def hub_fetch(where: list[str]):
+    """Around a fetch from the Hugging Face hub (timm's, open_clip's): huggingface_hub's own lines quiet (an
+    unreachable hub logs each of its retries, ten "Retrying in 8s [Retry 4/5]" and as many tracebacks' first lines
+    before the one error), and `where` given what the error line should add: that HF_HUB_OFFLINE is set, or how
+    long the hub was tried and that SPML_OFFLINE=1 stops at once."""
+    hub = logging.getLogger("huggingface_hub")
+    level, started = hub.level, time.monotonic()
+    hub.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
+        where[:] = [" with HF_HUB_OFFLINE set" if os.environ.get("HF_HUB_OFFLINE") else
+                    f" after {time.monotonic() - started:.0f} s of the hub's retries (SPML_OFFLINE=1 stops at once)"]
 
 
 class RandomWeightsWarning(UserWarning):

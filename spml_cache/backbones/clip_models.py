@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spml_cache.backbones import DEFAULT_FEATURES, Description, Family, Request
-from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance
+from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance, hub_fetch
 from spml_cache.backbones.layers import LAST, no_blocks, token_features
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.runtime.errors import SpmlError, unknown_name
@@ -180,18 +180,18 @@ def build(description: Description) -> nn.Module:
                       RandomWeightsWarning, stacklevel=2)
         return ClipTrunk(model, arch, pre, description.grid, description.features != DEFAULT_FEATURES)
     source = str(Path(weights).expanduser()) if Path(weights).expanduser().is_file() else weights
+    tried: list[str] = []
     try:
-        with _quiet():  # its own log lines would come before our one line
+        with _quiet(), hub_fetch(tried):  # its own log lines, and the hub's, would come before our one line
             model = open_clip.create_model(arch, pretrained=source, require_pretrained=True, **options)
     except Exception as err:  # hub, network, file format errors: all mean "these weights cannot be loaded"
         if source != weights:
             raise SpmlError(f"--weights {weights}: not an open_clip checkpoint for {arch} ({type(err).__name__}:"
                             f" {str(err).splitlines()[0][:160] if str(err) else ''})") from None
         cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
         hub = (open_clip.get_pretrained_cfg(arch, weights) or {}).get("hf_hub") or "its hub repository"
         raise SpmlError(f"clip:{arch}/{weights}: the pretrained weights ({hub.rstrip('/')}) are not in the hub cache"
-                        f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there is a"
+                        f" {cache} and could not be fetched{tried[0]} ({type(err).__name__}): download them once where there is a"
                         " network (HF_HOME says where they go), pass --weights PATH to a local checkpoint,"
                         f" {WEIGHTS_NONE}") from None
     return ClipTrunk(model, arch, pre, description.grid, description.features != DEFAULT_FEATURES)

@@ -14,18 +14,25 @@ distribution and version too, so that a changed file makes another cache.
 from __future__ import annotations
 
 import inspect
+import socket
+import urllib.error
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from spml_cache.backbones import Description, Family, Request
+from spml_cache.backbones.checkpoints import WEIGHTS_NONE
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.runtime import plugins as loader
 from spml_cache.runtime.errors import SpmlError
 
 OWN_WEIGHTS = "callable"  # the cache's `weights` attr when the callable loads its own (no --weights)
 CONTRACT = "it must return (model, preprocess, width): docs/your-own-backbone.md"
+# What a fetch that found no network raises: urllib's (torch.hub), the socket's, and by name those of the libraries
+# a callable may fetch through (requests' ConnectionError, httpx's ConnectError, huggingface_hub's offline errors).
+NETWORK_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, socket.gaierror)
+NETWORK_NAMES = ("ConnectionError", "ConnectError", "Timeout", "LocalEntryNotFoundError", "OfflineModeIsEnabled")
 
 
 def _load(name: str) -> tuple[loader.Loaded, str]:
@@ -43,14 +50,36 @@ def _load(name: str) -> tuple[loader.Loaded, str]:
     return found, name
 
 
-def _arguments(target, shown: str, weights: str | None, resolution: int | None) -> tuple[dict, int | None]:
-    """The keywords to call `target` with, and the resolution its preprocessing must have (None: any)."""
+def _takes(target) -> set[str]:
+    """The keywords `target` accepts of `weights` and `resolution` (both, where it takes **kwargs)."""
     try:
         parameters = inspect.signature(target).parameters
     except (TypeError, ValueError):
         parameters = {}
-    takes = set(parameters) | ({"weights", "resolution"} if any(
+    return set(parameters) | ({"weights", "resolution"} if any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()) else set())
+
+
+def _fix(err: BaseException, takes_weights: bool) -> str:
+    """What to do about the callable's failure: where it found no network (fetching weights, offline), the way out
+    the built-in backbones give, through its weights parameter; else, fix it."""
+    chain, seen = [], err
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    offline = any(isinstance(found, NETWORK_ERRORS) or any(name in kind.__name__ for kind in type(found).__mro__
+                                                           for name in NETWORK_NAMES) for found in chain)
+    if not offline:
+        return "fix the callable"
+    if takes_weights:
+        return f"it found no network (fetching its weights?): --weights PATH if it reads a local file, {WEIGHTS_NONE}"
+    return ("it found no network (fetching its weights?): give the callable a weights parameter, which --weights none"
+            " reaches as 'none' (random features, to try the pipeline; docs/your-own-backbone.md), or fix the callable")
+
+
+def _arguments(target, shown: str, weights: str | None, resolution: int | None) -> tuple[dict, int | None]:
+    """The keywords to call `target` with, and the resolution its preprocessing must have (None: any)."""
+    takes = _takes(target)
     keywords, required = {}, None
     if weights is not None and weights != OWN_WEIGHTS:
         if "weights" not in takes:
@@ -111,8 +140,8 @@ def describe(request: Request) -> Description:
         raise
     except (Exception, SystemExit) as err:  # the user's callable: one line naming it, never a traceback
         said = " ".join(str(err).split())
-        raise SpmlError(f"--backbone {shown}: calling it raised {type(err).__name__}: {said}; fix the"
-                        " callable") from None
+        raise SpmlError(f"--backbone {shown}: calling it raised {type(err).__name__}: {said}; "
+                        f"{_fix(err, 'weights' in _takes(found.target))}") from None
     model, preprocess, width = _checked(result, shown, required)
     _output_width(model, preprocess, shown, width)
     given = keywords.get("weights", OWN_WEIGHTS)

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from spml_cache.backbones import DEFAULT_FEATURES, Description, Family, Request
-from spml_cache.backbones.checkpoints import WEIGHTS_NONE, RandomWeightsWarning, file_provenance, read_state_dict
+from spml_cache.backbones.checkpoints import (
+    WEIGHTS_NONE, RandomWeightsWarning, file_provenance, hub_fetch, read_state_dict,
+)
 from spml_cache.backbones.layers import LAST, no_blocks, pooled_stages, token_features
 from spml_cache.backbones.preprocess import Preprocess
 from spml_cache.images import IMAGENET_MEAN, IMAGENET_STD
@@ -150,14 +152,15 @@ def _pooled_trunk(description: Description) -> nn.Module:
                       RandomWeightsWarning, stacklevel=2)
         return model
     if weights == PRETRAINED:
+        tried: list[str] = []
         try:
-            return _create(source, extra, pretrained=True)
+            with hub_fetch(tried):
+                return _create(source, extra, pretrained=True)
         except Exception as err:  # hub errors, missing files offline, network errors: all mean "no weights here"
             cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-            offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
             raise SpmlError(
                 f"timm:{name}: its pretrained weights ({description.extra.get('hub')}) are not in the hub cache"
-                f" {cache}{offline} and could not be fetched ({type(err).__name__}): download them once where there"
+                f" {cache} and could not be fetched{tried[0]} ({type(err).__name__}): download them once where there"
                 " is a network (HF_HOME says where they go), pass --weights PATH to a local .pth,"
                 f" {WEIGHTS_NONE}"
             ) from None

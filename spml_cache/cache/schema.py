@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
@@ -137,8 +136,7 @@ def find_cache(cache: Path | str | None, dataset: str | None, folder: Path | str
     if dataset is None:
         raise SpmlError("say which features to train on: --cache PATH or --dataset NAME")
     folder = Path(folder) if folder is not None else default_cache_dir()
-    pattern = re.compile(rf"{re.escape(dataset)}-[^-]+-\d+\.h5")
-    found = sorted(p for p in folder.glob(f"{dataset}-*.h5") if pattern.fullmatch(p.name))
+    found = caches_of(dataset, folder)
     if len(found) == 1:
         return found[0]
     if found:
@@ -150,6 +148,27 @@ def find_cache(cache: Path | str | None, dataset: str | None, folder: Path | str
                         f"`spml-cache extract {dataset} --root DIR`")
     raise SpmlError(f"no cache for dataset '{dataset}' in {folder}/ (set SPML_CACHE or pass --cache PATH); "
                     f"create one with `spml-cache extract {dataset} --root DIR`")
+
+
+def caches_of(dataset: str, folder: Path) -> list[Path]:
+    """The caches of `dataset` in `folder`: every `<dataset>-*.h5` (the names extract and import-features give), and
+    any other `.h5` whose attrs name the dataset (`import-features --out cache/voc-imported.h5`, a cache renamed),
+    so that --dataset never takes one of them while another sits beside it unseen."""
+    import h5py
+
+    found = []
+    for path in sorted(folder.glob("*.h5")):
+        if path.name.startswith(f"{dataset}-"):
+            found.append(path)
+            continue
+        try:
+            with h5py.File(path, "r") as file:
+                named = file.attrs.get("dataset")
+        except OSError:  # not an HDF5 file (or not readable): no cache of anything, left to --cache
+            continue
+        if plain(named) == dataset:
+            found.append(path)
+    return found
 
 
 def partial_path(path: Path | str) -> Path:

@@ -132,7 +132,7 @@ def report_command(options: ReportOptions) -> None:
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
 
     Example: spml-cache report --paper --plots figures --format md --out table1.md
-    Example: spml-cache report --out table1.tex --plots figs --figure-format pdf
+    Example: spml-cache report --out table1.tex --plots figs --figure-format pdf --figure-width column
     Example: spml-cache report runs/voc --pivot backbone --plots figures
     Example: spml-cache report --metric cf1 --ci --compare an,role
     """

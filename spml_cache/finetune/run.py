@@ -288,12 +288,22 @@ def _evaluate(setup: Setup, run_dir: Path, record: HeadRecord, epoch: int, train
     if record.add_epoch(epoch, train_loss, val_map, test_map, test_ap.cpu().numpy()) and setup.processes.main:
         runs.save_checkpoint(checkpoints.checkpoint(run_dir, record, best=True),
                              {"model": model.state_dict(), "loss_state": loss_fn.state_dict()})
-    say(f"{label}: train loss {train_loss:.4f}, val mAP {val_map:.2f}, test mAP {test_map:.2f}"
-        + (" (best so far)" if record.best_epoch == epoch else ""))
+    say(f"{label}: train loss {train_loss:.4f}, val mAP {val_map:.2f}, test mAP {test_map:.2f}{best_note(record, epoch)}")
     rule = loss_fn.early_stop
     if rule and stops_early(record, *rule):
         record.stopped_epoch = epoch
         say(f"{label}: stopped early, as the paper's code does ({rule[0]} {rule[1]:g})")
+
+
+def best_note(record: HeadRecord, epoch: int) -> str:
+    """What an epoch's line says of `epoch` when it is the selected one so far: the best so far, or, below the
+    starting model (epoch 0, which selection never takes), the best of the trained epochs, and below what."""
+    if record.best_epoch != epoch:
+        return ""
+    start = (record.start or {}).get("val_map")
+    if start is not None and record.best_val_map < start:
+        return f" (the best trained epoch so far; below the starting model's val mAP {start:.2f})"
+    return " (best so far)"
 
 
 def _save_config_epoch(run_dir: Path, record: HeadRecord, epoch: int, done: bool, training: Training) -> None:

@@ -32,8 +32,8 @@ from spml_cache.losses import (  # noqa: E402,F401  (imported for registration)
 )
 
 __all__ = [
-    "EpochWarning", "Loss", "Overrides", "build", "canonical", "combinations", "describe", "describe_table", "get",
-    "merged", "names", "register", "resolve_hparams", "train_logits", "varying_keys",
+    "EpochWarning", "Loss", "Overrides", "build", "canonical", "combinations", "describe", "describe_table",
+    "display_name", "get", "merged", "names", "register", "resolve_hparams", "train_logits", "varying_keys",
 ]
 
 canonical = plugins.canonical  # the name a loss is known by (a plugin spec's class's `name`)
@@ -51,6 +51,15 @@ def names(similarity: bool = True) -> list[str]:
     """Registered loss names, in the order of docs/losses.md; `similarity=False` (a cache without a text side)
     leaves out the losses that need one (`needs_similarity`)."""
     return [name for name, cls in LOSSES.items() if similarity or not cls.needs_similarity]
+
+
+def display_name(name: str) -> str:
+    """How tables and figures write loss `name`: as its papers do (`AN-LS`, `EM+APL`, `LL-R`), the `display_name`
+    its own class declares (one a class inherits is its parent's, not its own), else `name` itself (a plugin that
+    declares none, a name this registry does not know: read back from another version's run). The registry name
+    stays what files and flags use."""
+    cls = LOSSES.find(name)
+    return (cls.__dict__.get("display_name") or name) if cls is not None else name
 
 
 def get(name: str) -> type[Loss]:
@@ -118,6 +127,7 @@ def describe(names: tuple[str, ...] = ()) -> list[dict]:
 def _describe_row(name: str, cls: type[Loss]) -> dict:
     return {
         "name": name,
+        "display_name": cls.__dict__.get("display_name") or name,
         "origin": plugins.origin(name),
         "error": None,  # an installed plugin that cannot be loaded: why
         "description": getattr(cls, "description", ""),  # a plugin may leave them out
@@ -183,5 +193,7 @@ def describe_table(rows: list[dict] | None = None) -> Table:
         what = Text(row["description"] + "\n") + Text(row["reference"], style="dim")
         if row["origin"]:
             what += Text("\nplugin: " + Origin.read(row["origin"]).text(), style="cyan")
-        table.add_row(row["name"], what, "\n".join(defaults), "\n".join(flags) or "-")
+        shown = Text(row["name"]) + (Text(f"\n{row['display_name']}", style="dim")
+                                     if row.get("display_name", row["name"]) != row["name"] else Text())
+        table.add_row(shown, what, "\n".join(defaults), "\n".join(flags) or "-")
     return table

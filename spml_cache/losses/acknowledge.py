@@ -22,6 +22,7 @@ class EntropyMaximization(Loss):
     """EM: `nl(p)` on observed positives, `-alpha * H(p)` on unobserved labels (the total can be negative)."""
 
     name = "em"
+    display_name = "EM"
     observed_negative = "nl(1-p), never the entropy term"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     authors_early_stop = ("no_gain", 0.0)  # Zhou et al.: stop at the first epoch without improvement
@@ -50,6 +51,7 @@ class EntropyMaximizationAsymmetricPseudoLabels(Loss):
     """
 
     name = "em_apl"
+    display_name = "EM+APL"
     observed_negative = "nl(1-p); never pseudo-labelled"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     authors_early_stop = ("no_gain", 0.0)

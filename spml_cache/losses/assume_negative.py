@@ -22,6 +22,7 @@ class AssumeNegative(Loss):
     """AN: `nl(p)` on observed positives, `nl(1-p)` on everything else."""
 
     name = "an"
+    display_name = "AN"
     observed_negative = "nl(1-p), as an assumed negative"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
@@ -42,6 +43,7 @@ class AssumeNegativeLabelSmoothing(Loss):
     """AN-LS: AN with targets `1 - ls` (positives) and `ls` (assumed negatives)."""
 
     name = "an_ls"
+    display_name = "AN-LS"
     observed_negative = "target ls, as every negative (both sides smoothed)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
@@ -60,6 +62,7 @@ class AssumeNegativeSmoothNegatives(Loss):
     """AN-LS(0, ls): the positive target stays 1, assumed negatives get target `ls`."""
 
     name = "an_ls_neg"
+    display_name = "N-LS"
     observed_negative = "nl(1-p): a known 0 is not smoothed"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Assume negative with label smoothing on the assumed negatives only (targets 1 / ls)."
@@ -78,6 +81,7 @@ class WeakAssumeNegative(Loss):
     """WAN: assumed negatives weighted by `gamma`, by default `1/(C-1)` (one positive weighs as much as the rest)."""
 
     name = "wan"
+    display_name = "WAN"
     observed_negative = "nl(1-p) with weight 1 (gamma weighs assumed negatives only)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
@@ -105,6 +109,7 @@ class AssumeNegativeL1(AssumeNegative):
     """AN plus `lam * ||W||_1` on the linear head's weight (the trainer adds `penalty`)."""
 
     name = "l1r"
+    display_name = "L1R"
     observed_negative = "nl(1-p), as an assumed negative"
     authors_drop_last = False  # run with Zhou et al.'s code, whose loaders keep it
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
@@ -127,6 +132,7 @@ class AssumeNegativeL2(AssumeNegative):
     """AN plus `lam / 2 * ||W||_2^2` on the linear head's weight (the trainer adds `penalty`)."""
 
     name = "l2r"
+    display_name = "L2R"
     observed_negative = "nl(1-p), as an assumed negative"
     authors_drop_last = False  # run with Zhou et al.'s code, whose loaders keep it
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
@@ -149,6 +155,7 @@ class EntropyMinimization(Loss):
     """EntMin: `nl(p)` on positives, `+alpha * H(p)` on unobserved labels; collapses to "all positive"."""
 
     name = "entmin"
+    display_name = "EntMin"
     observed_negative = "nl(1-p), never the entropy term"
     authors_log_eps = 1e-5  # Zhou et al.'s code: -log(p + 1e-5)
     description = "Entropy minimisation on unobserved labels (the mirror image of em); a baseline that collapses."
@@ -166,6 +173,7 @@ class PairwiseRanking(Loss):
     """PR: for each observed positive i, entry (n, i) = sum over assumed negatives j of max(0, 1 - p_ni + p_nj)."""
 
     name = "pr"
+    display_name = "PR"
     observed_negative = "a negative of every pair, as an assumed negative"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     needs_positive = True  # an image without an observed positive has no pair: it gives no term

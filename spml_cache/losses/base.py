@@ -89,6 +89,7 @@ class Loss(torch.nn.Module):
     """
 
     name: ClassVar[str]
+    display_name: ClassVar[str] = ""  # as the papers write it (AN-LS, EM+APL, LL-R), for tables and legends; "": name
     description: ClassVar[str]
     reference: ClassVar[str]
     defaults: ClassVar[dict[str, float | None]] = {}

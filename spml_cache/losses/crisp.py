@@ -49,6 +49,7 @@ class ClassPriorsRisk(Loss):
     """CRISP: AN for `warmup` epochs, then the class-prior risk with priors re-estimated before every epoch."""
 
     name = "crisp"
+    display_name = "CRISP"
     observed_negative = "nl(1-p), beside the risk"
     reconstructed = True
     needs_train_logits = True

@@ -85,6 +85,7 @@ class ExpectedPositiveRegularization(_ExpectedPositivesLoss):
     """EPR: BCE on the observed labels only, plus R_k on the batch's predictions (added unnormalised)."""
 
     name = "epr"
+    display_name = "EPR"
     observed_negative = "nl(1-p)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
@@ -111,6 +112,7 @@ class RegularizedOnlineLabelEstimation(_ExpectedPositivesLoss):
     """
 
     name = "role"
+    display_name = "ROLE"
     observed_negative = "nl(1-p) on p and on its estimate; estimate starts at 0.005"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)

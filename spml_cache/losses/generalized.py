@@ -28,6 +28,7 @@ class GeneralizedRobust(Loss):
     `mu(e) = mu0 + (muT - mu0) e/T` (and `sigma`). Before the first `start_epoch` the start values hold."""
 
     name = "gr"
+    display_name = "GR"
     observed_negative = "nl(1-p), never the unknowns' term"
     authors_log_eps = 1e-7  # Chen et al.'s code: -log(p + 1e-7)
     authors_early_stop = ("drop", 2.0)  # Chen et al.: stop once val mAP falls 2 below its best

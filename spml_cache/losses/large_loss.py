@@ -205,6 +205,7 @@ class LargeLossReject(_LargeLoss):
     """LL-R: the selected large losses become 0; they still count in the B*C denominator."""
 
     name = "ll_r"
+    display_name = "LL-R"
     observed_negative = "nl(1-p); never rejected"
     description = "large-loss rejection: the ceil(B*C*(t-1)*delta) largest unobserved losses are set to 0"
 
@@ -223,6 +224,7 @@ class LargeLossCorrectTemporary(_LargeLoss):
     """LL-Ct: the selected entries take the positive-target term nl(p) for this step only."""
 
     name = "ll_ct"
+    display_name = "LL-Ct"
     observed_negative = "nl(1-p); never corrected"
     description = "large-loss temporary correction: the largest unobserved losses use nl(p) for this step"
 
@@ -243,6 +245,7 @@ class LargeLossCorrectPermanent(_LargeLoss):
     """
 
     name = "ll_cp"
+    display_name = "LL-Cp"
     observed_negative = "nl(1-p); never corrected"
     description = "large-loss permanent correction: the ceil(B*C*delta) largest unobserved losses become positives"
     state = "corrected_observed [K, N_train, C]: observed labels plus permanent corrections"

@@ -17,6 +17,7 @@ class FullBCE(Loss):
     """BCE on every label: `nl(p)` where y=1, `nl(1-p)` where y=0."""
 
     name = "bce"
+    display_name = "BCE"
     observed_negative = "ignored: reads the full label y (0 there)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
@@ -33,6 +34,7 @@ class FullBCELabelSmoothing(Loss):
     """BCE on every label with smoothed targets `1 - ls` (y=1) and `ls` (y=0), the reference code's convention."""
 
     name = "bce_ls"
+    display_name = "BCE-LS"
     observed_negative = "ignored: reads the full label y (target ls there)"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)
@@ -59,6 +61,7 @@ class IgnoreUnobservedNegatives(Loss):
     """
 
     name = "iun"
+    display_name = "IUN"
     observed_negative = "nl(1-p) when y = 0, as every true negative"
     authors_drop_last = True  # Cole et al.'s loaders, train and evaluation alike
     authors_log_eps = 1e-5  # Cole et al.'s code: -log(p + 1e-5)

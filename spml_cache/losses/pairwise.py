@@ -52,6 +52,7 @@ class ZLPR(Loss):
     """ZLPR (Su et al. 2022): log(1 + sum_{j in N} e^{x_j}) + log(1 + sum_{i in P} e^{-x_i}) per image."""
 
     name = "zlpr"
+    display_name = "ZLPR"
     observed_negative = "in the negative set, as an assumed negative"
     description = "zero-bounded log-sum-exp & pairwise rank-based loss; OPML at alpha = beta = 1"
     reference = "Su et al. 2022 (ZLPR); the alpha = beta = 1 case of Li, Wang and Chen, Sec. III-B, Table III"
@@ -66,6 +67,7 @@ class OPML(Loss):
     logs, shifted so that the minimum is 0; alpha = beta = 1 is ZLPR."""
 
     name = "opml"
+    display_name = "OPML"
     observed_negative = "in the negative set, as an assumed negative"
     description = "one pair at a time (spec's reconstruction): log(alpha + sum_N e^x) + log(beta + sum_P e^-x), shifted"
     reference = "Li, Wang and Chen, arXiv 2302.14695, Sec. III-B, eqs. 3 and 6; reconstructed in docs/losses.md"
@@ -95,6 +97,7 @@ class OPMLSoft(Loss):
     """
 
     name = "opml_sp"
+    display_name = "OPML-SP"
     observed_negative = "soft target 0 (an unknown gets eps_c); never flipped"
     description = ("OPML + AP-adaptive soft targets, -log det high-rank regulariser, AP-based label correction"
                    " (spec's reconstruction)")

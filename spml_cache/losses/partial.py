@@ -13,6 +13,7 @@ class ObservedBCE(Loss):
     """BCE on observed entries: `nl(p)` where z = 1, `nl(1-p)` where z = -1, nothing where z = 0."""
 
     name = "bce_observed"
+    display_name = "Partial BCE"
     observed_negative = "nl(1-p)"
     description = "BCE on the observed entries only (positives and negatives); an unknown label gives no term."
     reference = ("Durand et al., CVPR 2019, Sec. 3.1: BCE over the known labels (its partial-BCE normalisation g"

@@ -44,6 +44,7 @@ class Focal(Loss):
     positives, `p^g nl(1-p)` elsewhere; `g = 0` is `an`."""
 
     name = "focal"
+    display_name = "Focal"
     observed_negative = "p^g nl(1-p), as an assumed negative"
     description = "focal loss on AN targets: (1-p)^g nl(p) on positives, p^g nl(1-p) on the rest"
     reference = "Lin et al., ICCV 2017; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1; Chen et al., Table 2"
@@ -64,6 +65,7 @@ class AsymmetricLoss(Loss):
     `pm = max(p - clip, 0)` gives `pm^gn nl(1 - pm)`, so easy negatives (`p <= clip`) cost nothing."""
 
     name = "asl"
+    display_name = "ASL"
     observed_negative = "the shifted negative term, as an assumed negative"
     description = "asymmetric loss: focusing gp on positives, gn and probability shift clip on negatives"
     reference = "Ridnik et al., ICCV 2021; baseline of Zhou et al., ECCV 2022, Sec. 4.1 and Table 1"
@@ -125,6 +127,7 @@ class Hill(Loss):
     confident false negative is not pushed down."""
 
     name = "hill"
+    display_name = "Hill"
     observed_negative = "the hill-shaped negative term, as an assumed negative"
     description = "Hill loss: focal margin on positives, (lam - p) p^2 on assumed negatives"
     reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B eq. 24, C.3; Table 2"
@@ -159,6 +162,7 @@ class SPLC(Loss):
     """
 
     name = "splc"
+    display_name = "SPLC"
     observed_negative = "p^g nl(1-p), never corrected to a positive"
     description = "focal margin + self-paced correction: unobserved entries with p > tau count as positives from epoch 2"
     reference = "Zhang et al. 2021, as restated in Chen et al., IJCAI 2024, appendix B (SPLC, focal margin); Table 2"

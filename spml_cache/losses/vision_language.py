@@ -51,6 +51,7 @@ class VisionLanguagePseudoLabels(Loss):
     pseudo-labels (their negative branch is commented out), so neither is offered."""
 
     name = "vlpl"
+    display_name = "VLPL"
     observed_negative = "nl(1-p), never a pseudo-positive"
     needs_similarity = True
     authors_log_eps = 1e-5  # Xing et al.'s code: -log(p + 1e-5)
@@ -116,6 +117,7 @@ class GeneralizedPseudoLabelRobust(GeneralizedRobust, _ExpectedPositivesLoss):
     pseudo-positive among them loses its label as well."""
 
     name = "gpr"
+    display_name = "GPR"
     observed_negative = "nl(1-p), never a pseudo-label"
     needs_similarity = True
     authors_log_eps = 1e-7  # Tran et al.'s code, as GR's: -log(p + 1e-7)

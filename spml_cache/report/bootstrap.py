@@ -20,6 +20,7 @@ import torch
 
 from spml_cache import labels as label_matrix
 from spml_cache import metrics
+from spml_cache.report.measures import image_ranking_precision
 from spml_cache.runs import StoredTest
 
 RESAMPLE_SEED = 0  # numpy.random.default_rng's: the same resamples on every machine, for every report
@@ -93,10 +94,12 @@ def most_that_fit(room: int, num_rows: int, num_classes: int, most_positives: in
 GROUP_ENTRIES = 1 << 18  # (runs with a positive) x resamples per block of classes: arrays of 1-2 MB, in cache
 
 
-def resampled_ap(scores: np.ndarray, positive: np.ndarray, annotated: np.ndarray | None, counts: np.ndarray):
+def resampled_ap(scores: np.ndarray, positive: np.ndarray, annotated: np.ndarray | None, counts: np.ndarray,
+                 points: int | None = None):
     """Per-class AP (0..1, float64 `[B, K]`) of `scores [N, K]` against bool `positive [N, K]` on every resample
     (`counts`: `Resamples.dense`, integers `[N, B]`), and whether the resample holds a positive of the class (`[B, K]`);
-    with bool `annotated [N, K]` (partial labels) each class over its annotated images only.
+    with bool `annotated [N, K]` (partial labels) each class over its annotated images only; `points=11`: VOC
+    2007's interpolated AP (`interpolated_runs`).
 
     sklearn's AP of the resampled set: the sum over distinct thresholds of the recall gained times the precision
     there. Sorted by score once per class, the images of each run of tied scores enter together (an image drawn
@@ -112,16 +115,16 @@ def resampled_ap(scores: np.ndarray, positive: np.ndarray, annotated: np.ndarray
     room, low, taken = max(1, GROUP_ENTRIES // max(counts.shape[1], 1)), 0, 0
     for column, found in enumerate(positive.sum(axis=0)):  # blocks of classes holding `room` positives at most
         if taken and taken + found > room:
-            _block_ap(scores, positive, annotated, counts, slice(low, column), (ap, has_positive))
+            _block_ap(scores, positive, annotated, counts, slice(low, column), (ap, has_positive), points)
             low, taken = column, 0
         taken += found
-    _block_ap(scores, positive, annotated, counts, slice(low, width), (ap, has_positive))
+    _block_ap(scores, positive, annotated, counts, slice(low, width), (ap, has_positive), points)
     diverged = np.isnan(scores).any(axis=0)
     ap[:, diverged], has_positive[:, diverged] = np.nan, True
     return ap, has_positive
 
 
-def _block_ap(scores, positive, annotated, counts, classes: slice, out: tuple) -> None:
+def _block_ap(scores, positive, annotated, counts, classes: slice, out: tuple, points: int | None = None) -> None:
     """`resampled_ap` of the classes `classes`, written into `out` (ap, has_positive)."""
     from scipy.sparse import csr_matrix  # scikit-learn's own dependency
 
@@ -164,22 +167,45 @@ def _block_ap(scores, positive, annotated, counts, classes: slice, out: tuple) -
 
     _, predicted = running(np.flatnonzero(covered), run_bounds)
     gains, true_pos = running(hit_at, np.append(first, len(hit_at)))
-    weighted = np.add.reduceat(gains * (true_pos / np.maximum(predicted, 1)), starts_class, axis=1)  # float64
     total = true_pos[:, ends_class - 1]
     scored = classes.start + column[starts_class]
-    out[0][:, scored] = np.where(total > 0, weighted / np.maximum(total, 1), 0.0)
+    if points is None:
+        weighted = np.add.reduceat(gains * (true_pos / np.maximum(predicted, 1)), starts_class, axis=1)  # float64
+        out[0][:, scored] = np.where(total > 0, weighted / np.maximum(total, 1), 0.0)
+    else:
+        out[0][:, scored] = interpolated_runs(true_pos, predicted, starts_class, ends_class, points)
     out[1][:, scored] = total > 0
 
 
-def _seed_map(scores: np.ndarray, stored: StoredTest, resamples: Resamples) -> np.ndarray:
+def interpolated_runs(true_pos: np.ndarray, predicted: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                      points: int = 11) -> np.ndarray:
+    """`metrics.interpolated` on every resample, `[B, K]`, from the running sums `_block_ap` makes: a class's true
+    positives and images drawn (`[B, G]`) at the end of each of its runs of tied scores holding a positive, classes
+    `starts[k]:ends[k]` of the G columns. Those are the only thresholds that matter: elsewhere recall stays and
+    precision falls, so no other point is the highest at any recall level."""
+    every = np.arange(true_pos.shape[0])
+    found = np.zeros((true_pos.shape[0], len(starts)))
+    for k, (low, high) in enumerate(zip(starts, ends)):
+        gained, drawn = true_pos[:, low:high], predicted[:, low:high]
+        best_from = np.maximum.accumulate((gained / np.maximum(drawn, 1))[:, ::-1], axis=1)[:, ::-1]
+        total = gained[:, -1:]
+        ap = np.ones(len(every))  # recall level 0: the curve's point (0, 1)
+        for level in range(1, points):
+            first = np.minimum((gained * (points - 1) < level * total).sum(axis=1), high - low - 1)
+            ap += best_from[every, first]
+        found[:, k] = np.where(total[:, 0] > 0, ap / points, 0.0)
+    return found
+
+
+def _seed_map(scores: np.ndarray, stored: StoredTest, resamples: Resamples, points: int | None = None) -> np.ndarray:
     """One seed's mAP (0..100) on every resample, `[B]`: the mean over all classes (a class without a positive in
     the resample counting 0, as the papers' mAP), or with a label mask over the classes with an annotated positive
-    in it (as a partially labelled split's mAP)."""
+    in it (as a partially labelled split's mAP); `points=11`: of VOC 2007's interpolated AP."""
     ap_sum, scored = np.zeros(resamples.count), np.zeros(resamples.count)
     for low, high in label_matrix.class_blocks(stored.labels):
         positive = label_matrix.columns(stored.labels, low, high) > 0
         annotated = None if stored.mask is None else label_matrix.columns(stored.mask, low, high) != 0
-        ap, has_positive = resampled_ap(scores[:, low:high], positive, annotated, resamples.dense)
+        ap, has_positive = resampled_ap(scores[:, low:high], positive, annotated, resamples.dense, points)
         ap_sum += ap.sum(axis=1) if annotated is None else np.where(has_positive, ap, 0.0).sum(axis=1)
         scored += (high - low) if annotated is None else has_positive.sum(axis=1)
     return 100.0 * ap_sum / np.maximum(scored, 1)
@@ -197,11 +223,20 @@ def _seed_decisions(scores: np.ndarray, stored: StoredTest, resamples: Resamples
     return values[name].numpy()
 
 
+def _seed_lrap(scores: np.ndarray, stored: StoredTest, resamples: Resamples) -> np.ndarray:
+    """One seed's LRAP (0..100) on every resample, `[B]`: each image's own LRAP (its labels' ranking is its own,
+    whatever else is drawn) weighted by its count in the resample."""
+    per_image = image_ranking_precision(torch.from_numpy(scores), stored.labels, stored.mask).numpy()
+    return 100.0 * (per_image @ resamples.counts) / max(len(per_image), 1)
+
+
 def resampled(stored: StoredTest, metric: str, resamples: Resamples) -> np.ndarray:
-    """`metric` (`map`, `cf1`, `of1@3`, ...: report/measures.py's names) of one result on every resample, `[B]`:
-    the mean over its seeds of each seed's value on that resample, so the interval is around the table's mean."""
+    """`metric` (`map`, `map11`, `lrap`, `cf1`, `of1@3`, ...: report/measures.py's names) of one result on every
+    resample, `[B]`: the mean over its seeds of each seed's value on that resample, so the interval is around the
+    table's mean."""
     name, _, k = metric.partition("@")
-    per_seed = [(_seed_map(scores, stored, resamples) if name == "map" else
+    rankings = {"map": _seed_map, "map11": lambda *given: _seed_map(*given, points=11), "lrap": _seed_lrap}
+    per_seed = [(rankings[name](scores, stored, resamples) if name in rankings else
                  _seed_decisions(scores, stored, resamples, name, int(k) if k else None)) for scores in stored.scores]
     return np.mean(per_seed, axis=0)
 

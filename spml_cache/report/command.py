@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from spml_cache.options.report import ReportOptions
+from spml_cache.options.report import ReportOptions, figure_width
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.confidence import Resampling, add_intervals, compare
 from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles
@@ -92,13 +92,15 @@ def write_figures(table: Table, runs: list, options: ReportOptions, files: Figur
 
 
 def _figure_files(options: ReportOptions) -> FigureFiles:
-    """The figures' format and resolution; either flag without --plots is refused (there is nothing to apply it to)."""
-    given = [flag for flag, value in (("--figure-format", options.figure_format), ("--dpi", options.dpi))
+    """The figures' width, format and resolution; any of their flags without --plots is refused (there is nothing
+    to apply it to)."""
+    given = [flag for flag, value in (("--figure-width", options.figure_width),
+                                      ("--figure-format", options.figure_format), ("--dpi", options.dpi))
              if value is not None]
     if given and options.plots_dir is None:
         raise SpmlError(f"{' and '.join(given)}: only with --plots DIR (the folder the figures go into)")
     return FigureFiles(options.figure_format or DEFAULT_FORMAT,
-                       DEFAULT_DPI if options.dpi is None else options.dpi)
+                       DEFAULT_DPI if options.dpi is None else options.dpi, figure_width(options.figure_width))
 
 
 def _measured(table: Table, options: ReportOptions, metric: str, pair, every: bool) -> Table:

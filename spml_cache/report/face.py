@@ -98,7 +98,8 @@ class ReportTable:
             flat.append(row)
         return pandas.DataFrame(flat)
 
-    def plots(self, folder: Path | str, *, figure_format: str | None = None, dpi: int | None = None) -> list[Path]:
+    def plots(self, folder: Path | str, *, figure_format: str | None = None, dpi: int | None = None,
+              figure_width: str | float | None = None) -> list[Path]:
         """Write the figures `--plots FOLDER` writes (needs matplotlib); returns their paths.
 
         Parameters
@@ -108,10 +109,13 @@ class ReportTable:
         figure_format : text
             png (the default), pdf or svg.
         dpi : whole number
-            The figures' resolution, 50 to 600 (default 300)."""
-        (given,) = from_flag_keywords("plots", {"plots": folder, "figure_format": figure_format, "dpi": dpi},
-                                      ReportOptions)
-        options = replace(self.options, plots_dir=given.plots_dir, figure_format=given.figure_format, dpi=given.dpi)
+            The figures' resolution, 50 to 600 (default 300).
+        figure_width : text or number
+            The width they are printed at: column (3.3 in), text (6.9 in, the default) or inches."""
+        given = {"plots": folder, "figure_format": figure_format, "dpi": dpi, "figure_width": figure_width}
+        (chosen,) = from_flag_keywords("plots", given, ReportOptions)
+        options = replace(self.options, plots_dir=chosen.plots_dir, figure_format=chosen.figure_format, dpi=chosen.dpi,
+                          figure_width=chosen.figure_width)
         _, files = prepared(options)
         return write_figures(self.table(False), self.runs, options, files, self._console)
 

@@ -1,8 +1,12 @@
-"""How `spml-cache report --plots` writes its figures: the format (`--figure-format png|pdf|svg`) and resolution
-(`--dpi`), one for every figure, each file written through a temporary name and renamed whole.
+"""How `spml-cache report --plots` writes its figures: the width (`--figure-width column|text|INCHES`), format
+(`--figure-format png|pdf|svg`) and resolution (`--dpi`), one for every figure, each file written through a
+temporary name and renamed whole.
 
-PNG is 300 dpi by default, the resolution journals ask of raster figures at their printed size (the figures are
-laid out for use at their saved size: no text under `MIN_POINTS`). PDF and SVG are vector: `--dpi` sets only the
+Every figure is laid out at the width asked for, the size it will be printed at: a two-column paper's column
+(3.3 in) or its text width (6.9 in, the default), or any width in inches; its height follows from what it holds.
+At that size no text is under `MIN_POINTS` (7 pt, what conference templates ask of figure text), so a figure is
+included at its own size, never scaled down. PNG is 300 dpi by default, the resolution journals ask of raster
+figures at their printed size. PDF and SVG are vector: `--dpi` sets only the
 resolution of what a vector file would rasterise (none of the report's figures has such a part). PDF embeds its
 fonts as TrueType (Type 42), not matplotlib's default Type 3, which conference submission checks refuse; PDF and
 SVG leave out their creation date, so the same runs give the same files.
@@ -16,21 +20,23 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from spml_cache.options.report import DEFAULT_WIDTH, WIDTH_RANGE, WIDTHS  # declared there; the figures read them here
 from spml_cache.runs import replace_atomically
 
 DEFAULT_FORMAT = "png"
 DEFAULT_DPI = 300
-MIN_POINTS = 8  # the smallest text of any figure (tests/figure_support.py checks every figure against it)
+MIN_POINTS = 7  # the smallest text of any figure at its saved size (tests/figure_support.py checks every figure)
 _UNDATED = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
 
 
 @dataclass(frozen=True)
 class FigureFiles:
-    """The format and resolution of the figures' files (each checked by its option's declaration, options/report.py:
-    `FIGURE_FORMATS`, `DPI_RANGE`)."""
+    """The width, format and resolution of the figures' files (each checked by its option's declaration,
+    options/report.py: `WIDTH_RANGE`, `FIGURE_FORMATS`, `DPI_RANGE`)."""
 
     format: str = DEFAULT_FORMAT
     dpi: int = DEFAULT_DPI
+    width: float = WIDTHS[DEFAULT_WIDTH]  # inches (`figure_width` reads the flag)
 
     def path(self, folder: Path, stem: str) -> Path:
         return folder / f"{stem}.{self.format}"
@@ -42,7 +48,6 @@ class FigureFiles:
         with rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
             replace_atomically(path, lambda file: figure.savefig(
                 file, format=self.format, dpi=self.dpi, metadata=_UNDATED.get(self.format)))
-
 
 
 @contextmanager

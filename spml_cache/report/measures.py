@@ -1,9 +1,10 @@
-"""The metrics of `spml-cache report --metric`: mAP from results.json, and the F1 family of the multi-label
-literature (CP, CR, CF1, OP, OR, OF1, at the 0.5 threshold and for the top k labels of each image) from the test
-scores every run keeps per seed (docs/protocol.md, "Decisions at a threshold").
+"""The metrics of `spml-cache report --metric`: mAP from results.json; from the test scores every run keeps per
+seed, the rankings other evaluators report (VOC 2007's 11-point interpolated mAP, `map11`; label ranking average
+precision, `lrap`) and the F1 family of the multi-label literature (CP, CR, CF1, OP, OR, OF1, at the 0.5
+threshold and for the top k labels of each image) (docs/protocol.md, "The metric", "Decisions at a threshold").
 
-A metric's name is `map`, or one of `metrics.F1_FAMILY` at the threshold (`cf1`), or with `@k` for each image's k
-highest scores at or above the threshold (`cf1@3`, `metrics.predicted`). A run written before the per-seed scores were kept has mAP alone: its other
+A metric's name is `map`, `map11`, `lrap`, or one of `metrics.F1_FAMILY` at the threshold (`cf1`), or with `@k`
+for each image's k highest scores at or above the threshold (`cf1@3`, `metrics.predicted`). A run written before the per-seed scores were kept has mAP alone: its other
 metrics are n/a, said once in a note.
 """
 
@@ -14,11 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
+import torch
+
+from spml_cache import labels as label_matrix
 from spml_cache import metrics
-from spml_cache.options.report import MAP
+from spml_cache.options.report import MAP, RANKINGS
 from spml_cache.runs import StoredTest, read_stored_test
 
-TITLES = {"map": "mAP", "cp": "CP", "cr": "CR", "cf1": "CF1", "op": "OP", "or": "OR", "of1": "OF1"}
+TITLES = {"map": "mAP", "map11": "mAP (VOC07 11-point)", "lrap": "LRAP", "cp": "CP", "cr": "CR", "cf1": "CF1",
+          "op": "OP", "or": "OR", "of1": "OF1"}
 
 
 def left_out_note(runs: list[str]) -> str:
@@ -28,8 +33,9 @@ def left_out_note(runs: list[str]) -> str:
 
 
 def every_metric(top_k: int = metrics.TOP_K) -> list[str]:
-    """The names a file format carries: mAP, the F1 family at the threshold, and the family for the top k."""
-    return [MAP, *metrics.F1_FAMILY, *(f"{name}@{top_k}" for name in metrics.F1_FAMILY)]
+    """The names a file format carries: mAP, the other rankings, the F1 family at the threshold, and the family for
+    the top k."""
+    return [MAP, *RANKINGS, *metrics.F1_FAMILY, *(f"{name}@{top_k}" for name in metrics.F1_FAMILY)]
 
 
 def top_k_of(metric: str) -> int:
@@ -43,11 +49,31 @@ def title(metric: str) -> str:
     return TITLES[name] + (f" (top {k})" if k else "")
 
 
+def image_ranking_precision(scores: torch.Tensor, labels, mask) -> torch.Tensor:
+    """`metrics.label_ranking_precision` of one seed's `scores [N, C]` (each image's LRAP, `[N]`) against a split's
+    labels and mask, dense or sparse, a block of images at a time (each image is scored on its own)."""
+    step = max(1, label_matrix.SCORED_BLOCK_ENTRIES // max(scores.shape[1], 1))
+    parts = []
+    for low in range(0, len(scores), step):
+        rows = np.arange(low, min(low + step, len(scores)))
+        block = [None if matrix is None else label_matrix.dense(label_matrix.take(matrix, rows), np.uint8)
+                 for matrix in (labels, mask)]
+        parts.append(metrics.label_ranking_precision(scores[low:low + step], *block))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
 def seed_values(stored: StoredTest, top_k: int = metrics.TOP_K) -> dict[str, np.ndarray]:
-    """Each seed's F1 family (0..100, `[S]` per name) at the threshold and for the top `top_k`, from its stored test
-    scores against the run's test labels (`StoredTest.f1_family`: partial labels, annotated entries only; sparse
-    labels stay sparse)."""
-    return stored.f1_family(top_k)
+    """Each seed's rankings (`map11`, `lrap`) and F1 family at the threshold and for the top `top_k` (0..100, `[S]`
+    per name), from its stored test scores against the run's test labels (partial labels: annotated entries only;
+    sparse labels stay sparse)."""
+    scores = torch.from_numpy(stored.scores)
+    values = {
+        "map11": np.array([label_matrix.average_precision(seed, stored.labels, stored.mask, points=11)[1]
+                           for seed in scores]),
+        "lrap": np.array([100.0 * float(image_ranking_precision(seed, stored.labels, stored.mask).mean())
+                          for seed in scores]),
+    }
+    return {**values, **stored.f1_family(top_k)}
 
 
 class StoredTests:

@@ -16,10 +16,13 @@ import numpy as np
 
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import DATASET_LABELS
-from spml_cache.report.figure_files import MIN_POINTS, FigureFiles, names_as_text
-from spml_cache.report.layout import GLYPH_EM, legend_below, wrapped
+from spml_cache.report.figure_files import DEFAULT_WIDTH, MIN_POINTS, WIDTHS, FigureFiles, names_as_text
+from spml_cache.report.layout import (
+    AXES_SHARE, GLYPH_EM, LABEL_POINTS, TICKS_AND_LABEL, legend_height, legend_under, line_height, paper_text,
+    set_height, wrapped,
+)
 from spml_cache.report.measures import title
-from spml_cache.report.tables import ZERO_SHOT, Table
+from spml_cache.report.tables import ZERO_SHOT, Table, row_name
 from spml_cache.runtime.errors import SpmlError
 
 def pivot_backbone(table: Table) -> Table:
@@ -53,20 +56,28 @@ def _cache_suffix(label: str) -> str:
 def plot_backbones(Figure, table: Table, out_dir: Path, files: FigureFiles = FigureFiles()) -> Path:
     """`<dataset>-loss_by_backbone.<format>`: each loss's test mAP (mean, with its std over seeds) per backbone, one
     marker per backbone on the loss's row; the best loss of each backbone circled."""
-    figure = draw_backbones(Figure, table)
+    figure = draw_backbones(Figure, table, files.width)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = files.path(out_dir, f"{table.columns[0].dataset}-loss_by_backbone")
     files.write(path, figure)
     return path
 
 
-def draw_backbones(Figure, table: Table):
-    """The figure of `plot_backbones`; its legend, under the x label, shows each backbone's marker alone."""
+def draw_backbones(Figure, table: Table, width: float = WIDTHS[DEFAULT_WIDTH]):
+    """The figure of `plot_backbones`, `width` inches wide; its legend, under the x label, shows each backbone's
+    marker alone."""
     from matplotlib.lines import Line2D
 
     dataset = table.columns[0].dataset
     losses = [loss for loss, _ in table.rows if loss != ZERO_SHOT]
-    figure = Figure(figsize=(8, max(3.0, 0.32 * len(losses) + 1.5)))
+    figure = Figure(figsize=(width, 1.0), layout="constrained")
+    heading = wrapped(f"{DATASET_LABELS.get(dataset, dataset)}: linear probe per loss and backbone\n(circled: each"
+                      " backbone's best single-positive loss)", figure, LABEL_POINTS, AXES_SHARE)
+    labels = [column.label for column in table.columns]
+    entry = (max((len(label) for label in labels), default=1) + 5) * MIN_POINTS * GLYPH_EM  # points
+    per_row = max(1, min(len(labels), int(width * 72 * 0.9 / entry)))
+    set_height(figure, 0.22 * len(losses) + 0.4 + TICKS_AND_LABEL + line_height(
+        LABEL_POINTS, heading.count("\n") + 1) + legend_height(labels[::per_row]) + 0.2)
     axes = figure.subplots()
     positions = np.arange(len(losses))[::-1]  # the first loss on top
     offsets = np.linspace(-0.25, 0.25, len(table.columns)) if len(table.columns) > 1 else [0.0]
@@ -85,15 +96,12 @@ def draw_backbones(Figure, table: Table):
         best = [(cell.mean, y) for y, cell in found if cell.best]
         if best:
             axes.scatter(*zip(*best), s=140, facecolors="none", edgecolors=colour, linewidths=1.5)
-    axes.set_yticks(positions, [f"{loss} (oracle)" if loss in table.oracles else loss for loss in losses],
-                    fontsize=MIN_POINTS)
+    axes.set_yticks(positions, [row_name(table, loss) for loss in losses])
+    axes.set_ylim(-0.6, len(losses) - 0.4)
     axes.set_xlabel(f"test {title(table.metric)} (mean ± std over seeds)")
-    axes.set_title(wrapped(f"{DATASET_LABELS.get(dataset, dataset)}: linear probe per loss and backbone\n(circled:"
-                           " each backbone's best single-positive loss)", figure))
+    axes.set_title(heading)
     axes.grid(axis="x", alpha=0.3)
     # below the axes, under the x label: inside, it would hide the markers of some loss
-    entry = (max((len(handle.get_label()) for handle in handles), default=1) + 5) * MIN_POINTS * GLYPH_EM  # points
-    per_row = max(1, min(len(handles), int(figure.get_figwidth() * 72 * 0.9 / entry)))
-    legend_below(figure, axes.legend(handles=handles, fontsize=MIN_POINTS, loc="lower center", ncol=per_row,
-                                     bbox_to_anchor=(0.5, 0), bbox_transform=figure.transFigure, frameon=False))
+    legend_under(axes, handles=handles, ncol=per_row)
+    paper_text(figure)
     return figure

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from spml_cache import losses
 from spml_cache.observation import DEFAULT_RULE
 from spml_cache.report.collect import (
     DATASET_LABELS, DEFAULT_BACKBONE, Column, Run, in_spec_order, oracle_losses, select_newest,
@@ -205,7 +206,7 @@ def text_grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
         header += [column.label] + (["paper", "Δ"] if column.label in published else [])
     rows = []
     for loss, cells in table.rows:
-        row = [f"{loss} (oracle)" if loss in table.oracles else loss]
+        row = [row_name(table, loss)]
         for column in table.columns:
             cell = cells.get(column.label)
             row.append(mark_best(cell_text(cell)) if cell is not None and cell.best else cell_text(cell))
@@ -215,6 +216,13 @@ def text_grid(table: Table, mark_best) -> tuple[list[str], list[list[str]]]:
                 row += [str(cell.paper), f"{cell.diff:+.2f}"] if has_paper else ["", ""]
         rows.append(row)
     return header, rows
+
+
+def row_name(table: Table, loss: str) -> str:
+    """A row's loss as the papers write it (`AN-LS`, `EM+APL`; losses.display_name), an oracle said to be one; CSV
+    and JSON keep the registry name, which the flags and run files use."""
+    shown = losses.display_name(loss)
+    return f"{shown} (oracle)" if loss in table.oracles else shown
 
 
 def heading(table: Table) -> str:
@@ -291,7 +299,7 @@ def _every_metric_tables(table: Table) -> list[str]:
         for loss, cells in table.rows:
             cell = cells.get(column.label)
             if cell is not None and cell.metrics:
-                rows.append([loss, *(_mean_std(cell.metrics.get(name)) for name in names)])
+                rows.append([losses.display_name(loss), *(_mean_std(cell.metrics.get(name)) for name in names)])
         if len(rows) > 1:
             lines += ["", f"Every metric, {column.label} (test, selected epoch; mean ± std over seeds):", "",
                       *_markdown_rows(rows)]
@@ -318,7 +326,7 @@ def to_json(table: Table) -> str:
         "metric": heading(table), "metric_name": table.metric, "every_metric": _every(table),
         "resamples": table.resamples,
         "columns": [vars(column) for column in table.columns],
-        "rows": [{"loss": loss, "oracle": loss in table.oracles,
+        "rows": [{"loss": loss, "display_name": losses.display_name(loss), "oracle": loss in table.oracles,
                   "cells": {label: {**vars(cell), "run": str(cell.run), "diff": cell.diff} for label, cell in cells.items()}}
                  for loss, cells in table.rows],
         "notes": table.notes,
