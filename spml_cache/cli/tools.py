@@ -11,12 +11,9 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from spml_cache.cli.text import (
-    CONSOLE as console,
-    PUBLISHED_HELP,
-    default_data_root,
-)
-from spml_cache.options.demo import DemoPlacement, DemoSizes
+from spml_cache.cli.text import CONSOLE as console, default_data_root
+from spml_cache.options.demo import DemoData, DemoPlacement, DemoSizes
+from spml_cache.options.extract import ImportOptions
 from spml_cache.options.report import ReportOptions
 
 
@@ -38,37 +35,24 @@ def datasets_command(
         console.print("[dim]pass --root DIR or set SPML_DATA to see what is found there[/dim]")
 
 
-def make_demo_data_command(
-    folder: Path = typer.Argument(..., help="Where to write the dataset (it will hold VOCdevkit/)."),
-    num_train: int = typer.Option(400, "--train", help="Images in VOC's train set (our train + val)."),
-    num_test: int = typer.Option(200, "--test", help="Images in VOC's val set (our test split)."),
-    size: int = typer.Option(128, "--size", help="Image side in pixels."),
-    seed: int = typer.Option(0, "--seed", help="Random seed of the drawing."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing FOLDER/VOCdevkit."),
-) -> None:
+def make_demo_data_command(given: DemoData) -> None:
     """Write a small synthetic dataset in the real PASCAL VOC 2012 layout: coloured shapes, 20 VOC classes.
 
     1-3 objects per image, each class its own (colour, shape) look, ~10% of objects "difficult" (flag 0).
 
     Example: spml-cache make-demo-data demo-data --train 400 --test 200
     """
-    from spml_cache.demo.data import make_demo_data
+    from spml_cache.demo.data import write_demo_data
 
-    root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
-    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {escape(str(root))}")
+    root = write_demo_data(given)
+    console.print(f"wrote {given.num_train} train + {given.num_test} test images ({given.size} px, VOC 2012 layout)"
+                  f" under {escape(str(root))}")
     next_command = shlex.join(["spml-cache", "extract", "voc", "--root", str(root), "--weights", "none",
-                               "--resolution", str(size)])
+                               "--resolution", str(given.size)])
     console.print(f"[dim]next: {escape(next_command)}[/dim]")
 
 
-def import_features_command(
-    folder: Path = typer.Argument(..., help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy, metadata/metadata_{i}.parquet)."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help=f"{PUBLISHED_HELP} (decides the image-id prefix; with the clip-retrieval layout, the dataset read under --root; an spml-cache export names its own)."),
-    root: Optional[Path] = typer.Option(None, "--root", help="clip-retrieval layout from other tools: the dataset's folder, whose images the embedding rows are matched to by id or image_path (default: $SPML_DATA); an spml-cache export needs none."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5; clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does not say; never the cache an export was made from)."),
-    classes: Optional[Path] = typer.Option(None, "--classes", help="Text file with the class names, one per line (VOC's are built in)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing cache at --out."),
-) -> None:
+def import_features_command(options: ImportOptions) -> None:
     """Turn features computed elsewhere into a project cache: the authors' published features (their `val` = the
     official test split), or embeddings in the clip-retrieval layout matched to a dataset's images.
 
@@ -79,10 +63,9 @@ def import_features_command(
     Example: spml-cache import-features data/pascal --dataset voc
     Example: spml-cache import-features voc-embeddings --out cache/voc-imported.h5
     """
-    from spml_cache.extract import import_features
+    from spml_cache.extract import run_import
 
-    report = import_features(folder, dataset=dataset, root=root or default_data_root(), out=out,
-                             classes_file=classes, force=force)
+    report = run_import(options)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
     console.print(f"wrote {escape(str(report.path))} ({counts})")
     for note in report.notes:
