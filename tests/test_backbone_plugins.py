@@ -293,7 +293,7 @@ def test_the_guides_example_runs_offline_from_the_folder_that_holds_it_with_weig
     """docs/your-own-backbone.md's mynets.py, as a user pastes it beside them: `--weights none` reaches its
     `weights` parameter as the string 'none' (no download), the module is found from the current folder."""
     guide = (REPO / "docs" / "your-own-backbone.md").read_text()
-    code = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    code = guide.split("```python file=mynets.py\n", 1)[1].split("```", 1)[0]
     (data / "mynets.py").write_text(code)
     env = {"PYTHONPATH": str(REPO), "SPML_CACHE": str(data / "cache")}
     done = run_cli("extract", "csv", "--root", ".", "--backbone", "mynets:resnet18_trunk", "--weights", "none",

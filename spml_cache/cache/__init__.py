@@ -16,7 +16,7 @@ into the FeatureSet when present (docs/internals.md, "The text side").
 """
 
 from spml_cache.cache.reading import (
-    StoredFeatures, describe_rows, feature_shapes, invalid_rows, load, read_header, stored_rules, verify,
+    StoredFeatures, describe_rows, feature_shapes, invalid_rows, load, load_cache, read_header, stored_rules, verify,
 )
 from spml_cache.cache.schema import (
     OBSERVED_SPLITS, SCHEMA_VERSION, SPLITS, CachedSplit, FeatureSet, SplitRows, cache_id, default_cache_dir,
@@ -28,6 +28,6 @@ from spml_cache.cache.writing import PartialCache, write
 __all__ = [
     "OBSERVED_SPLITS", "SCHEMA_VERSION", "SPLITS", "CachedSplit", "FeatureSet", "PartialCache", "RuleMasks",
     "SplitRows", "StoredFeatures", "add_rules", "cache_id", "feature_shapes",
-    "default_cache_dir", "default_path", "describe_rows", "find_cache", "invalid_rows", "load", "partial_path", "plain",
+    "default_cache_dir", "default_path", "describe_rows", "find_cache", "invalid_rows", "load", "load_cache", "partial_path", "plain",
     "read_header", "stored_rules", "verify", "write",
 ]

@@ -25,10 +25,10 @@ def format_of(matrix) -> str:
     return "sparse" if is_sparse(matrix) else "dense"
 
 
-def resolve_format(choice: str, num_classes: int) -> str:
+def resolve_format(choice: str, num_classes: int, flag: str = "--labels") -> str:
     """`--labels auto|dense|sparse` for a dataset of `num_classes` classes: dense or sparse."""
-    if choice not in LABEL_FORMATS:
-        raise SpmlError(f"--labels {choice!r}: use auto (sparse from {SPARSE_MIN_CLASSES} classes), dense or sparse")
+    if not isinstance(choice, str) or choice not in LABEL_FORMATS:
+        raise SpmlError(f"{flag} {choice!r}: use auto (sparse from {SPARSE_MIN_CLASSES} classes), dense or sparse")
     if choice == "auto":
         return "sparse" if num_classes >= SPARSE_MIN_CLASSES else "dense"
     return choice

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -231,6 +232,26 @@ def _text_side(path: Path, attrs: dict, lengths: dict[str, int]) -> tuple[np.nda
                                                   (lengths[name], grid * grid if grid else None, width))
         sides[name] = side
     return text, sides
+
+
+def load_cache(path: Path | str, *, in_memory: bool = True) -> FeatureSet:
+    """The feature cache at `path` (`sc.load_cache`), read and validated: a `FeatureSet`, whose `train`, `val` and
+    `test` splits each hold `features` (float32 [N, D]), `labels` (uint8 [N, C], the full ground truth; sparse
+    caches: `SparseLabels`), `ids` (the images' paths under the dataset's root) and, for train and val,
+    `observed` (int8 [N, C]: 1 the single observed positive, 0 unobserved); `classes`, `attrs` (how it was made),
+    `dataset`.
+
+    Parameters
+    ----------
+    path : path
+        The cache file (.h5), as `sc.extract` wrote it (`report.path`).
+    in_memory : True or False
+        False: the features stay in the file, read on demand (a cache larger than memory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise SpmlError(f"sc.load_cache: path {path!r}: give the cache file's path (a str or pathlib.Path)")
+    if not isinstance(in_memory, bool):
+        raise SpmlError(f"sc.load_cache: in_memory {in_memory!r}: give True or False")
+    return load(path, in_memory)
 
 
 def load(path: Path | str, in_memory: bool = True) -> FeatureSet:

@@ -40,6 +40,10 @@ class SplitRows:
 
 @dataclass(frozen=True)
 class CachedSplit:
+    """One split of a cache: `features` [N, D], `labels` (the full ground truth), `ids` (each image's path under the
+    dataset's root), `observed` (train and val: 1 the observed positive, 0 unobserved, -1 an observed negative),
+    the other observation rules' masks (`rules`), the partial labels' `label_mask`, a CLIP cache's embeddings."""
+
     features: np.ndarray  # float32 [N, D]; a StoredFeatures (rows read on demand) when loaded out of core
     labels: np.ndarray  # uint8 [N, C], or a sparse.SparseLabels (int8) where the cache stores it sparse
     ids: list[str]
@@ -57,6 +61,10 @@ class CachedSplit:
 
 @dataclass(frozen=True, kw_only=True)
 class FeatureSet:
+    """A cache as `load` (`sc.load_cache`) reads it: its `train`, `val` and `test` splits (`CachedSplit`), the
+    `classes`' names, its `attrs` (how it was made: backbone, weights, resolution, protocol seeds, ...), `dataset`,
+    `path`, and a CLIP cache's class `text_embeddings`."""
+
     train: CachedSplit
     val: CachedSplit
     test: CachedSplit
@@ -93,7 +101,8 @@ class FeatureSet:
         return {"train_similarity": self.similarity("train"), "train_crop_similarity": self.crop_similarity("train")}
 
     def crop_similarity(self, split: str) -> np.ndarray | None:
-        """float32 [N, G*G, C]: the same for each crop of the grid; None when the cache stores no crops."""
+        """float32 [N, G*G, C]: the same for each crop of the grid of `split`'s images; None when the cache stores
+        no crops."""
         crops = getattr(self, split).crop_embeddings
         return None if crops is None or self.text_embeddings is None else _cosine(crops, self.text_embeddings)
 

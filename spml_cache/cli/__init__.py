@@ -46,8 +46,8 @@ from spml_cache.cli.stopping import exit_code, stopping_on_signals
 from spml_cache.options import (
     ExtractOptions, ExtractPlacement, FinetuneOptions, FinetunePlacement, LinearOptions, LinearPlacement,
 )
-from spml_cache.options.extract import ImportOptions, ImportPlacement
-from spml_cache.options.demo import DemoPlacement, DemoSizes
+from spml_cache.options.demo import DemoData, DemoPlacement, DemoSizes
+from spml_cache.options.extract import ImportOptions
 from spml_cache.options.experiments import RunOptions
 from spml_cache.options.report import ReportOptions
 from spml_cache.runtime.errors import Interrupted, SpmlError, finished, stop_requested, work_finished
@@ -84,7 +84,7 @@ def _options(
 
 # --- datasets, make-demo-data (datasets helper) ---
 app.command("datasets")(datasets_command)
-app.command("make-demo-data")(make_demo_data_command)
+stage_command(app, "make-demo-data", DemoData)(make_demo_data_command)
 
 
 # --- extract, import-features (extract helper) ---
@@ -110,7 +110,7 @@ def extract_command(options: ExtractOptions, placement: ExtractPlacement) -> Non
         extract_report(report, console)
 
 
-stage_command(app, "import-features", ImportOptions, ImportPlacement)(import_features_command)
+stage_command(app, "import-features", ImportOptions)(import_features_command)
 app.command("export")(export_command)
 
 

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from spml_cache.cli.stopping import under_torchrun
+from spml_cache.options.keywords import default_data_root
 from spml_cache.options.text import (  # noqa: F401 (the command line's readers, tested as cli.parse_*)
     either, parse_hparams, parse_list, parse_names,
 )
@@ -24,12 +25,6 @@ from spml_cache.runtime.errors import SpmlError
 
 CONSOLE = Console()  # what the commands print
 ERR_CONSOLE = Console(stderr=True, soft_wrap=True)  # one red (or yellow) line per error or warning
-
-
-def default_data_root() -> Optional[Path]:
-    """`SPML_DATA` is the default data root."""
-    value = os.environ.get("SPML_DATA")
-    return Path(value) if value else None
 
 
 def require_root(root: Optional[Path]) -> Path:

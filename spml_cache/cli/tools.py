@@ -12,8 +12,8 @@ import typer
 from rich.markup import escape
 
 from spml_cache.cli.text import CONSOLE as console, default_data_root
-from spml_cache.options.demo import DemoPlacement, DemoSizes
-from spml_cache.options.extract import ImportOptions, ImportPlacement
+from spml_cache.options.demo import DemoData, DemoPlacement, DemoSizes
+from spml_cache.options.extract import ImportOptions
 from spml_cache.options.report import ReportOptions
 
 
@@ -35,30 +35,24 @@ def datasets_command(
         console.print("[dim]pass --root DIR or set SPML_DATA to see what is found there[/dim]")
 
 
-def make_demo_data_command(
-    folder: Path = typer.Argument(..., help="Where to write the dataset (it will hold VOCdevkit/)."),
-    num_train: int = typer.Option(400, "--train", help="Images in VOC's train set (our train + val)."),
-    num_test: int = typer.Option(200, "--test", help="Images in VOC's val set (our test split)."),
-    size: int = typer.Option(128, "--size", help="Image side in pixels."),
-    seed: int = typer.Option(0, "--seed", help="Random seed of the drawing."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing FOLDER/VOCdevkit."),
-) -> None:
+def make_demo_data_command(given: DemoData) -> None:
     """Write a small synthetic dataset in the real PASCAL VOC 2012 layout: coloured shapes, 20 VOC classes.
 
     1-3 objects per image, each class its own (colour, shape) look, ~10% of objects "difficult" (flag 0).
 
     Example: spml-cache make-demo-data demo-data --train 400 --test 200
     """
-    from spml_cache.demo.data import make_demo_data
+    from spml_cache.demo.data import write_demo_data
 
-    root = make_demo_data(folder, num_train=num_train, num_test=num_test, size=size, seed=seed, overwrite=overwrite)
-    console.print(f"wrote {num_train} train + {num_test} test images ({size} px, VOC 2012 layout) under {escape(str(root))}")
+    root = write_demo_data(given)
+    console.print(f"wrote {given.num_train} train + {given.num_test} test images ({given.size} px, VOC 2012 layout)"
+                  f" under {escape(str(root))}")
     next_command = shlex.join(["spml-cache", "extract", "voc", "--root", str(root), "--weights", "none",
-                               "--resolution", str(size)])
+                               "--resolution", str(given.size)])
     console.print(f"[dim]next: {escape(next_command)}[/dim]")
 
 
-def import_features_command(options: ImportOptions, placement: ImportPlacement) -> None:
+def import_features_command(options: ImportOptions) -> None:
     """Turn features computed elsewhere into a project cache: the authors' published features (their `val` = the
     official test split), or embeddings in the clip-retrieval layout matched to a dataset's images.
 
@@ -69,10 +63,9 @@ def import_features_command(options: ImportOptions, placement: ImportPlacement) 
     Example: spml-cache import-features data/pascal --dataset voc
     Example: spml-cache import-features voc-embeddings --out cache/voc-imported.h5
     """
-    from spml_cache.extract import import_features
+    from spml_cache.extract import run_import
 
-    report = import_features(options.folder, dataset=options.dataset, root=placement.root or default_data_root(),
-                             out=placement.out, classes_file=options.classes, force=placement.force)
+    report = run_import(options)
     counts = ", ".join(f"{split} {count}" for split, count in report.counts.items())
     console.print(f"wrote {escape(str(report.path))} ({counts})")
     for note in report.notes:
@@ -139,7 +132,8 @@ def report_command(options: ReportOptions) -> None:
     When a loss was run several times for the same dataset and stage, the newest run is used and the older ones are named under the table; interrupted runs (no results.json) are listed, not tabulated.
 
     Example: spml-cache report --paper --plots figures --format md --out table1.md
-    Example: spml-cache report --out table1.tex --plots figs --figure-format pdf --figure-width column
+    Example: spml-cache report --out table1.tex --plots figs --figure-format pdf
+    Example: spml-cache report --plots figs --figure-width column
     Example: spml-cache report runs/voc --pivot backbone --plots figures
     Example: spml-cache report --metric cf1 --ci --compare an,role
     """

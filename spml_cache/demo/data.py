@@ -27,6 +27,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from spml_cache.datasets.voc import CLASSES
+from spml_cache.options.demo import DemoData
 from spml_cache.runtime.errors import SpmlError
 
 COLOURS = {
@@ -150,6 +151,12 @@ def write_dataset(folder: Path, splits: dict[str, int], size: int, seed: int) ->
         for name in CLASSES:
             lines = "".join(f"{image_id} {flag:>2}\n" for image_id, flag in zip(ids, flags[name]))
             (main / f"{name}_{image_set}.txt").write_text(lines)
+
+
+def write_demo_data(given: DemoData) -> Path:
+    """`spml-cache make-demo-data`'s door: `make_demo_data` with its declared options (options/demo.py)."""
+    return make_demo_data(given.folder, num_train=given.num_train, num_test=given.num_test, size=given.size,
+                          seed=given.seed, overwrite=given.overwrite)
 
 
 def make_demo_data(

@@ -13,7 +13,7 @@ from spml_cache.options import (
     ExtractOptions, ExtractPlacement, FinetuneOptions, FinetunePlacement, LinearOptions, LinearPlacement, Option,
     Options,
 )
-from spml_cache.options.extract import ImportOptions, ImportPlacement
+from spml_cache.options.extract import ImportOptions
 from spml_cache.options.report import ReportOptions
 
 RUNS_KEY = "the runs folder is [experiment] runs"
@@ -50,7 +50,7 @@ class Stage:
 STAGES = {stage.command: stage for stage in (
     Stage("extract", (ExtractOptions, ExtractPlacement), "cache",
           {"dry_run": "spml-cache run --dry-run prints the plan"}),
-    Stage("import-features", (ImportOptions, ImportPlacement), "cache", {}),
+    Stage("import-features", (ImportOptions,), "cache", {}),
     Stage("linear", (LinearOptions, LinearPlacement), "run", {
         "resume": "an experiment goes on with its own runs (run it again)",
         "config": "an experiment file holds the settings itself", "out": RUNS_KEY}),

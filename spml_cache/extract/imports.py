@@ -9,7 +9,16 @@ from pathlib import Path
 from spml_cache.cache.embeddings import SIDECAR, is_export, is_layout, read_sidecar
 from spml_cache.extract.embeddings import import_embeddings, import_export
 from spml_cache.extract.published import ImportReport, import_published
+from spml_cache.options.extract import ImportOptions
+from spml_cache.options.keywords import default_data_root
 from spml_cache.runtime.errors import Interrupted, SpmlError, finished, stops_deferred
+
+
+def run_import(options: ImportOptions) -> ImportReport:
+    """`spml-cache import-features`'s door: `import_features` with the options declared for it (options/extract.py,
+    each flag's help); `root` not given: $SPML_DATA."""
+    return import_features(options.folder, dataset=options.dataset, root=options.root or default_data_root(),
+                           out=options.out, classes_file=options.classes, force=options.force)
 
 
 def import_features(folder: Path, *, dataset: str | None = None, root: Path | None = None, out: Path | None = None,

@@ -57,6 +57,11 @@ from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 
 @dataclass(kw_only=True)
 class ExtractReport:
+    """What `extract` did (`sc.extract` returns it; the command line prints it): `path`, the cache; `status`,
+    written, up to date or dry run; `counts`, rows per split; `extracted` (rows computed now), `left_out`
+    (undecodable images), `resumed` (rows a partial file already held), `skipped`, `recomputed`, `missing`; how it
+    ran (`precision`, `decoder`, `device`, `seconds`, `images_per_s`), `size_bytes`, `notes`."""
+
     path: Path
     status: str  # "written", "up to date" or "dry run"
     counts: dict[str, int]  # rows per split of the cache (planned, for a dry run)
@@ -75,6 +80,7 @@ class ExtractReport:
 
     @property
     def images_per_s(self) -> float:
+        """Rows computed per second by this run."""
         return self.extracted / self.seconds if self.seconds > 0 else 0.0
 
 

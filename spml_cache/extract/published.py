@@ -43,6 +43,9 @@ RESOLUTION = 448  # the authors' extraction: Resize((448, 448)) of a PIL image
 
 @dataclass
 class ImportReport:
+    """What `import-features` wrote (`sc.import_features` returns it): `path`, the cache; `counts`, rows per split;
+    `notes`, what was drawn or taken from where."""
+
     path: Path
     counts: dict[str, int]
     notes: list[str] = field(default_factory=list)

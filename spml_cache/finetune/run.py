@@ -18,7 +18,7 @@ import math
 import shlex
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,15 +41,8 @@ from spml_cache.runtime import locks
 from spml_cache.runtime.devices import default_workers
 from spml_cache.runtime.errors import DiskFull, Interrupted, SpmlError, finished
 from spml_cache.runtime.progress import progress_bar
+from spml_cache.runs.results import FinetuneRun
 from spml_cache.selection import HeadRecord, loss_results, select_config, stops_early
-
-
-@dataclass(frozen=True)
-class FinetuneRun:
-    """What a finished fine-tuning gives back: its directory and its results (results.json)."""
-
-    run_dir: Path
-    results: dict
 
 
 def run_finetune(options: FinetuneOptions, placement: FinetunePlacement = FinetunePlacement()) -> FinetuneRun | None:

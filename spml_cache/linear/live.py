@@ -9,6 +9,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from spml_cache.runtime.progress import live
 from spml_cache.selection import diverged_after_selection, diverged_note
 
 
@@ -70,7 +71,7 @@ class LiveTable:
     def __init__(self, losses: list[str], num_seeds: int, epochs: int, console: Console, every_s: float = 10.0) -> None:
         self.console, self.num_seeds, self.epochs, self.every_s = console, num_seeds, epochs, every_s
         self.rows = {name: ["waiting", "", "", ""] for name in losses}
-        self.live = Live(self._table(), console=console, refresh_per_second=4) if console.is_terminal else None
+        self.live = Live(self._table(), console=console, refresh_per_second=4) if live(console) else None
         self.last_line = time.perf_counter()
 
     def __enter__(self) -> "LiveTable":

@@ -36,17 +36,10 @@ from spml_cache.metrics import mean_average_precision
 from spml_cache.options import LinearOptions, LinearPlacement, from_keywords, refuse_differences
 from spml_cache.protocol import check_train_test, check_val_split
 from spml_cache.runtime.progress import console as progress_console
+from spml_cache.runs.results import LinearRun
 from spml_cache.runtime.ranks import PeerLost, Ranks, current as current_ranks
 
 # --- the run ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LinearRun:
-    """What a finished `linear` run gives back: its directory and its results (results.json)."""
-
-    run_dir: Path
-    results: dict
 
 
 def run_linear(options: LinearOptions | None = None, placement: LinearPlacement | None = None, /,

@@ -78,7 +78,12 @@ def reads_whole_observed(name: str) -> bool:
 
 
 def build(name: str, *, num_classes: int, num_train: int | None = None, dataset: str | None = None, **kwargs) -> Loss:
-    """Build loss `name`. kwargs: `num_heads`, `train_observed`, `seed`, and any hyperparameter override."""
+    """Build loss `name` (a registered name, `file.py:Class`, `module:Class` or an installed plugin's name) for
+    `num_classes` classes: `num_train` training rows (what the epoch check counts a loop's calls against; None:
+    `train_observed`'s rows, or not counted), `dataset` (its published defaults: voc, coco, nus, cub, ...).
+    kwargs: `num_heads` (heads trained at once, default 1), `train_observed` (the whole training observed matrix,
+    for the losses that read it), `seed`, `train_similarity` (a CLIP cache's, for the losses that need it) and any
+    hyperparameter override (`delta=0.002`)."""
     return get(name)(num_classes=num_classes, num_train=num_train, dataset=dataset, **kwargs)
 
 
@@ -86,8 +91,9 @@ def resolve_hparams(name: str, overrides: dict, *, num_classes: int, dataset: st
                     expected_positives: float | None = None, train_similarity: torch.Tensor | None = None,
                     train_crop_similarity: torch.Tensor | None = None) -> dict:
     """The hyperparameters loss `name` trains with: its defaults, its dataset's, then `overrides`; checked by
-    building it once. A dataset without a published `k` (expected positives per image) takes
-    `expected_positives`, the value measured on its own labels."""
+    building it once for `num_classes`, `dataset` and `train_observed` (with `train_similarity` and
+    `train_crop_similarity` for a loss that reads the cache's text side). A dataset without a published `k`
+    (expected positives per image) takes `expected_positives`, the value measured on its own labels."""
     overrides, cls = dict(overrides), get(name)
     published = cls.dataset_defaults.get(dataset, {})
     if "k" in cls.defaults and "k" not in overrides and "k" not in published and expected_positives is not None:

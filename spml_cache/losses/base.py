@@ -244,6 +244,10 @@ class Loss(torch.nn.Module):
         labels: torch.Tensor | None = None,
         index: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`loss(logits, observed, index=rows)`: the loss of each head `[K]` (a scalar for `[B, C]` logits) of a batch's
+        `logits` and `observed` labels (1 / 0 / -1), `index` the batch's training-row ids (a loss with per-example
+        state needs them), `labels` the full labels (an oracle's); checked, then `forward`. A training call of a loss
+        that `needs_start_epoch()` is refused before its first `start_epoch`."""
         if logits.shape[-1] != self.num_classes or observed.shape[-1] != self.num_classes:
             raise SpmlError(
                 f"loss '{self.name}' was built for {self.num_classes} classes; got logits {tuple(logits.shape)}"

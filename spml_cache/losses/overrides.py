@@ -55,6 +55,7 @@ class Overrides:
                     for loss, values in hparams.items()})
 
     def __getitem__(self, loss: str) -> dict:
+        """`overrides["ll_r"]`: the `{key: value or [values]}` given for `loss`."""
         return self.per_loss[loss]
 
     def with_paper_grids(self) -> "Overrides":
@@ -105,13 +106,14 @@ class Combination:
 
 
 def varying_keys(combos: list[dict]) -> list[str]:
-    """The keys whose values differ between the dicts (all sharing the first one's keys); compared by `repr`, as
-    a key the grid does not sweep may hold an unhashable value."""
+    """The keys whose values differ between the dicts of `combos` (all sharing the first one's keys); compared by
+    `repr`, as a key the grid does not sweep may hold an unhashable value."""
     return [key for key in combos[0] if len({repr(combo[key]) for combo in combos}) > 1]
 
 
 def merged(combos: list[dict] | list[Combination]) -> dict:
-    """Combinations as one dict, the inverse of `combinations`: a varying key's values as a list, in order."""
+    """`combos` (combinations) as one dict, the inverse of `combinations`: a varying key's values as a list, in
+    order."""
     combos = [combo.values if isinstance(combo, Combination) else combo for combo in combos]
     varying = varying_keys(combos)
     return {key: list(dict.fromkeys(c[key] for c in combos)) if key in varying else combos[0][key] for key in combos[0]}

@@ -6,9 +6,9 @@ A room of the core, so that the command line builds its commands from the declar
 """
 
 from spml_cache.options.declared import (
-    Check, Option, Options, Placement, above, at_least, between, from_flag_keywords, from_keywords, given, one_of, option,
-    refuse_differences,
+    Check, Option, Options, Placement, above, at_least, between, from_keywords, given, one_of, option, refuse_differences,
 )
+from spml_cache.options.keywords import from_flag_keywords
 from spml_cache.options.extract import ExtractOptions, ExtractPlacement
 from spml_cache.options.finetune import FinetuneOptions, FinetunePlacement
 from spml_cache.options.linear import LinearOptions, LinearPlacement

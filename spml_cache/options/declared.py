@@ -16,13 +16,14 @@ folders, processes), which never changes them.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from spml_cache.options.text import either, parse_list
-from spml_cache.runtime.errors import SpmlError, closest
+from spml_cache.runtime.errors import SpmlError
 from spml_cache.runtime.registry import Param
 
 Declared = TypeVar("Declared", bound="Options")
@@ -141,7 +142,9 @@ class Option(Param):
                 whole = "a whole number" if self.kind is int else "a number"  # unless the fix says it already
                 fix = self.must if "number" in self.must else f"use {whole}"
                 raise SpmlError(f"{name} {_bad(value)}: {fix}")
-        return value if self.kind in (str, bool) else self.kind(value)
+        elif not isinstance(value, KINDS.get(self.kind, self.kind)):  # a Python caller's value of another type
+            raise SpmlError(f"{name} {_bad(value)}: use {KIND_WORDS.get(self.kind, f'a {self.kind.__name__}')}")
+        return value if self.kind is bool or type(value) is self.kind else self.kind(value)
 
     def contradictions(self, given, stored: "Options") -> list[tuple[str, str]]:
         """(given, stored) texts where `given` says otherwise than the `stored` options (a run's own)."""
@@ -166,6 +169,10 @@ class Option(Param):
         if self.kind is Path:
             return str(Path(value).resolve())
         return value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+KINDS = {Path: (str, os.PathLike), str: (str, os.PathLike)}  # what an option of a kind takes beside itself
+KIND_WORDS = {str: "text", bool: "True or False", Path: "a path (a str or pathlib.Path)"}
 
 
 def _bad(value) -> str:
@@ -196,6 +203,7 @@ def given(default: Any, help: str, *, kind: type | None = None, check: Check = A
 def _declare(default, help: str, kind: type | None, check: Check, declared: dict) -> Option:
     default = None if default is MISSING else default
     kind = kind or (type(default) if default is not None and not isinstance(default, (list, tuple, dict)) else str)
+    kind = Path if issubclass(kind, Path) else kind  # PosixPath("runs")'s kind: a path
     return Option(name="", kind=kind, valid=check.valid, must=check.must, said=check.said, default=default,
                   help=help, **declared)
 
@@ -308,23 +316,6 @@ def refuse_differences(run_dir: Path | str, differences: list[tuple[str, str, st
     flags = list(dict.fromkeys(flag for flag, _, _ in differences))
     raise SpmlError(f"--resume {run_dir}: {said} (a resumed run keeps its own settings): leave out"
                     f" {either(flags, 'and')}, or start a new run with {'it' if len(flags) == 1 else 'them'}")
-
-
-def from_flag_keywords(door: str, keywords: Mapping, *types: type[Options]) -> list:
-    """One object of each of `types` from keywords named as the command line's flags (`Option.keyword`: `lr`,
-    `batch_size`, `hp`, `from_run`), each value what the flag takes (a list, or the flag's comma text), read and
-    checked by its declaration with a bad value's line naming the keyword; a keyword no option has is one line
-    naming `door` and the closest keyword (never a bare TypeError)."""
-    by_keyword = {option.keyword: (kind, option) for kind in types for option in kind.declared().values()}
-    values: dict[type, dict] = {kind: {} for kind in types}
-    for keyword, value in keywords.items():
-        if keyword not in by_keyword:
-            near = closest(keyword, by_keyword)
-            raise SpmlError(f"{door}: no keyword {keyword!r}" + (f"; did you mean {near}?" if near else "")
-                            + f" (its keywords: {', '.join(by_keyword)})")
-        kind, option = by_keyword[keyword]
-        values[kind][option.name] = value if value is None else option.checked(value, keyword)
-    return [kind(**values[kind]) for kind in types]
 
 
 def from_keywords(keywords: Mapping, *types: type) -> list:

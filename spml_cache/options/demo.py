@@ -1,6 +1,7 @@
 """`spml-cache demo`'s options (`demo.run_demo`): how big the demo is (`DemoSizes`: hidden flags, which the tests make
 small) and where it runs (`DemoPlacement`), declared like the stages' so that the command line is built from them
-and a bad size is refused, in one line naming its flag, before any work."""
+and a bad size is refused, in one line naming its flag, before any work; and `spml-cache make-demo-data`'s
+(`DemoData`: the generated dataset alone, `sc.make_demo_data`)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,17 @@ class DemoPlacement(Placement):
 
     out: Path = option(Path("demo"), "Folder for the demo's data, cache, runs and plots.")
     device: str = option("auto", "auto, cpu, cuda or cuda:N.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoData(Options):
+    """`spml-cache make-demo-data`: a small synthetic dataset in the real PASCAL VOC 2012 layout, where to write it
+    and how big."""
+
+    folder: Path = option(help="Where to write the dataset (it will hold VOCdevkit/).", kind=Path, argument=True)
+    num_train: int = option(DEMO_TRAIN, "Images in VOC's train set (our train + val).", flag="--train",
+                            check=at_least(1))
+    num_test: int = option(DEMO_TEST, "Images in VOC's val set (our test split).", flag="--test", check=at_least(1))
+    size: int = option(DEMO_SIZE, "Image side in pixels.", check=at_least(16, "smaller is too small to draw on"))
+    seed: int = option(0, "Random seed of the drawing.")
+    overwrite: bool = option(False, "Replace an existing FOLDER/VOCdevkit.", switch=True)

@@ -1,14 +1,15 @@
 """Stage one's options (`spml-cache extract`, `extract.run_extract`): what the cache holds (`ExtractOptions`) and
-where and how this process computes it (`ExtractPlacement`: the cache is the same whatever they are)."""
+where and how this process computes it (`ExtractPlacement`: the cache is the same whatever they are); and those of
+`spml-cache import-features` (`ImportOptions`: features made elsewhere into a cache)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from spml_cache import backbones
+from spml_cache import backbones, datasets
 from spml_cache.options.declared import Options, Placement, at_least, between, given, one_of, option
-from spml_cache.options.text import DATASETS_HELP, PUBLISHED_HELP, RULES_HELP, read_rules
+from spml_cache.options.text import DATASETS_HELP, RULES_HELP, either, read_rules
 
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # what the trunk may run in (torch's)
 
@@ -33,7 +34,7 @@ def _label_format(value: str, flag: str) -> str:
     """`--labels`, checked by the cache's own rule (auto, dense or sparse)."""
     from spml_cache.cache.csr import resolve_format
 
-    resolve_format(value, 0)
+    resolve_format(value, 0, flag)
     return value
 
 
@@ -101,28 +102,26 @@ class ExtractPlacement(Placement):
     feed_thread: bool | None = option(None, "Decode in the feed thread.", kind=bool, flag="")
 
 
+PUBLISHED_HELP = either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows
+
+
 @dataclass(frozen=True, kw_only=True)
 class ImportOptions(Options):
-    """What `spml-cache import-features` makes a cache of (`extract.import_features`): features computed elsewhere,
-    the dataset they are of and its class names."""
+    """`spml-cache import-features`: the folder of features computed elsewhere (the authors' published files, or
+    the clip-retrieval layout), which dataset they are of, and the cache to write."""
 
     folder: Path = option(help="Folder with the authors' formatted_*.npy and *_features_imagenet_resnet50.npy, or"
                           " embeddings in the clip-retrieval layout (img_emb/img_emb_{i}.npy,"
-                          " metadata/metadata_{i}.parquet).", argument=True, kind=Path)
+                          " metadata/metadata_{i}.parquet).", kind=Path, argument=True)
     dataset: str | None = option(None, f"{PUBLISHED_HELP} (decides the image-id prefix; with the clip-retrieval"
-                                 " layout, the dataset read under --root; an spml-cache export names its own).")
-    classes: Path | None = option(None, "Text file with the class names, one per line (VOC's are built in).",
-                                  kind=Path)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImportPlacement(Placement):
-    """Where the images are (the clip-retrieval layout's), where the cache goes, and whether it replaces one."""
-
+                                 " layout, the dataset read under --root; an spml-cache export names its own).",
+                                 kind=str)
     root: Path | None = option(None, "clip-retrieval layout from other tools: the dataset's folder, whose images the"
                                " embedding rows are matched to by id or image_path (default: $SPML_DATA); an"
                                " spml-cache export needs none.", kind=Path)
     out: Path | None = option(None, "Cache file (default: $SPML_CACHE or ./cache, <dataset>-resnet50-448.h5;"
                               " clip-retrieval layout: <dataset>-<backbone>-<R>.h5, imported-0 when the folder does"
                               " not say; never the cache an export was made from).", kind=Path)
+    classes: Path | None = option(None, "Text file with the class names, one per line (VOC's are built in).",
+                                  kind=Path)
     force: bool = option(False, "Replace an existing cache at --out.", switch=True)

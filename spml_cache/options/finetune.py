@@ -14,7 +14,7 @@ from spml_cache.options.declared import Options, Placement, above, at_least, giv
 from spml_cache.options.extract import decode_option
 from spml_cache.options.records import config_option
 from spml_cache.options.linear import BATCH_SIZES, LRS, seed_count
-from spml_cache.options.text import parse_hparams, parse_list
+from spml_cache.options.text import parse_list, read_hparams
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, GRID_LRS, Fidelity
 from spml_cache.runtime.errors import SpmlError
 from spml_cache.options.trackers import TRACKERS_HELP, read_trackers
@@ -35,20 +35,19 @@ def _read_lrs(value, flag: str) -> list[float]:
     """`--lr`: a comma list, or `grid` (stage two's grid); a Python list of numbers, or one."""
     if isinstance(value, str):
         return list(GRID_LRS) if value.strip() == "grid" else parse_list(value, flag, float)
-    value = [value] if isinstance(value, (int, float)) else value
-    for one in value:
+    for one in value if isinstance(value, (list, tuple)) else [value]:
         if isinstance(one, bool) or not isinstance(one, (int, float)):
             raise SpmlError(f"{flag} {one!r}: use a number")
-    return [float(one) for one in value]
+    return [float(one) for one in value] if isinstance(value, (list, tuple)) else [float(value)]
 
 
 def _read_hparams(value, flag: str) -> dict:
     """`--hp key=value`: one value a key (a sweep belongs to the linear probe)."""
-    hparams = dict(value) if isinstance(value, dict) else parse_hparams([value] if isinstance(value, str) else value)
+    hparams = read_hparams(value, flag)
     for key, one in hparams.items():
         if isinstance(one, (list, tuple)):
-            raise SpmlError(f"--hp {key}={','.join(f'{v:g}' for v in one)}: fine-tuning takes one value; sweep on the"
-                            " linear probe (spml-cache linear --hp ...), then fine-tune from its best head")
+            raise SpmlError(f"{flag} {key}={','.join(f'{v:g}' for v in one)}: fine-tuning takes one value; sweep on"
+                            " the linear probe (spml-cache linear --hp ...), then fine-tune from its best head")
     return hparams
 
 

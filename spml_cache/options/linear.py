@@ -14,7 +14,7 @@ from rich.console import Console
 from spml_cache import observation
 from spml_cache.options.declared import Options, Placement, at_least, given, listed, one_of, option, text
 from spml_cache.options.records import config_option
-from spml_cache.options.text import RULES_HELP, parse_hparams, parse_names, read_rules
+from spml_cache.options.text import RULES_HELP, parse_names, read_hparams, read_rules
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, GRID_WDS, LINEAR_EPOCHS, Fidelity
 from spml_cache.runtime import memory
 from spml_cache.runtime.errors import SpmlError
@@ -86,9 +86,9 @@ def _paper_grids_differ(hp_grid, stored: "LinearOptions"):
 
 
 def _read_hparams(value, flag):
-    if isinstance(value, Mapping) or hasattr(value, "per_loss"):  # `{key: value}`, or a run's `Overrides`
+    if hasattr(value, "per_loss"):  # a run's `Overrides`
         return value
-    return parse_hparams([value] if isinstance(value, str) else value)
+    return read_hparams(value, flag)
 
 
 def _stored_hparams(value) -> dict:

@@ -10,7 +10,7 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from spml_cache.options.declared import Options, at_least, option
+from spml_cache.options.declared import Options, at_least, between, option
 from spml_cache.runtime.errors import SpmlError, unknown_name
 
 TABLE_FORMATS = ("csv", "md", "json", "tex")  # report/formats.py renders each
@@ -19,6 +19,11 @@ MAP = "map"
 RANKINGS = ("map11", "lrap")  # VOC 2007's 11-point interpolated mAP (DINOv3's map_voc2007); MTEB's multi-label LRAP
 DEFAULT_RESAMPLES = 1000
 MIN_RESAMPLES = 100  # below this the 2.5th and 97.5th percentiles rest on two or three resamples
+FIGURE_FORMATS = ("png", "pdf", "svg")  # report/figure_files.py writes each
+DPI_RANGE = (50, 600)  # above 600, a 24-inch figure is a 14,400-pixel-wide PNG: a vector format serves better
+WIDTHS = {"column": 3.3, "text": 6.9}  # inches: a two-column paper's column and text width (CVPR's, NeurIPS' 5.5)
+DEFAULT_WIDTH = "text"
+WIDTH_RANGE = (2.0, 24.0)  # inches: below 2 no panel holds its labels at 7 pt
 
 
 def _read_format(value: str, flag: str) -> str:
@@ -26,6 +31,35 @@ def _read_format(value: str, flag: str) -> str:
         raise SpmlError(f"{flag} {value}: {unknown_name('format', value, TABLE_FORMATS)}; use one of"
                         f" {', '.join(TABLE_FORMATS)}")
     return value
+
+
+def _read_figure_format(value: str, flag: str) -> str:
+    if not isinstance(value, str) or value.lower() not in FIGURE_FORMATS:
+        raise SpmlError(f"{flag} {value}: use one of {', '.join(FIGURE_FORMATS)}")
+    return value.lower()
+
+
+def figure_width(text: str | float | None, flag: str = "--figure-width") -> float:
+    """`--figure-width`'s value in inches: `column` (3.3), `text` (6.9, also when not given) or a number of inches
+    within WIDTH_RANGE (from Python, a number too)."""
+    given = str(DEFAULT_WIDTH if text is None else text).strip().lower()
+    if given in WIDTHS:
+        return WIDTHS[given]
+    try:
+        inches = float(given.removesuffix("in").strip())
+    except ValueError:
+        raise SpmlError(f"{flag} {text}: use column ({WIDTHS['column']} in), text ({WIDTHS['text']} in) or a width in"
+                        " inches, e.g. 5.5") from None
+    low, high = WIDTH_RANGE
+    if not low <= inches <= high:
+        raise SpmlError(f"{flag} {inches:g}: use {low:g} to {high:g} inches, or column ({WIDTHS['column']} in) or text"
+                        f" ({WIDTHS['text']} in)")
+    return inches
+
+
+def _read_figure_width(value, flag: str) -> str:
+    figure_width(value, flag)
+    return str(value).strip().lower()
 
 
 def _read_pivot(value: str, flag: str) -> str:
@@ -78,12 +112,14 @@ class ReportOptions(Options):
     plots_dir: Path | None = option(None, "Also write the figures into DIR (needs matplotlib).", flag="--plots",
                                     kind=Path)
     figure_format: str | None = option(None, "The figures' format: png (the default), pdf or svg (vector; pdf's fonts"
-                                       " embedded as TrueType).")
+                                       " embedded as TrueType).", read=_read_figure_format)
     figure_width: str | None = option(None, "The figures' width as printed: column (3.3 in), text (6.9 in, the"
                                       " default) or inches, e.g. 5.5; each is laid out for it, every text at least 7"
-                                      " pt there.")
+                                      " pt there.", read=_read_figure_width)
     dpi: int | None = option(None, "The figures' resolution in dots per inch, 50 to 600 (default: 300; pdf and svg"
-                             " are vector whatever it says).", kind=int)
+                             " are vector whatever it says).", kind=int, check=between(
+                                 *DPI_RANGE, f"use {DPI_RANGE[0]} to {DPI_RANGE[1]} (for any size, --figure-format"
+                                 " pdf or svg: vector)"))
     compare: str | None = option(
         None, "Two losses a,b, e.g. an,role: their paired difference a - b per dataset and stage (bootstrap interval,"
         " p-value), and the per-class AP figure's pair (default there: the best two).",

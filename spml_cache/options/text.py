@@ -3,7 +3,7 @@ names its flag in the one line a bad text gets; the stages check the values them
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from spml_cache import datasets, observation  # registries the help texts list (no torch)
 from spml_cache.runtime.errors import SpmlError
@@ -24,24 +24,52 @@ def parse_names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def parse_hparams(items: Iterable[str]) -> dict:
+def parse_hparams(items: Iterable[str], flag: str = "--hp") -> dict:
     """`--hp key=value` or `--hp loss.key=value` (repeatable) as `{key: value}`; `key=v1,v2,...` as a list of
     values to sweep (several swept keys give their product). The losses check the values (`losses.Overrides`)."""
     given = {}
     for item in items:
+        if not isinstance(item, str):
+            raise SpmlError(f"{flag} {item!r}: expected key=value text, e.g. {flag} alpha=0.1")
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise SpmlError(f"--hp {item!r}: expected key=value or loss.key=value, e.g. --hp alpha=0.1")
+            raise SpmlError(f"{flag} {item!r}: expected key=value or loss.key=value, e.g. {flag} alpha=0.1")
         if not text.strip(","  " ").strip():
-            raise SpmlError(f"--hp {item!r}: no value; give one, or a comma list to sweep, e.g. --hp {key.strip()}=0.1,0.2")
+            raise SpmlError(f"{flag} {item!r}: no value; give one, or a comma list to sweep, e.g. {flag}"
+                            f" {key.strip()}=0.1,0.2")
         values = []
         for part in text.split(","):
             try:
                 values.append(int(part) if part.strip().lstrip("-").isdigit() else float(part))
             except ValueError:
-                raise SpmlError(f"--hp {item!r}: {part.strip()!r} is not a number (a comma list sweeps values)") from None
+                raise SpmlError(f"{flag} {item!r}: {part.strip()!r} is not a number (a comma list sweeps values)") from None
         given[key.strip()] = values if "," in text else values[0]
     return given
+
+
+def read_hparams(value, flag: str) -> dict:
+    """`--hp`'s items as `{key: value}`: the flag's text (one item, or a list of them), or a Python mapping whose
+    values are numbers, lists of numbers, or the flag's text of one (`{"ll_r.delta": "0.001,0.002"}`)."""
+    if isinstance(value, str):
+        return parse_hparams([value], flag)
+    if not isinstance(value, Mapping):
+        return parse_hparams(list(value), flag)
+    read = {}
+    for key, one in value.items():
+        if isinstance(one, str):
+            read.update(parse_hparams([f"{key}={one}"], flag))
+        elif _numbers(one):
+            read[key] = list(one) if isinstance(one, (list, tuple)) else one
+        else:
+            raise SpmlError(f"{flag} {key}={one!r}: give a number, a list of numbers to sweep, or their text"
+                            f" ({flag} {key}=0.1,0.2)")
+    return read
+
+
+def _numbers(value) -> bool:
+    """A number, or a list of them (never a bool)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return all(isinstance(one, (int, float)) and not isinstance(one, bool) for one in values)
 
 
 def read_rules(value, flag):

@@ -20,8 +20,7 @@ import torch
 
 from spml_cache import labels as label_matrix
 from spml_cache import metrics
-from spml_cache.report.measures import image_ranking_precision
-from spml_cache.runs import StoredTest
+from spml_cache.runs import StoredTest, image_ranking_precision
 
 RESAMPLE_SEED = 0  # numpy.random.default_rng's: the same resamples on every machine, for every report
 DRAW_ROWS = 1 << 24  # draws per block while counting: the indices of a block are int64, so 128 MB at most

@@ -9,10 +9,10 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from spml_cache.options.report import ReportOptions
+from spml_cache.options.report import ReportOptions, figure_width
 from spml_cache.report.collect import collect_runs
 from spml_cache.report.confidence import Resampling, add_intervals, compare
-from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles, figure_width
+from spml_cache.report.figure_files import DEFAULT_DPI, DEFAULT_FORMAT, FigureFiles
 from spml_cache.report.measures import MAP, StoredTests, add_metrics
 from spml_cache.report.pivot import pivot_backbone, plot_backbones
 from spml_cache.report.plots import plot_runs, require_matplotlib
@@ -32,39 +32,63 @@ def print_report(run_dirs: list[Path], *, paper: bool = False, console: Console 
 def report_command(options: ReportOptions, console: Console) -> None:
     """`spml-cache report`: what the flags say together checked first (each flag checked itself as the options
     were built), then the table (terminal or file), then the figures."""
-    paths, runs_root, paper, fmt, output = options.run_dirs, options.runs_root, options.paper, options.fmt, options.output
-    plots_dir, pivot, metric, pair = options.plots_dir, options.pivot, options.metric, options.pair
-    if paper and metric != MAP:
-        raise SpmlError(f"--paper: the papers publish mAP only; leave out --paper or --metric {options.metric}")
-    if output is not None and fmt is None:
-        fmt = format_of_suffix(output)
+    fmt, files = prepared(options)
     render = formatter(fmt) if fmt is not None else None
-    files = _figure_files(options)
-    if plots_dir is not None:
-        require_matplotlib()
-    runs = collect_runs(paths, runs_root=runs_root)
-    table = _measured(build_table(runs, paper=paper), options, metric, pair, every=fmt in EVERY_METRIC)
-    table = pivot_backbone(table) if pivot == "backbone" else table
+    runs = collect_runs(options.run_dirs, runs_root=options.runs_root)
+    table = tabulate(options, runs, every=fmt in EVERY_METRIC)
     if render is None:
         print_table(table, console)
-    elif output is None:
+    elif options.output is None:
         console.out(render(table), highlight=False, end="")
         if fmt == "csv":  # a CSV has no place for them: on stderr, so that stdout stays one CSV
             print_comparisons(table, Console(stderr=True))
     else:
-        with _writing("--out", output):
-            output.parent.mkdir(parents=True, exist_ok=True)
-            replace_atomically(output, lambda file: file.write(render(table).encode("utf-8")))
-        console.print(f"wrote {escape(str(output))} ({len(table.rows)} losses x {len(table.columns)} columns)")
-        print_notes(table, console)
-        print_comparisons(table, console)
-    if plots_dir is not None:
-        with _writing("--plots", plots_dir):
-            written = [plot_backbones(require_matplotlib(), table, plots_dir, files)] if pivot else \
-                plot_runs(runs, plots_dir, compare=pair, console=console, files=files)
+        write_table(table, fmt, options.output, console)
+    if options.plots_dir is not None:
+        written = write_figures(table, runs, options, files, console)
         finished()  # every figure is written: a stop now has nothing to stop
         for path in written:
             console.print(f"wrote {escape(str(path))}")
+
+
+def prepared(options: ReportOptions) -> tuple[str | None, FigureFiles]:
+    """What the flags say together, checked before any run is read: the table's format (--format, else --out's
+    suffix; None: the terminal's) and the figures' files."""
+    if options.paper and options.metric != MAP:
+        raise SpmlError(f"--paper: the papers publish mAP only; leave out --paper or --metric {options.metric}")
+    fmt = options.fmt
+    if options.output is not None and fmt is None:
+        fmt = format_of_suffix(options.output)
+    files = _figure_files(options)
+    if options.plots_dir is not None:
+        require_matplotlib()
+    return fmt, files
+
+
+def tabulate(options: ReportOptions, runs: list, every: bool) -> Table:
+    """The table of `runs` the options ask for: its cells, their metrics (`every` one, for csv, md and json), the
+    intervals and the comparison, pivoted with --pivot."""
+    table = _measured(build_table(runs, paper=options.paper), options, options.metric, options.pair, every=every)
+    return pivot_backbone(table) if options.pivot == "backbone" else table
+
+
+def write_table(table: Table, fmt: str, output: Path, console: Console) -> None:
+    """`--out FILE`: the table rendered as `fmt`, written atomically; then its notes and comparisons."""
+    with _writing("--out", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(output, lambda file: file.write(formatter(fmt)(table).encode("utf-8")))
+    console.print(f"wrote {escape(str(output))} ({len(table.rows)} losses x {len(table.columns)} columns)")
+    print_notes(table, console)
+    print_comparisons(table, console)
+
+
+def write_figures(table: Table, runs: list, options: ReportOptions, files: FigureFiles, console: Console) -> list[Path]:
+    """`--plots DIR`: the figures of `runs` (with --pivot, the table's own), their paths."""
+    plots_dir = options.plots_dir
+    with _writing("--plots", plots_dir):
+        if options.pivot:
+            return [plot_backbones(require_matplotlib(), table, plots_dir, files)]
+        return plot_runs(runs, plots_dir, compare=options.pair, console=console, files=files)
 
 
 def _figure_files(options: ReportOptions) -> FigureFiles:
@@ -75,7 +99,7 @@ def _figure_files(options: ReportOptions) -> FigureFiles:
              if value is not None]
     if given and options.plots_dir is None:
         raise SpmlError(f"{' and '.join(given)}: only with --plots DIR (the folder the figures go into)")
-    return FigureFiles((options.figure_format or DEFAULT_FORMAT).lower(),
+    return FigureFiles(options.figure_format or DEFAULT_FORMAT,
                        DEFAULT_DPI if options.dpi is None else options.dpi, figure_width(options.figure_width))
 
 

@@ -20,40 +20,23 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from spml_cache.options.report import DEFAULT_WIDTH, WIDTH_RANGE, WIDTHS  # declared there; the figures read them here
 from spml_cache.runs import replace_atomically
-from spml_cache.runtime.errors import SpmlError
 
-FORMATS = ("png", "pdf", "svg")
 DEFAULT_FORMAT = "png"
 DEFAULT_DPI = 300
-DPI_RANGE = (50, 600)  # above 600, a 24-inch figure is a 14,400-pixel-wide PNG: a vector format serves better
 MIN_POINTS = 7  # the smallest text of any figure at its saved size (tests/figure_support.py checks every figure)
-WIDTHS = {"column": 3.3, "text": 6.9}  # inches: a two-column paper's column and text width (CVPR's, NeurIPS' 5.5)
-DEFAULT_WIDTH = "text"
-WIDTH_RANGE = (2.0, 24.0)  # inches: below 2 no panel holds its labels at 7 pt
 _UNDATED = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
 
 
 @dataclass(frozen=True)
 class FigureFiles:
-    """The format and resolution of the figures' files, checked once."""
+    """The width, format and resolution of the figures' files (each checked by its option's declaration,
+    options/report.py: `WIDTH_RANGE`, `FIGURE_FORMATS`, `DPI_RANGE`)."""
 
     format: str = DEFAULT_FORMAT
     dpi: int = DEFAULT_DPI
     width: float = WIDTHS[DEFAULT_WIDTH]  # inches (`figure_width` reads the flag)
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise SpmlError(f"--figure-format {self.format}: use one of {', '.join(FORMATS)}")
-        low, high = DPI_RANGE
-        if not low <= self.dpi <= high:
-            raise SpmlError(f"--dpi {self.dpi}: use {low} to {high} (for any size, --figure-format pdf or svg:"
-                            " vector)")
-
-        low, high = WIDTH_RANGE
-        if not low <= self.width <= high:
-            raise SpmlError(f"--figure-width {self.width:g}: use {low:g} to {high:g} inches, or column"
-                            f" ({WIDTHS['column']} in) or text ({WIDTHS['text']} in)")
 
     def path(self, folder: Path, stem: str) -> Path:
         return folder / f"{stem}.{self.format}"
@@ -65,19 +48,6 @@ class FigureFiles:
         with rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
             replace_atomically(path, lambda file: figure.savefig(
                 file, format=self.format, dpi=self.dpi, metadata=_UNDATED.get(self.format)))
-
-
-def figure_width(text: str | None) -> float:
-    """`--figure-width`'s value in inches: `column` (3.3), `text` (6.9, also when not given) or a number of inches
-    (checked against WIDTH_RANGE by FigureFiles)."""
-    given = (text or DEFAULT_WIDTH).strip().lower()
-    if given in WIDTHS:
-        return WIDTHS[given]
-    try:
-        return float(given.removesuffix("in").strip())
-    except ValueError:
-        raise SpmlError(f"--figure-width {text}: use column ({WIDTHS['column']} in), text ({WIDTHS['text']} in) or a"
-                        f" width in inches, e.g. 5.5") from None
 
 
 @contextmanager

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-import torch
-
-from spml_cache import labels as label_matrix
 from spml_cache import metrics
 from spml_cache.options.report import MAP, RANKINGS
 from spml_cache.runs import StoredTest, read_stored_test
@@ -49,31 +46,11 @@ def title(metric: str) -> str:
     return TITLES[name] + (f" (top {k})" if k else "")
 
 
-def image_ranking_precision(scores: torch.Tensor, labels, mask) -> torch.Tensor:
-    """`metrics.label_ranking_precision` of one seed's `scores [N, C]` (each image's LRAP, `[N]`) against a split's
-    labels and mask, dense or sparse, a block of images at a time (each image is scored on its own)."""
-    step = max(1, label_matrix.SCORED_BLOCK_ENTRIES // max(scores.shape[1], 1))
-    parts = []
-    for low in range(0, len(scores), step):
-        rows = np.arange(low, min(low + step, len(scores)))
-        block = [None if matrix is None else label_matrix.dense(label_matrix.take(matrix, rows), np.uint8)
-                 for matrix in (labels, mask)]
-        parts.append(metrics.label_ranking_precision(scores[low:low + step], *block))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-
-
 def seed_values(stored: StoredTest, top_k: int = metrics.TOP_K) -> dict[str, np.ndarray]:
     """Each seed's rankings (`map11`, `lrap`) and F1 family at the threshold and for the top `top_k` (0..100, `[S]`
     per name), from its stored test scores against the run's test labels (partial labels: annotated entries only;
     sparse labels stay sparse)."""
-    scores = torch.from_numpy(stored.scores)
-    values = {
-        "map11": np.array([label_matrix.average_precision(seed, stored.labels, stored.mask, points=11)[1]
-                           for seed in scores]),
-        "lrap": np.array([100.0 * float(image_ranking_precision(seed, stored.labels, stored.mask).mean())
-                          for seed in scores]),
-    }
-    return {**values, **stored.f1_family(top_k)}
+    return {**stored.rankings(), **stored.f1_family(top_k)}
 
 
 class StoredTests:

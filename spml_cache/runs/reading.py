@@ -89,6 +89,15 @@ class StoredTest:
     labels: object
     mask: object
 
+    def rankings(self) -> dict[str, np.ndarray]:
+        """Each seed's rankings other evaluators report (0..100, `[S]`): `map11`, VOC 2007's 11-point interpolated
+        mAP, and `lrap`, label ranking average precision (docs/protocol.md, "The metric")."""
+        scores = torch.from_numpy(self.scores)
+        return {"map11": np.array([labels.average_precision(seed, self.labels, self.mask, points=11)[1]
+                                   for seed in scores]),
+                "lrap": np.array([100.0 * float(image_ranking_precision(seed, self.labels, self.mask).mean())
+                                  for seed in scores])}
+
     def f1_family(self, top_k: int = metrics.TOP_K) -> dict[str, np.ndarray]:
         """Each seed's F1 family (0..100, `[S]` per name: `cp`, ..., `of1`) at the threshold and, as `cp@K`, ...,
         for each image's top `top_k` (docs/protocol.md, "Decisions at a threshold"): against the run's test labels,
@@ -100,6 +109,19 @@ class StoredTest:
             family, _ = metrics.f1_family(counts, self.mask is not None)
             values.update({f"{name}{suffix}": value.numpy() for name, value in family.items()})
         return values
+
+
+def image_ranking_precision(scores: torch.Tensor, split_labels, mask) -> torch.Tensor:
+    """`metrics.label_ranking_precision` of one seed's `scores [N, C]` (each image's LRAP, `[N]`) against a split's
+    labels (`split_labels`) and mask, dense or sparse, a block of images at a time (each image is scored on its own)."""
+    step = max(1, labels.SCORED_BLOCK_ENTRIES // max(scores.shape[1], 1))
+    parts = []
+    for low in range(0, len(scores), step):
+        rows = np.arange(low, min(low + step, len(scores)))
+        block = [None if matrix is None else labels.dense(labels.take(matrix, rows), np.uint8)
+                 for matrix in (split_labels, mask)]
+        parts.append(metrics.label_ranking_precision(scores[low:low + step], *block))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def read_stored_test(run_dir: Path | str, key: str) -> StoredTest | None:

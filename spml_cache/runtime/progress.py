@@ -1,17 +1,47 @@
-"""Progress reporting shared by the long-running stages: a rich bar on a terminal, plain lines elsewhere."""
+"""Progress reporting shared by the long-running stages: a rich bar on a terminal (or in a notebook), plain lines
+elsewhere; nothing at all while a Python door runs quiet (`reporting_to`)."""
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-console = Console(stderr=True)
+console = Console(stderr=True)  # the command line's: progress and notes on stderr, what it prints on stdout
+_reporting: ContextVar[Console | None] = ContextVar("reporting", default=None)
+
+
+def quiet_console() -> Console:
+    """A console that shows nothing (a Python door's, unless asked for progress)."""
+    return Console(file=io.StringIO(), quiet=True)
+
+
+def door_console(progress: bool) -> Console:
+    """The console a Python door reports to: the command line's (rich: a terminal's bars, or a notebook's) when
+    `progress`, else one that shows nothing."""
+    return console if progress else quiet_console()
+
+
+@contextmanager
+def reporting_to(shown: Console) -> Iterator[Console]:
+    """Within it, progress bars go to `shown` (a quiet console: none at all)."""
+    token = _reporting.set(shown)
+    try:
+        yield shown
+    finally:
+        _reporting.reset(token)
+
+
+def live(shown: Console) -> bool:
+    """Whether `shown` redraws a live display: a terminal, or a notebook (rich renders there too)."""
+    return shown.is_terminal or shown.is_jupyter
 
 
 class _PlainProgress:
@@ -36,6 +66,11 @@ class _PlainProgress:
             )
 
 
+class _Silent:
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
 class _RateColumn(ProgressColumn):
     def __init__(self, unit: str) -> None:
         super().__init__()
@@ -55,8 +90,12 @@ class _RichProgress:
 
 @contextmanager
 def progress_bar(description: str, total: int, unit: str = "it", every_s: float = 10.0) -> Iterator:
-    """Yields an object with `.advance(n)`; shows rate and ETA either way."""
-    if console.is_terminal:
+    """Yields an object with `.advance(n)`; shows rate and ETA either way (within `reporting_to` a quiet console:
+    nothing)."""
+    shown = _reporting.get() or console
+    if shown.quiet:
+        yield _Silent()
+    elif live(shown):
         columns = (
             TextColumn("{task.description}", markup=False),  # descriptions hold names, never markup
             BarColumn(),
@@ -64,7 +103,7 @@ def progress_bar(description: str, total: int, unit: str = "it", every_s: float 
             _RateColumn(unit),
             TimeRemainingColumn(),
         )
-        with Progress(*columns, console=console, transient=False) as progress:
+        with Progress(*columns, console=shown, transient=False) as progress:
             yield _RichProgress(progress, progress.add_task(description, total=total))
     else:
         yield _PlainProgress(description, total, unit, every_s)

@@ -92,7 +92,7 @@ def _result(run_dir: Path, key: str, entry: dict) -> Result:
     metrics = {name: entry[name] for name in RESULT_METRICS if entry.get(name) is not None}
     stored = runs.read_stored_test(run_dir, key)  # None: a run scored out of core keeps no per-seed scores
     if stored is not None:
-        metrics.update({name: float(np.mean(values)) for name, values in stored.f1_family().items()})
+        metrics.update({name: float(np.mean(values)) for name, values in {**stored.rankings(), **stored.f1_family()}.items()})
     selected = {**entry["selected"], "best_epoch": entry["best_epoch"]}
     swept = entry["selected"].get("swept") or {}
     heads = [head_name(selected["lr"], selected.get("wd"), selected["batch_size"], seed["seed"], swept)
