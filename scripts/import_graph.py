@@ -5,8 +5,8 @@ imports which, with `ast` (nothing is imported or run).
     python scripts/import_graph.py --modules  # the arrows between modules
     python scripts/import_graph.py --check    # exit 1 on an import cycle or a stage importing another stage
 
-Stages are the folders `extract/`, `linear/`, `finetune/`, `report/`; `demo/` and `cli/` stand above them and
-may call every stage's door; everything else is the core, which imports no stage. Imports under
+Stages are the folders `extract/`, `linear/`, `finetune/`, `report/`; `demo/`, `experiments/` and `cli/` stand above
+them and may call every stage's door; everything else is the core, which imports no stage. Imports under
 `if TYPE_CHECKING:` are annotations: not drawn as arrows, but counted when looking for cycles (a cycle through an
 annotation is a cycle as soon as someone needs the name at run time). The package root holds only the modules of
 ROOT_MODULES (docs/internals.md, "Layout"): everything else lives in a room of its own.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "spml_cache"
 STAGES = ("extract", "linear", "finetune", "report")
-ABOVE = ("demo", "cli", "__main__")
+ABOVE = ("demo", "experiments", "cli", "__main__")
 ROOT_MODULES = ("__init__", "__main__", "protocol", "metrics", "selection", "labels", "images")
 
 

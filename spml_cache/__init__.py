@@ -13,6 +13,7 @@ checks and results. Each stage's keywords are its command's flags (`--batch-size
     sc.finetune(from_run=..., ...)      stage three: end to end from the best head -> FinetuneRun
     sc.load_run(run_dir)                a finished run -> LinearRun or FinetuneRun
     sc.report(*run_dirs, ...)           the table of runs -> ReportTable (rows, to_markdown(), to_pandas(), ...)
+    sc.run(file, ...)                   an experiment file's stages (`spml-cache run`) -> ExperimentRun
     sc.losses                           every loss behind one contract (`sc.losses.build(name, ...)`)
 
 `__all__` is the public surface: these names, their keywords and the fields of what they return stay as they are
@@ -42,6 +43,7 @@ _PUBLIC = {
     "finetune": ("spml_cache.finetune", None),
     "load_run": ("spml_cache.runs.results", "load_run"),
     "report": ("spml_cache.report", None),
+    "run": ("spml_cache.experiments.face", "run"),
     "losses": ("spml_cache.losses", None),
     "ExtractReport": ("spml_cache.extract.pipeline", "ExtractReport"),
     "ImportReport": ("spml_cache.extract.published", "ImportReport"),
@@ -50,6 +52,7 @@ _PUBLIC = {
     "FinetuneRun": ("spml_cache.runs.results", "FinetuneRun"),
     "LossResult": ("spml_cache.runs.results", "LossResult"),
     "ReportTable": ("spml_cache.report.face", "ReportTable"),
+    "ExperimentRun": ("spml_cache.experiments.run", "ExperimentRun"),
 }
 
 __all__ = [*_PUBLIC, "SpmlError"]

@@ -53,9 +53,11 @@ def test_the_keyword_form_splits_its_keywords_between_the_two_option_types(monke
                  skip_missing=True, hparams={"ls_coef": 0.1}, fidelity="authors", decode="cpu", device="cpu", out="o",
                  resume=Path("x"), workers=0, root="data", cache_dir="caches", trackers=("mlflow",))
     placement = {"device", "out", "resume", "workers", "root", "cache_dir", "log", "trackers"}
-    # every field of either type is a keyword (but `log`, a callable), and no keyword is both
-    assert set(given) | {"log"} == {f.name for f in fields(FinetuneOptions)} | {f.name for f in fields(FinetunePlacement)}
-    assert {f.name for f in fields(FinetunePlacement)} == placement
+    # every field of either type is a keyword (but `log` and `run_dir_made`, callables; `config`: test_reruns), and
+    # no keyword is both
+    assert set(given) | {"log", "run_dir_made", "config"} == (
+        {f.name for f in fields(FinetuneOptions)} | {f.name for f in fields(FinetunePlacement)})
+    assert {f.name for f in fields(FinetunePlacement)} == placement | {"config", "run_dir_made"}
     finetune.finetune(**given)
     for key, value in given.items():
         held = getattr(seen["run"] if key in placement else seen["options"], key)

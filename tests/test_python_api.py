@@ -28,6 +28,7 @@ from spml_cache.options import ExtractOptions, ExtractPlacement, FinetuneOptions
 from spml_cache.options import LinearOptions, LinearPlacement
 from spml_cache.options.declared import ANY
 from spml_cache.options.demo import DemoData
+from spml_cache.options.experiments import RunOptions
 from spml_cache.options.extract import ImportOptions
 from spml_cache.options.keywords import keyword_options
 from spml_cache.options.report import MAP, RANKINGS, ReportOptions
@@ -43,6 +44,7 @@ DOORS = {
     "finetune": ((FinetuneOptions, FinetunePlacement), {}),
     "report": ((ReportOptions,), {}),
     "make_demo_data": ((DemoData,), {"folder": "data"}),
+    "run": ((RunOptions,), {"file": "experiment.toml"}),
 }
 EVERY_KEYWORD = [(door, keyword) for door, (types, _) in DOORS.items() for keyword in keyword_options(*types)]
 
@@ -61,6 +63,7 @@ BAD = {
     "report": dict(format="xls", figure_format="gif", figure_width="wide", dpi=20, compare="an", pivot="dataset",
                    metric="auc", resamples=10),
     "make_demo_data": dict(train=0, test=0, size=8, seed="x"),
+    "run": dict(log="tensorbord"),
 }
 
 

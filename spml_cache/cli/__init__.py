@@ -48,6 +48,7 @@ from spml_cache.options import (
 )
 from spml_cache.options.demo import DemoData, DemoPlacement, DemoSizes
 from spml_cache.options.extract import ImportOptions
+from spml_cache.options.experiments import RunOptions
 from spml_cache.options.report import ReportOptions
 from spml_cache.runtime.errors import Interrupted, SpmlError, finished, stop_requested, work_finished
 from spml_cache.runtime.install import mismatched_torchvision
@@ -134,9 +135,11 @@ def linear_command(options: LinearOptions, placement: LinearPlacement) -> None:
     Example: spml-cache linear --dataset voc --loss ll_r --hp delta=0.001,0.002
     Example: spml-cache linear --dataset voc --loss all --observe single,entry:0.1
     Example: spml-cache linear --dataset voc --loss all --wd 0,1e-4,1e-3
+    Example: spml-cache linear --config RUN --cache cache/voc-vit_b_16-224.h5
     """
-    if options.losses is None and placement.resume is None:
-        raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN)", param_hint="--loss")
+    if options.losses is None and placement.resume is None and placement.config is None:
+        raise typer.BadParameter("missing: give a loss, a comma list or all (or --resume RUN, or --config"
+                                 " RUN/config.json)", param_hint="--loss")
     from spml_cache import linear
 
     run = linear.run_linear(options, placement)
@@ -163,11 +166,12 @@ def finetune_command(options: FinetuneOptions, placement: FinetunePlacement) -> 
     the processes).
 
     Example: spml-cache finetune --dataset voc --loss role --root ~/data --lr 1e-5
+    Example: spml-cache finetune --config RUN/config.json --seeds 3
     """
     from spml_cache.finetune import run_finetune
 
-    if placement.root is None and placement.resume is None:
-        placement = replace(placement, root=default_data_root())  # a resumed run reads its own root
+    if placement.root is None and placement.resume is None and placement.config is None:
+        placement = replace(placement, root=default_data_root())  # a resumed or rerun run reads its own root
     run = run_finetune(options, replace(placement, log=lambda line: console.print(
         line, markup=False, highlight=False, soft_wrap=True)))
     if run is not None:  # other torchrun processes return nothing
@@ -177,6 +181,27 @@ def finetune_command(options: FinetuneOptions, placement: FinetunePlacement) -> 
 
 # --- report (report helper) ---
 stage_command(app, "report", ReportOptions)(report_command)
+
+
+# --- run: an experiment file's stages ---
+
+
+@stage_command(app, "run", RunOptions)
+def run_command(options: RunOptions) -> None:
+    """Run an experiment file: its stages (extract, import-features, linear, finetune, report) over its axes, each
+    step the command you would type; every mistake in the file is said before anything runs.
+
+    Run again, it reuses every cache and finished run, goes on with an interrupted one and trains only what is
+    missing; --dry-run prints the plan as commands. The file's format: docs/experiments.md.
+
+    Example: spml-cache run examples/table1.toml --dry-run
+    Example: spml-cache run examples/frozen_table.toml --log tensorboard
+    """
+    from spml_cache.experiments.run import run_experiment
+
+    run_experiment(options.file, dry_run=options.dry_run, trackers=options.trackers, console=console)
+
+
 help_as_prose(app)  # last: every command's docstring wraps at the terminal's width
 
 

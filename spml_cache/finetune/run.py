@@ -30,7 +30,7 @@ from spml_cache import losses, runs, trackers
 from spml_cache.finetune import checkpoints, images as data, parallel
 from spml_cache.finetune.labels import TrainLabels, loss_observed
 from spml_cache.finetune.model import FineTuneModel, initial_model
-from spml_cache.finetune.settings import Resumed, Setup, resolve
+from spml_cache.finetune.settings import Resumed, Setup, rerun_options, resolve
 from spml_cache.finetune.start import role_theta_handover
 from spml_cache.finetune.step import Training, make_optimizer, train_step
 from spml_cache.labels import average_precision, take
@@ -59,14 +59,21 @@ def run_finetune(options: FinetuneOptions, placement: FinetunePlacement = Finetu
     if processes.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # one input shape for training, one for scoring
     try:
+        root = placement.root
+        if placement.config is not None:  # a new run with a record's settings (refused beside --resume)
+            options, recorded_root, line = rerun_options(placement.config, placement.resume, options)
+            root = recorded_root if root is None else root
+            say(line)
         resumed = Resumed.read(placement.resume) if placement.resume is not None else None
         workers = default_workers(processes.device) if placement.workers is None else placement.workers
-        setup = resolve(options, resumed, root=placement.root, out=placement.out, cache_dir=placement.cache_dir,
+        setup = resolve(options, resumed, root=root, out=placement.out, cache_dir=placement.cache_dir,
                         processes=processes, workers=workers)
         setup = replace(setup, initial=initial_model(setup))  # the trunk and head every config starts from
         for note in setup.notes + ([f"resuming {placement.resume}"] if resumed is not None else []):
             say(note)
         run_dir = placement.resume if resumed is not None else checkpoints.create_run_dir(placement.out, setup)
+        if processes.main and placement.run_dir_made is not None:
+            placement.run_dir_made(Path(run_dir))
         # one process at a time in a run directory (rank 0 speaks for a torchrun group, and logs to --log's trackers)
         with locks.held(run_dir, f"run directory {run_dir}") if processes.main else contextlib.nullcontext(), \
                 trackers.watching(placement.trackers if processes.main else (), run_dir, say):

@@ -28,6 +28,7 @@ from spml_cache.images import recorded_decode, resolve_decode
 from spml_cache.labels import take
 from spml_cache.observation import result_key, split_key
 from spml_cache.options import FinetuneOptions, refuse_differences
+from spml_cache.options.records import rerun
 from spml_cache.protocol import check_val_split
 from spml_cache.runtime.errors import SpmlError
 # The papers' per-loss fine-tuning recipes, for what the user leaves unset.
@@ -104,20 +105,37 @@ class Resumed:
 
     @classmethod
     def read(cls, run_dir: Path) -> "Resumed":
-        """The run's options: each under its own name in config.json, or under `options` in a run's from before
-        (older still: its rule apart from its loss, its seeds as a list, no decoder). A value its declaration refuses
-        is the file's (edited or damaged), named by its key."""
+        """The interrupted run's options (`stored_options`), its image root and its cache's id."""
         config = runs.open_for_resume(run_dir, "finetune")
-        file, nested = Path(run_dir) / "config.json", "options" in config
-        stored = config["options"] if nested else config
-        if nested and isinstance(stored, dict):
-            stored = dict(stored)
-            if "rule" in stored:  # a run from before the rule went with the loss (`loss@rule`)
-                stored["loss"] = result_key(stored["loss"], stored.pop("rule"))
-            if stored.get("decode") is None:  # a run from before --decode: nvjpeg on a GPU, the CPU's elsewhere
-                stored["decode"] = "gpu" if str(config.get("device")).startswith("cuda") else "cpu"
-        options = FinetuneOptions.from_stored(stored, file, "options." if nested else "")
+        options = stored_options(config, Path(run_dir) / "config.json")
         return cls(Path(run_dir), options, Path(config["root"]), config["cache_id"])
+
+
+def stored_options(config: dict, file: Path) -> FinetuneOptions:
+    """The options a fine-tuning run took, as its config.json (`file`) keeps them: each under its own name, or under
+    `options` in a run's from before (older still: its rule apart from its loss, its seeds as a list, no decoder).
+    A value its declaration refuses is the file's (edited or damaged), named by its key."""
+    nested = "options" in config
+    stored = config["options"] if nested else config
+    if nested and isinstance(stored, dict):
+        stored = dict(stored)
+        if "rule" in stored:  # a run from before the rule went with the loss (`loss@rule`)
+            stored["loss"] = result_key(stored["loss"], stored.pop("rule"))
+        if stored.get("decode") is None:  # a run from before --decode: nvjpeg on a GPU, the CPU's elsewhere
+            stored["decode"] = "gpu" if str(config.get("device")).startswith("cuda") else "cpu"
+    return FinetuneOptions.from_stored(stored, file, "options." if nested else "")
+
+
+def rerun_options(config: Path, resume: Path | None, given: FinetuneOptions) -> tuple[FinetuneOptions, Path, str]:
+    """`--config RUN/config.json`: that run's options, each option given in its place, the image root it read, and
+    the line saying so. What the record derived from an option given anew is left to derive again: its dataset
+    from another `--cache`, its cache from another `--from` or `--dataset`, its head from `--init imagenet`, its
+    loss's hyperparameters from another `--loss`."""
+    file, record = runs.open_record(config, resume, "finetune")
+    options, line = rerun(stored_options(record, file), given, file, clears={
+        "cache": ("dataset",), "dataset": ("cache",), "from_run": ("cache", "dataset"), "init": ("from_run",),
+        "loss": ("hparams",)})
+    return options, Path(record["root"]), line
 
 
 def resolve(options: FinetuneOptions, resumed: Resumed | None, *, root: Path | None, out: Path,

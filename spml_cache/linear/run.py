@@ -29,7 +29,9 @@ from spml_cache.runtime.devices import resolve_device
 from spml_cache.runtime.errors import (
     DiskFull, Interrupted, SpmlError, check_stop, finished, stop_exit_code, stops_deferred,
 )
-from spml_cache.linear.settings import LinearSettings, kept_hparams, resolved_hparams, start_heads, stored_options
+from spml_cache.linear.settings import (
+    LinearSettings, kept_hparams, rerun_options, resolved_hparams, start_heads, stored_options,
+)
 from spml_cache.metrics import mean_average_precision
 from spml_cache.options import LinearOptions, LinearPlacement, from_keywords, refuse_differences
 from spml_cache.protocol import check_train_test, check_val_split
@@ -68,6 +70,8 @@ def _run_linear(options: LinearOptions, placement: LinearPlacement) -> LinearRun
             return _train_other_rank(ranks, planned.jobs)
         resume = placement.resume
         run_dir = Path(resume) if resume is not None else _start_run_dir(placement.out or "runs", planned)
+        if placement.run_dir_made is not None:
+            placement.run_dir_made(run_dir)
         budget = planned.jobs.settings.options.memory_budget
         binding = [memory.FLAG, memory.flag_text(budget)] if planned.budget_binds else []  # it shaped the run
         going_on = shlex.join(["spml-cache", "linear", "--resume", str(run_dir), *binding])
@@ -151,9 +155,12 @@ def _loss_failed(run_dir: Path, plan: JobPlan, failed: LossFailed, going_on: str
 
 def _given_settings(options: LinearOptions, placement: LinearPlacement):
     """`(config or None, settings)`: a resumed run's own options (any option given beside `--resume` that
-    contradicts them refused), else those given, resolved as far as they go before the cache is read (the grid,
-    the losses, the cache found for `--dataset`)."""
+    contradicts them refused), else those given (with `--config`, in place of a record's), resolved as far as they
+    go before the cache is read (the grid, the losses, the cache found for `--dataset`)."""
     resume, config = placement.resume, None
+    if placement.config is not None:  # a new run with a record's settings (refused beside --resume)
+        options, line = rerun_options(placement.config, resume, options)
+        _print_notes(placement.console, [line])
     if resume is not None:
         # a plugin that changed since the run began goes on only while none of its parts is kept (fixed after it
         # failed)

@@ -20,6 +20,7 @@ from spml_cache.losses.overrides import Combination
 from spml_cache.observation import Observed
 from spml_cache.options import LinearOptions
 from spml_cache.options.linear import resolve_losses
+from spml_cache.options.records import rerun
 from spml_cache.protocol import GRID_WDS, Fidelity
 from spml_cache.runtime.errors import SpmlError
 
@@ -203,3 +204,17 @@ def stored_options(config: dict, file: Path) -> LinearOptions:
               "from_run": starts[0] if starts else None,  # what a run from before these were kept took
               "chunk_rows": (config.get("out_of_core") or {}).get("chunk_rows")}
     return LinearOptions.from_stored({**before, **config}, file)
+
+
+def rerun_options(config: Path, resume: Path | None, given: LinearOptions) -> tuple[LinearOptions, str]:
+    """`--config RUN/config.json`: that run's options (read as `--resume` reads them), each option given in its
+    place, and the line saying so. The record's `--hp` values stay, per loss, beside those given (a loss it did
+    not train starts from none); its dataset is its cache's, unless `--dataset` is given in place of `--cache`."""
+    file, record = runs.open_record(config, resume, "linear")
+    stored = stored_options(record, file)
+    options, line = rerun(stored, given, file, clears={"dataset": ("cache",)}, derived=("dataset",))
+    if given.hparams is not None or given.losses is not None:
+        names, kept = resolve_losses(options.losses), stored.hparams.per_loss
+        added = Overrides.given(names, given.hparams or {}).per_loss
+        options = replace(options, hparams=Overrides({name: {**kept.get(name, {}), **added[name]} for name in names}))
+    return options, line

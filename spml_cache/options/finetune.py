@@ -12,6 +12,7 @@ from typing import Callable
 from spml_cache.observation import result_key, split_key
 from spml_cache.options.declared import Options, Placement, above, at_least, given, one_of, option, text
 from spml_cache.options.extract import decode_option
+from spml_cache.options.records import config_option
 from spml_cache.options.linear import BATCH_SIZES, LRS, seed_count
 from spml_cache.options.text import parse_list, read_hparams
 from spml_cache.protocol import FINETUNE_EPOCHS, GRID_BATCH_SIZES, GRID_LRS, Fidelity
@@ -111,14 +112,17 @@ class FinetunePlacement(Placement):
     device, the folders read and written, the run to resume, the image reader processes."""
 
     root: Path | None = option(None, "Dataset root the cache was extracted from; images are read from ROOT/id"
-                               " (default: $SPML_DATA).", kind=Path)  # None: a resumed run's
+                               " (default: $SPML_DATA; with --resume or --config, that run's own).", kind=Path)
     device: str = option("auto", "auto, cpu, cuda or cuda:N (under torchrun: each process's own GPU).")
     out: Path = option(Path("runs"), "Runs folder: where linear runs are looked up and the fine-tuning run is"
                        " written.")
     resume: Path | None = option(None, "Continue the interrupted fine-tuning run RUN from its last checkpoint.",
                                  kind=Path)
+    config: Path | None = config_option("finetune")
     workers: int | None = option(None, "Image reader processes (default: 8 on a GPU, fewer on a CPU).", kind=int,
                                  check=at_least(0))
     trackers: tuple[str, ...] | None = option(None, TRACKERS_HELP, flag="--log", read=read_trackers)
     cache_dir: Path | None = option(None, "Where --dataset's cache is looked for.", kind=Path, flag="")
     log: Callable[[str], None] = field(default=lambda line: None, compare=False)  # where notes go (rank 0's)
+    # told the run directory as soon as it exists, new or resumed (an experiment keeps it: a stop may follow)
+    run_dir_made: Callable[[Path], None] | None = field(default=None, compare=False)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from rich.console import Console
 
 from spml_cache import observation
 from spml_cache.options.declared import Options, Placement, at_least, given, listed, one_of, option, text
+from spml_cache.options.records import config_option
 from spml_cache.options.text import RULES_HELP, parse_names, read_hparams, read_rules
 from spml_cache.protocol import GRID_BATCH_SIZES, GRID_LRS, GRID_WDS, LINEAR_EPOCHS, Fidelity
 from spml_cache.runtime import memory
@@ -170,6 +171,7 @@ class LinearPlacement(Placement):
     resume: Path | None = option(None, "Go on with the interrupted linear run RUN: train only what it has not kept,"
                                  " with its own settings (a flag beside it that contradicts them is refused).",
                                  kind=Path)
+    config: Path | None = config_option("linear")
     graphs: bool = option(True, "On a GPU, train the stacks one by one, eagerly, instead of all at once as replayed"
                           " CUDA graphs (for debugging; same results up to float rounding).", flag="--no-graphs",
                           switch=True)
@@ -181,3 +183,5 @@ class LinearPlacement(Placement):
     trackers: tuple[str, ...] | None = option(None, TRACKERS_HELP, flag="--log", read=read_trackers)
     cache_dir: Path | None = option(None, "Where --dataset's cache is looked for.", kind=Path, flag="")
     console: Console | None = field(default=None, compare=False)  # where notes and progress go (None: progress's)
+    # told the run directory as soon as it exists, new or resumed (an experiment keeps it: a stop may follow)
+    run_dir_made: Callable[[Path], None] | None = field(default=None, compare=False)

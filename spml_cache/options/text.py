@@ -87,3 +87,4 @@ def either(names: list[str], last: str = "or") -> str:
 # Help texts list what the registries hold, so that a new dataset or rule appears in --help by itself.
 DATASETS_HELP = either(datasets.names())
 RULES_HELP = ", ".join(rule.example for rule in observation.RULES.values())
+PUBLISHED_HELP = either(list(datasets.values_of("PUBLISHED_ID_PREFIX")))  # the datasets import-features knows

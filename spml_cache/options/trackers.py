@@ -51,6 +51,8 @@ TRACKERS_HELP = ("Log the run to experiment trackers, a comma list: " +
 def read_trackers(value, flag: str) -> tuple[str, ...]:
     """`--log`'s trackers from a comma list (or a list of names): each known and its package installed, or one line
     naming it and the fix; `none` alone: no tracker (beside --resume too)."""
+    if not isinstance(value, str) and not value:  # none, as read already (a declaration reads what it holds again)
+        return ()
     names = [name.strip() for name in (value.split(",") if isinstance(value, str) else value) if name.strip()]
     if names == ["none"]:
         return ()

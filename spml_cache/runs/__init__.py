@@ -36,7 +36,7 @@ from spml_cache.runs.layout import (
     write_scores,
 )
 from spml_cache.runs.reading import (
-    StoredTest, image_ranking_precision, is_complete, load_results, open_for_resume, read_stored_test, run_stamp,
+    StoredTest, image_ranking_precision, is_complete, load_results, open_for_resume, open_record, read_stored_test, run_stamp,
 )
 from spml_cache.runs.results import FinetuneRun, LinearRun, LossResult, StageRun, load_run
 
@@ -44,7 +44,7 @@ __all__ = [
     "FinetuneRun", "LinearHead", "LinearRun", "LossResult", "RESULTS", "StageRun", "SeedScores", "StoredTest",
     "TEST_LABELS", "append_metrics", "best_loss", "check_same_cache", "env_info", "file_stem", "finish_run",
     "image_ranking_precision", "is_complete", "jsonable", "load_checkpoint", "load_results", "load_run",
-    "make_run_dir", "newest_run", "open_for_resume", "other_cache", "read_json", "read_linear_head",
+    "make_run_dir", "newest_run", "open_for_resume", "open_record", "other_cache", "read_json", "read_linear_head",
     "read_metrics", "read_npz", "read_stored_test", "replace_atomically", "run_stamp", "safe_name",
     "save_checkpoint", "scores_path", "start_run", "temporary_path", "watch_metrics", "write_json", "write_labels",
     "write_npz", "write_scores",

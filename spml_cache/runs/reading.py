@@ -60,6 +60,24 @@ def open_for_resume(run_dir: Path | str, stage: str, renewable: Callable[[str], 
     return config
 
 
+def open_record(config: Path | str, resume: Path | str | None, stage: str) -> tuple[Path, dict]:
+    """`--config RUN/config.json` (or RUN): the file and the record of a `stage` run, to run its settings again
+    (finished or not); its plugin losses loaded, with the code found now (the new run records it). Beside `--resume`
+    it is refused: one goes on with an interrupted run's settings, the other starts a new run from a record's."""
+    if resume is not None:
+        raise SpmlError(f"--config {config} with --resume {resume}: --resume goes on with an interrupted run's own"
+                        " settings, --config starts a new run from a record's; give one of them")
+    file = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
+    record = read_json(file, dict, fix=": not a run's record (RUN/config.json)")
+    if record.get("stage") != stage:
+        other = record.get("stage")
+        raise SpmlError(f"--config {config}: " + (f"the record of a {other} run; rerun it with spml-cache {other}"
+                                                   f" --config {config}" if other in ("linear", "finetune")
+                                                   else "not the config.json of a run"))
+    plugins.load_recorded(record.get("plugins"), run_dir=file.parent, strict=False)
+    return file, record
+
+
 @dataclass(frozen=True)
 class StoredTest:
     """What a run keeps of one result's test split for the metrics beside mAP: each seed's sigmoid scores (`[S, N,
