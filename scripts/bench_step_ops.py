@@ -232,10 +232,18 @@ def compare_compiled(args) -> None:
             pay = f"{row['steps_to_pay']:,}" if row["steps_to_pay"] else "never (no faster)"
             print(f"| `{row['loss']}` | {row['compile_s']:.1f} | {row['us_eager']:.0f} | {row['us_compiled']:.0f} | {pay} |")
     if args.json:
-        write_json(args.json, {"script": "scripts/bench_step_ops.py", "argv": sys.argv[1:], "torch": torch.__version__,
-                               "cpus": os.cpu_count(), "shape": SHAPE, "batch_size": BATCH_SIZE,
-                               "heads": len(GRID_LRS), "load_average": os.getloadavg()[0], "losses": rows})
+        write_json(args.json, {**run_header(), "load_average": os.getloadavg()[0], "losses": rows})
 
+
+
+def run_header() -> dict:
+    """What every JSON this script writes says first: the script, its arguments, torch, the device it ran on and
+    the step measured."""
+    from bench_linear import cpu_name  # scripts/ is on the path of a script run from it
+
+    return {"script": "scripts/bench_step_ops.py", "argv": sys.argv[1:], "torch": torch.__version__,
+            "device": "cpu", "device_name": cpu_name(), "cpus": os.cpu_count(), "shape": SHAPE,
+            "batch_size": BATCH_SIZE, "heads": len(GRID_LRS)}
 
 def compare(args) -> None:
     """`--against`: rounds of the other checkout's code then this one's, each in a child process; both sides'
@@ -267,9 +275,7 @@ def compare(args) -> None:
     if args.markdown:
         print(compared_markdown(table, bool(args.time_steps)))
     if args.json:
-        write_json(args.json, {"script": "scripts/bench_step_ops.py", "argv": sys.argv[1:], "torch": torch.__version__,
-                               "cpus": os.cpu_count(), "shape": SHAPE, "batch_size": BATCH_SIZE,
-                               "heads": len(GRID_LRS), "rounds": args.rounds, "code": {k: str(v) for k, v in
+        write_json(args.json, {**run_header(), "rounds": args.rounds, "code": {k: str(v) for k, v in
                                                                                          sides.items()},
                                "load_averages": {side: [run["load_average"] for run in side_runs]
                                                  for side, side_runs in runs.items()},
@@ -329,8 +335,7 @@ def main() -> None:
         print(markdown(rows))
     if args.json:
         write_json(args.json, {
-            "script": "scripts/bench_step_ops.py", "argv": sys.argv[1:], "torch": torch.__version__,
-            "cpus": os.cpu_count(), "shape": SHAPE, "batch_size": BATCH_SIZE, "heads": len(GRID_LRS),
+            **run_header(),
             "load_average": os.getloadavg()[0], "median_ops": statistics.median(row["ops"] for row in rows),
             "median_kernels": statistics.median(row["kernels"] for row in rows), "losses": rows,
         })
