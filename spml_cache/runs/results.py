@@ -76,21 +76,21 @@ class LossResult:
         ----------
         top_k : int
             How many of each image's highest scores the `@K` variants take (default 3)."""
-        stored = read_stored_test(self.run_dir, self.key)
-        if stored is None:
-            return {}
-        return {name: (float(values.mean()), float(values.std()) if len(values) > 1 else None)
-                for name, values in stored.f1_family(top_k).items()}
+        return self._over_seeds(lambda stored: stored.f1_family(top_k))
 
     def rankings(self) -> dict[str, tuple[float, float | None]]:
         """`{name: (mean, std)}` over seeds of the rankings other evaluators report on the test split (0..100):
         `map11`, VOC 2007's 11-point interpolated mAP, and `lrap`, label ranking average precision, as `spml-cache
         report --metric map11` / `lrap` computes them; std None with one seed; {} for a run that kept no scores."""
+        return self._over_seeds(lambda stored: stored.rankings())
+
+    def _over_seeds(self, per_seed) -> dict[str, tuple[float, float | None]]:
+        """`{name: (mean, std)}` of what `per_seed(StoredTest)` gives per seed; {} where the run kept no scores."""
         stored = read_stored_test(self.run_dir, self.key)
         if stored is None:
             return {}
         return {name: (float(values.mean()), float(values.std()) if len(values) > 1 else None)
-                for name, values in stored.rankings().items()}
+                for name, values in per_seed(stored).items()}
 
     def head(self) -> dict:
         """The selected checkpoint's entry in the run's best.pt: a linear run's `head` (`weight` [C, D], `bias`
