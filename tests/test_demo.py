@@ -98,4 +98,5 @@ def test_a_stop_after_the_demos_first_stage_still_stops_it(tmp_path, monkeypatch
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
     code, err = run_main("demo", "--out", "out", "--train", "16", "--test", "8", "--size", "32", "--resolution", "32",
                          "--epochs", "1", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert code == 130 and err.strip().splitlines()[-1] == ("interrupted; go on with: spml-cache demo --out out --train 16"
+                                                            " --test 8 --size 32 --resolution 32 --epochs 1"), err

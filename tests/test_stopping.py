@@ -281,7 +281,8 @@ def test_a_signal_before_the_stage_runs_is_one_line_and_its_exit_code(tmp_path, 
     monkeypatch.setattr(memory, "parse_size", signalled)
     code, err = run_main("linear", "--cache", str(tiny_cache), "--loss", "an", cwd=tmp_path, monkeypatch=monkeypatch,
                          capsys=capsys)
-    assert code == 143 and [line for line in err.splitlines() if line.strip()] == ["interrupted"], err
+    assert code == 143 and [line for line in err.splitlines() if line.strip()] == [
+        f"interrupted; go on with: spml-cache linear --cache {tiny_cache} --loss an"], err
 
 
 # --- under torchrun ------------------------------------------------------------------------------------------

@@ -205,6 +205,11 @@ def run_command(options: RunOptions) -> None:
 help_as_prose(app)  # last: every command's docstring wraps at the terminal's width
 
 
+def _same_command() -> str:
+    """The command line as it was typed (what goes on after a stop that no stage described)."""
+    return shlex.join(["spml-cache", *sys.argv[1:]])
+
+
 def main() -> None:
     """Console-script entry point: run the app; a user error, Ctrl-C, SIGTERM and a warning each become one
     line (exit 1, 130, 143)."""
@@ -219,14 +224,14 @@ def main() -> None:
                 warnings.showwarning = one_line_warning
                 app()
         except Interrupted as stop:
-            command = stop.command or shlex.join(["spml-cache", *sys.argv[1:]])
+            command = stop.command or _same_command()
             last_line(Text(f"interrupted: {stop.kept}; go on with: {command}", style="yellow"), exit_code())
-        except KeyboardInterrupt:
-            last_line(Text("interrupted", style="yellow"), exit_code())
+        except KeyboardInterrupt:  # before a stage said what it keeps: the same command goes on (or starts again)
+            last_line(Text(f"interrupted; go on with: {_same_command()}", style="yellow"), exit_code())
         except SystemExit as done:  # typer turns a KeyboardInterrupt it sees (one during an import) into exit 130
             if stop_requested() is None or work_finished() or not isinstance(done.__context__, typer.Exit):
                 raise
-            last_line(Text("interrupted", style="yellow"), exit_code())
+            last_line(Text(f"interrupted; go on with: {_same_command()}", style="yellow"), exit_code())
         except SpmlError as err:
             if _debug["on"]:
                 raise
